@@ -1,0 +1,47 @@
+"""Exception hierarchy of polynets.
+
+Every error the library raises on bad input derives from :class:`PolynetsError`, so callers can
+catch one type. Messages say what was wrong and what was expected.
+"""
+
+from __future__ import annotations
+
+
+class PolynetsError(Exception):
+    """Base class of every error raised by polynets, he and symbolic."""
+
+
+class ShapeError(PolynetsError, ValueError):
+    """A tensor has the wrong rank, channel count or size."""
+
+
+class ConfigError(PolynetsError, ValueError):
+    """An argument or configuration value is invalid."""
+
+
+class TraceError(PolynetsError):
+    """A model could not be lowered to a polynomial program."""
+
+
+class UnsupportedOpError(TraceError):
+    """The tracer met an operation it does not know how to lower."""
+
+
+class NonPolynomialError(TraceError):
+    """The model computes something that is not a polynomial of its input."""
+
+
+class ProgramFormatError(PolynetsError, ValueError):
+    """Serialized program bytes are malformed, truncated or of an unknown version."""
+
+
+class DataError(PolynetsError):
+    """A dataset is missing, malformed, or inconsistent."""
+
+
+class CheckpointError(PolynetsError):
+    """A checkpoint is corrupted, truncated, or belongs to another model."""
+
+
+class TrainingDivergedError(PolynetsError, FloatingPointError):
+    """Training produced a non-finite loss."""
