@@ -1,0 +1,8 @@
+"""polynets: activation-free polynomial networks for encrypted inference and equation discovery."""
+
+from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynomialError,
+                             PolynetsError, ProgramFormatError, ShapeError, TraceError,
+                             TrainingDivergedError, UnsupportedOpError)
+from polynets.program import Node, PolyProgram
+
+__version__ = "0.1.0"

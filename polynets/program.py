@@ -1,0 +1,411 @@
+"""The polynomial program: a small typed IR of what a polynomial model computes.
+
+A :class:`PolyProgram` is a list of :class:`Node` s in topological order (SSA form: node ``i`` only
+reads nodes ``< i``). Every value has a *sample shape*: the shape the traced tensor had when the
+model was run on a batch of one sample (so the leading ``1`` of the batch axis is usually part of
+it). Interpreters evaluate a batch of ``B`` samples at once by holding arrays of shape
+``(B, *sample_shape)``; no op ever mixes samples.
+
+Seven ops, every one of them affine or a Hadamard product:
+
+============  ==========  ===================================================================
+op            inputs      semantics (per sample)
+============  ==========  ===================================================================
+``input``     --          the model input
+``linear``    x           contract axis ``axis`` of x (length k) with ``weight`` (k, n), put the
+                          new axis of length n at the same position, add ``bias`` (n,) or None
+``mul``       a, b        element-wise product, broadcasting size-1 dims (same rank)
+``add``       a, b        element-wise sum, broadcasting size-1 dims (same rank)
+``mul_const`` x           x * ``value`` (a float64 array broadcastable to x's trailing dims)
+``add_const`` x           x + ``value``
+``gather``    x0, x1 ...  out.flat[j] = concat(x0.flat, x1.flat, ...)[``index``.flat[j]], or 0
+                          where the index is -1. Every layout op (reshape, permute, slice,
+                          concat, shift, zero-pad, im2col of a convolution) is one gather.
+============  ==========  ===================================================================
+
+The NumPy interpreter (:meth:`PolyProgram.run`) works on any dtype NumPy can multiply and add,
+float64 for simulation and ``object`` arrays of sympy expressions for symbolic expansion.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from polynets.errors import ProgramFormatError, ShapeError
+
+__all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION"]
+
+OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const", "gather")
+_ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
+          "mul_const": (1, 1), "add_const": (1, 1), "gather": (1, None)}
+_ARRAY_ATTRS = {"weight", "bias", "value", "index"}
+FORMAT_VERSION = 1
+_MAGIC = "polynets-program"
+
+
+@dataclass
+class Node:
+    """One operation of a :class:`PolyProgram`.
+
+    ``shape`` is the sample shape of the value the node produces; ``attrs`` holds the op's
+    parameters (NumPy arrays and plain ints); ``path`` names the module that produced it.
+    """
+
+    op: str
+    inputs: tuple[int, ...]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _linear(v: np.ndarray, axis: int, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    # v: (B, *sample); contract sample axis `axis` (array axis axis + 1) with weight (k, n).
+    if v.dtype == object or weight.dtype == object:
+        out = np.tensordot(v, weight, axes=([axis + 1], [0]))
+    else:
+        out = np.tensordot(v, weight.astype(v.dtype, copy=False), axes=([axis + 1], [0]))
+    out = np.moveaxis(out, -1, axis + 1)
+    if bias is not None:
+        shape = [1] * out.ndim
+        shape[axis + 1] = bias.shape[0]
+        out = out + bias.reshape(shape)
+    return out
+
+
+def _gather(values: Sequence[np.ndarray], index: np.ndarray, batch: int) -> np.ndarray:
+    dtype = np.result_type(*[v.dtype for v in values])
+    flat = [v.reshape(batch, -1) for v in values]
+    flat.append(np.zeros((batch, 1), dtype=dtype))
+    src = np.concatenate(flat, axis=1)
+    idx = np.where(index < 0, src.shape[1] - 1, index)
+    return src[:, idx]
+
+
+class PolyProgram:
+    """A polynomial program: nodes in topological order, one input, one output.
+
+    Args:
+        nodes: the operations; ``nodes[i].inputs`` only refer to indices ``< i``.
+        output: index of the node whose value is the program's result.
+        meta: free-form JSON-serialisable description (model name, source, passes applied).
+    """
+
+    def __init__(self, nodes: Sequence[Node], output: int, meta: dict[str, Any] | None = None):
+        self.nodes: list[Node] = list(nodes)
+        self.output = int(output)
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.validate()
+
+    # ----------------------------------------------------------------------------- structure
+    @property
+    def input_id(self) -> int:
+        return next(i for i, n in enumerate(self.nodes) if n.op == "input")
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Sample shape of the input (leading 1 = the batch axis of the traced example)."""
+        return self.nodes[self.input_id].shape
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return self.nodes[self.output].shape
+
+    def consumers(self) -> list[list[int]]:
+        """For each node, the indices of the nodes that read it."""
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            for j in node.inputs:
+                users[j].append(i)
+        return users
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return counts
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def validate(self) -> None:
+        """Check the program is well formed; raise :class:`ProgramFormatError` if not."""
+        if not self.nodes:
+            raise ProgramFormatError("a polynomial program needs at least an input node")
+        inputs = [i for i, n in enumerate(self.nodes) if n.op == "input"]
+        if len(inputs) != 1:
+            raise ProgramFormatError(f"expected exactly one input node, found {len(inputs)}")
+        if not 0 <= self.output < len(self.nodes):
+            raise ProgramFormatError(
+                f"output index {self.output} is outside the program's {len(self.nodes)} nodes")
+        for i, node in enumerate(self.nodes):
+            where = f"node {i} ({node.op})"
+            if node.op not in OPS:
+                raise ProgramFormatError(f"{where}: unknown op; expected one of {OPS}")
+            lo, hi = _ARITY[node.op]
+            if len(node.inputs) < lo or (hi is not None and len(node.inputs) > hi):
+                raise ProgramFormatError(f"{where}: has {len(node.inputs)} inputs")
+            if any(not 0 <= j < i for j in node.inputs):
+                raise ProgramFormatError(f"{where}: reads a node that does not precede it")
+            if any(int(d) < 0 for d in node.shape):
+                raise ProgramFormatError(f"{where}: negative dimension in shape {node.shape}")
+            ins = [self.nodes[j] for j in node.inputs]
+            a = node.attrs
+            if node.op == "linear":
+                axis, w, b = a.get("axis"), a.get("weight"), a.get("bias")
+                src = ins[0].shape
+                if not isinstance(axis, int) or not 0 <= axis < len(src):
+                    raise ProgramFormatError(f"{where}: axis {axis!r} invalid for shape {src}")
+                if not isinstance(w, np.ndarray) or w.ndim != 2 or w.shape[0] != src[axis]:
+                    raise ProgramFormatError(
+                        f"{where}: weight must be ({src[axis]}, n), got "
+                        f"{getattr(w, 'shape', type(w).__name__)}")
+                if b is not None and (not isinstance(b, np.ndarray) or b.shape != (w.shape[1],)):
+                    raise ProgramFormatError(f"{where}: bias must have shape ({w.shape[1]},)")
+                expect = src[:axis] + (w.shape[1],) + src[axis + 1:]
+                if tuple(node.shape) != expect:
+                    raise ProgramFormatError(f"{where}: shape {node.shape}, expected {expect}")
+            elif node.op in ("mul", "add"):
+                sa, sb = ins[0].shape, ins[1].shape
+                if len(sa) != len(sb) or len(sa) != len(node.shape):
+                    raise ProgramFormatError(f"{where}: operands of rank {len(sa)} and {len(sb)}")
+                try:
+                    expect = np.broadcast_shapes(sa, sb)
+                except ValueError as exc:
+                    raise ProgramFormatError(f"{where}: shapes {sa} and {sb} do not broadcast") \
+                        from exc
+                if tuple(node.shape) != tuple(expect):
+                    raise ProgramFormatError(f"{where}: shape {node.shape}, expected {expect}")
+            elif node.op in ("mul_const", "add_const"):
+                v = a.get("value")
+                if not isinstance(v, np.ndarray) or v.ndim > len(node.shape):
+                    raise ProgramFormatError(f"{where}: value must be an array of rank <= "
+                                             f"{len(node.shape)}")
+                try:
+                    ok = np.broadcast_shapes(ins[0].shape, v.shape) == tuple(node.shape)
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ProgramFormatError(
+                        f"{where}: value of shape {v.shape} does not broadcast to {node.shape}")
+            elif node.op == "gather":
+                idx = a.get("index")
+                total = sum(n.numel for n in ins)
+                if not isinstance(idx, np.ndarray) or idx.dtype.kind not in "iu" \
+                        or tuple(idx.shape) != tuple(node.shape):
+                    raise ProgramFormatError(f"{where}: index must be an integer array of the "
+                                             f"node's shape {node.shape}")
+                if idx.size and (idx.min() < -1 or idx.max() >= total):
+                    raise ProgramFormatError(
+                        f"{where}: index entries must lie in [-1, {total - 1}]")
+
+    # ----------------------------------------------------------------------------- interpreter
+    def _as_batch(self, x: Any) -> np.ndarray:
+        x = np.asarray(x) if not isinstance(x, np.ndarray) else x
+        sample = self.input_shape
+        if x.shape[1:] == sample[1:] and sample[:1] == (1,):
+            return x.reshape((x.shape[0],) + sample)
+        if x.shape == sample:
+            return x.reshape((1,) + sample)
+        expected = ("B",) + tuple(sample[1:])
+        raise ShapeError(
+            f"program input must have shape {expected}, got {tuple(x.shape)}")
+
+    def run(self, x: np.ndarray, *, keep: bool = False) -> np.ndarray | list[np.ndarray]:
+        """Evaluate the program on a batch ``x`` of shape ``(B, *input_shape[1:])``.
+
+        The dtype of ``x`` is kept (float64 for simulation, ``object`` for sympy expressions).
+        Returns the output, shape ``(B, *output_shape[1:])`` -- the shape ``model(x)`` has -- or,
+        with ``keep=True``, the list of every node's value with shape ``(B, *node.shape)``.
+        """
+        xb = self._as_batch(x)
+        batch = xb.shape[0]
+        values: list[np.ndarray | None] = [None] * len(self.nodes)
+        users = self.consumers()
+        remaining = [len(u) for u in users]
+        for i, node in enumerate(self.nodes):
+            ins = [values[j] for j in node.inputs]
+            a = node.attrs
+            if node.op == "input":
+                out = xb
+            elif node.op == "linear":
+                out = _linear(ins[0], a["axis"], a["weight"], a.get("bias"))
+            elif node.op == "mul":
+                out = ins[0] * ins[1]
+            elif node.op == "add":
+                out = ins[0] + ins[1]
+            elif node.op == "mul_const":
+                out = ins[0] * a["value"]
+            elif node.op == "add_const":
+                out = ins[0] + a["value"]
+            else:
+                out = _gather(ins, a["index"], batch)
+            values[i] = np.broadcast_to(out, (batch,) + tuple(node.shape)) \
+                if out.shape[1:] != tuple(node.shape) else out
+            if not keep:
+                for j in node.inputs:
+                    remaining[j] -= 1
+                    if remaining[j] == 0 and j != self.output:
+                        values[j] = None
+        if keep:
+            return values  # type: ignore[return-value]
+        out = values[self.output]
+        assert out is not None
+        if self.output_shape[:1] == (1,):
+            return out.reshape((batch,) + tuple(self.output_shape[1:]))
+        return out
+
+    def simulate(self, x: Any) -> np.ndarray:
+        """Run the program in float64 NumPy: the reference of the exact arithmetic.
+
+        ``x``: array-like or tensor of shape ``(B, *input_shape[1:])``; returns the shape of
+        ``model(x)``.
+        """
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().double().numpy()
+        return self.run(np.asarray(x, dtype=np.float64))  # type: ignore[return-value]
+
+    def __call__(self, x: Any) -> np.ndarray:
+        return self.simulate(x)
+
+    def to_torch(self, dtype: Any = None) -> "Any":
+        """A ``torch.nn.Module`` that executes this program (float64 by default)."""
+        from polynets._program_torch import ProgramModule
+
+        return ProgramModule(self, dtype=dtype)
+
+    # ----------------------------------------------------------------------------- display
+    def __repr__(self) -> str:
+        lines = [f"PolyProgram({len(self.nodes)} nodes, input {self.input_shape} -> "
+                 f"output {self.output_shape})"]
+        for i, n in enumerate(self.nodes):
+            args = ", ".join(f"%{j}" for j in n.inputs)
+            a = n.attrs
+            if n.op == "linear":
+                detail = f"axis={a['axis']}, weight{tuple(a['weight'].shape)}" + \
+                    (", bias" if a.get("bias") is not None else "")
+            elif n.op in ("mul_const", "add_const"):
+                v = a["value"]
+                detail = f"{float(v):.6g}" if v.size == 1 else f"const{tuple(v.shape)}"
+            elif n.op == "gather":
+                detail = "zero-fill" if bool((a["index"] < 0).any()) else ""
+            else:
+                detail = ""
+            body = ", ".join(s for s in (args, detail) if s)
+            where = f"  # {n.path}" if n.path else ""
+            mark = "  -> output" if i == self.output else ""
+            lines.append(f"  %{i} = {n.op}({body}) : {tuple(n.shape)}{where}{mark}")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------------------- files
+    def to_bytes(self) -> bytes:
+        """Serialise to an ``.npz`` archive (JSON header + arrays); loading runs no code."""
+        arrays: dict[str, np.ndarray] = {}
+        nodes = []
+        for i, n in enumerate(self.nodes):
+            attrs: dict[str, Any] = {}
+            for k, v in n.attrs.items():
+                if isinstance(v, np.ndarray):
+                    key = f"n{i}_{k}"
+                    arrays[key] = v
+                    attrs[k] = {"array": key}
+                else:
+                    attrs[k] = v
+            nodes.append({"op": n.op, "inputs": list(n.inputs), "shape": list(n.shape),
+                          "attrs": attrs, "path": n.path})
+        header = {"format": _MAGIC, "version": FORMAT_VERSION, "output": self.output,
+                  "meta": self.meta, "nodes": nodes}
+        arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PolyProgram":
+        """Load a program written by :meth:`to_bytes`; malformed bytes raise ProgramFormatError."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ProgramFormatError(f"expected bytes, got {type(data).__name__}")
+        try:
+            with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as z:
+                files = {k: z[k] for k in z.files}
+            header = json.loads(files.pop("__header__").tobytes().decode())
+        except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError,
+                UnicodeDecodeError) as exc:
+            raise ProgramFormatError(
+                f"not a polynets program file (corrupted or truncated): {exc}") from exc
+        if not isinstance(header, dict) or header.get("format") != _MAGIC:
+            raise ProgramFormatError("not a polynets program file (missing format marker)")
+        if header.get("version") != FORMAT_VERSION:
+            raise ProgramFormatError(
+                f"program format version {header.get('version')!r} is not supported; this "
+                f"polynets reads version {FORMAT_VERSION}")
+        try:
+            nodes = []
+            for spec in header["nodes"]:
+                attrs = {}
+                for k, v in spec["attrs"].items():
+                    if isinstance(v, dict):
+                        if k not in _ARRAY_ATTRS:
+                            raise ProgramFormatError(f"unexpected array attribute {k!r}")
+                        attrs[k] = files[v["array"]]
+                    elif isinstance(v, (int, float, str, bool)) or v is None:
+                        attrs[k] = v
+                    else:
+                        raise ProgramFormatError(f"attribute {k!r} has unsupported type")
+                nodes.append(Node(op=str(spec["op"]), inputs=tuple(int(j) for j in spec["inputs"]),
+                                  shape=tuple(int(d) for d in spec["shape"]), attrs=attrs,
+                                  path=str(spec.get("path", ""))))
+            return cls(nodes, int(header["output"]), meta=header.get("meta") or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ProgramFormatError):
+                raise
+            raise ProgramFormatError(f"malformed polynets program: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the program to ``path`` atomically (``.npz`` archive, no pickle)."""
+        atomic_write_bytes(path, self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PolyProgram":
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+
+    # ----------------------------------------------------------------------------- helpers
+    def copy(self) -> "PolyProgram":
+        return PolyProgram([Node(n.op, n.inputs, n.shape, dict(n.attrs), n.path)
+                            for n in self.nodes], self.output, dict(self.meta))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def iter_ops(program: PolyProgram, ops: Iterable[str]) -> list[int]:
+    """Indices of the nodes whose op is in ``ops``."""
+    wanted = set(ops)
+    return [i for i, n in enumerate(program.nodes) if n.op in wanted]
