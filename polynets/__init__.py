@@ -4,5 +4,6 @@ from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynom
                              PolynetsError, ProgramFormatError, ShapeError, TraceError,
                              TrainingDivergedError, UnsupportedOpError)
 from polynets.program import Node, PolyProgram
+from polynets.pom import PoM, PoMState
 
 __version__ = "0.1.0"
