@@ -1,0 +1,269 @@
+"""MONet: Multilinear Operator Networks (single-stage and multi-stage), registered in timm.
+
+A MONet is a pyramid patch embedding, a stack of Poly-Blocks on channels-last tokens (grouped in
+stages; between stages a 3x3 stride-2 convolution halves the grid and changes the width), global
+mean pooling and a linear classifier. Nothing in it is an activation function: with
+``norm="batch"`` the eval-mode network is a polynomial of its input.
+
+After ``import polynets``, ``timm.create_model(name, num_classes=.., in_chans=.., img_size=..)``
+builds the four configurations of the paper's Table 1:
+
+=============  ============  ===================  ===============  =========  =========
+name           blocks        hidden size          patch (stride)   expansion  shrinkage
+=============  ============  ===================  ===============  =========  =========
+monet_t        32            192                  7 (14)           3          4
+monet_s        45            320                  8 (16)           3          4
+monet_ms_t     4, 8, 12, 10  64, 128, 192, 192    2 (4)            3          8
+monet_ms_s     4, 6, 12, 14  128, 192, 256, 384   2 (4)            3          8
+=============  ============  ===================  ===============  =========  =========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, named_apply, register_model
+from timm.layers import trunc_normal_
+from torch import Tensor, nn
+
+from polynets.errors import ConfigError
+from polynets.layers import (NORMS, PatchEmbed, PolyBlock, PyramidPatchEmbed, check_shape,
+                             to_2tuple)
+
+__all__ = ["MONet", "MONetStage", "StageDownsample", "INITS"]
+
+INITS = {
+    "xavier_normal": nn.init.xavier_normal_,
+    "xavier_uniform": nn.init.xavier_uniform_,
+    "kaiming_normal": partial(nn.init.kaiming_normal_, nonlinearity="linear"),
+    "kaiming_uniform": partial(nn.init.kaiming_uniform_, nonlinearity="linear"),
+    "trunc_normal": partial(trunc_normal_, std=0.02),
+}
+"""Weight initialisers selectable with ``MONet(init=...)``; Xavier-normal is the default
+(the paper's Appendix M found it best). Biases start at zero, norms at the identity."""
+
+
+def _init_weights(module: nn.Module, name: str = "", scheme: str = "xavier_normal") -> None:
+    """Initialise one module in place: weights of linear and conv layers by ``scheme``."""
+    if isinstance(module, (nn.Linear, nn.Conv2d)):
+        INITS[scheme](module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class StageDownsample(nn.Module):
+    """Transition between stages: 3x3 convolution, stride 2, zero padding 1, on tokens.
+
+    ``Y = Conv_3x3/2(X)``. Shape: ``(B, H, W, in_dim) -> (B, ceil(H/2), ceil(W/2), out_dim)``.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, *, bias: bool = True) -> None:
+        super().__init__()
+        self.in_dim = in_dim
+        self.proj = nn.Conv2d(in_dim, out_dim, 3, stride=2, padding=1, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_shape("StageDownsample", x, ("B", "H", "W", self.in_dim))
+        return self.proj(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+class MONetStage(nn.Module):
+    """Optional :class:`StageDownsample`, then ``depth`` Poly-Blocks of width ``dim``.
+
+    Shape: ``(B, H, W, in_dim) -> (B, H', W', dim)`` with ``H' = ceil(H/2)`` after a downsample.
+    """
+
+    def __init__(self, in_dim: int, dim: int, depth: int, *, downsample: bool, expansion: int,
+                 shrinkage: int, norm: str, spatial_shift: bool, bias: bool) -> None:
+        super().__init__()
+        self.downsample = StageDownsample(in_dim, dim, bias=bias) if downsample else nn.Identity()
+        self.blocks = nn.Sequential(*(
+            PolyBlock(dim, expansion=expansion, shrinkage=shrinkage, norm=norm,
+                      spatial_shift=spatial_shift, bias=bias)
+            for _ in range(depth)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.blocks(self.downsample(x))
+
+
+def _as_tuple(value: int | Sequence[int], name: str) -> tuple[int, ...]:
+    values = (value,) if isinstance(value, int) else tuple(value)
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                             for v in values):
+        raise ConfigError(f"{name} must be a positive int or a non-empty sequence of positive "
+                          f"ints, got {value!r}")
+    return values
+
+
+class MONet(nn.Module):
+    """Multilinear Operator Network: ``logits = W mean_tokens(Blocks(Embed(I))) + b``.
+
+    Single-stage when ``embed_dim`` and ``depth`` are ints (one width throughout); multi-stage
+    when they are equal-length sequences (stage ``i`` has ``depth[i]`` Poly-Blocks of width
+    ``embed_dim[i]``; each later stage starts with a 3x3 stride-2 convolution). The embedding is
+    a :class:`PyramidPatchEmbed` (``embed="pyramid"``: ``patch_size`` patches, ``merges`` 2x2
+    merges, coarser levels added when ``fuse_levels``) or a plain :class:`PatchEmbed`
+    (``embed="patch"``). Timm conventions: ``forward_features`` returns channels-last tokens,
+    ``forward_head(x, pre_logits=False)`` pools (``global_pool="avg"``, or ``""`` for none) and
+    classifies, ``reset_classifier`` keeps the pooling unless told otherwise.
+
+    Shape: ``(B, in_chans, H, W) -> (B, num_classes)`` with ``(H, W) == img_size``.
+    """
+
+    def __init__(self, img_size: int | Sequence[int] = 224, in_chans: int = 3,
+                 num_classes: int = 1000, *, patch_size: int = 7,
+                 embed_dim: int | Sequence[int] = 192, depth: int | Sequence[int] = 32,
+                 expansion: int = 3, shrinkage: int = 4, norm: str = "batch",
+                 embed: str = "pyramid", merges: int = 1, fuse_levels: bool = True,
+                 spatial_shift: bool = True, global_pool: str = "avg", drop_rate: float = 0.0,
+                 init: str = "xavier_normal", bias: bool = True) -> None:
+        super().__init__()
+        dims = _as_tuple(embed_dim, "embed_dim")
+        depths = _as_tuple(depth, "depth")
+        if len(dims) != len(depths):
+            raise ConfigError(f"embed_dim and depth must have the same number of stages, got "
+                              f"{len(dims)} widths {dims} and {len(depths)} depths {depths}")
+        if norm not in NORMS:
+            raise ConfigError(f"norm must be one of {NORMS}, got {norm!r}")
+        if init not in INITS:
+            raise ConfigError(f"init must be one of {tuple(INITS)}, got {init!r}")
+        if embed not in ("pyramid", "patch"):
+            raise ConfigError(f"embed must be 'pyramid' or 'patch', got {embed!r}")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            raise ConfigError(f"num_classes must be a non-negative int, got {num_classes!r}")
+        if not 0.0 <= drop_rate < 1.0:
+            raise ConfigError(f"drop_rate must be in [0, 1), got {drop_rate!r}")
+        self.global_pool = _check_pool(global_pool)
+        self.img_size = to_2tuple(img_size, "img_size")
+        self.in_chans = in_chans
+        self.num_classes = num_classes
+        self.num_features = dims[-1]
+        self.embed_dims, self.depths = dims, depths
+        self.norm_kind = norm
+        self.init_scheme = init
+        if embed == "pyramid":
+            self.stem: PatchEmbed = PyramidPatchEmbed(
+                self.img_size, patch_size, in_chans, dims[0], merges=merges,
+                fuse_levels=fuse_levels, bias=bias)
+        else:
+            self.stem = PatchEmbed(self.img_size, patch_size, in_chans, dims[0], bias=bias)
+        stages = []
+        self.feature_info = []
+        reduction = self.stem.reduction
+        for i, (dim, n) in enumerate(zip(dims, depths)):
+            stages.append(MONetStage(dims[max(i - 1, 0)], dim, n, downsample=i > 0,
+                                     expansion=expansion, shrinkage=shrinkage, norm=norm,
+                                     spatial_shift=spatial_shift, bias=bias))
+            reduction = reduction * 2 if i > 0 else reduction
+            self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f"stages.{i}"))
+        self.stages = nn.Sequential(*stages)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self.pretrained_cfg = self.default_cfg = {
+            "num_classes": num_classes, "input_size": (in_chans, *self.img_size),
+            "fixed_input_size": True, "first_conv": "stem.proj", "classifier": "head",
+        }
+        named_apply(partial(_init_weights, scheme=init), self)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', num_features)``."""
+        check_shape("MONet", x, ("B", self.in_chans, *self.img_size))
+        return self.stages(self.stem(x))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
+        ``pre_logits``; with ``global_pool=""`` the tokens are classified one by one)."""
+        check_shape("MONet head", x, ("B", "H", "W", self.num_features))
+        if self.global_pool == "avg":
+            x = x.mean(dim=(1, 2))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """New linear head for ``num_classes`` (0 removes it); pooling kept unless given."""
+        if global_pool is not None:
+            self.global_pool = _check_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        _init_weights(self.head, "head", self.init_scheme)
+
+    def extra_repr(self) -> str:
+        return (f"img_size={self.img_size}, in_chans={self.in_chans}, "
+                f"num_classes={self.num_classes}, embed_dims={self.embed_dims}, "
+                f"depths={self.depths}, norm={self.norm_kind!r}, "
+                f"global_pool={self.global_pool!r}")
+
+
+def _check_pool(global_pool: str) -> str:
+    if global_pool not in ("avg", ""):
+        raise ConfigError(f"global_pool must be 'avg' or '' (no pooling), got {global_pool!r}")
+    return global_pool
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": 0.9, "interpolation": "bicubic", "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "stem.proj", "classifier": "head", "license": "apache-2.0",
+        "paper_name": "Multilinear Operator Networks",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "monet_t": _cfg(),
+    "monet_s": _cfg(),
+    "monet_ms_t": _cfg(),
+    "monet_ms_s": _cfg(),
+})
+
+
+def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> MONet:
+    if pretrained:
+        raise ConfigError(f"no pretrained weights are published for {variant}; "
+                          f"use pretrained=False")
+    model = build_model_with_cfg(MONet, variant, pretrained, **kwargs)
+    cfg = {**model.pretrained_cfg, "num_classes": model.num_classes,
+           "input_size": (model.in_chans, *model.img_size)}
+    model.pretrained_cfg = model.default_cfg = cfg
+    return model
+
+
+@register_model
+def monet_t(pretrained: bool = False, **kwargs: Any) -> MONet:
+    """MONet-Tiny (Table 1): 32 Poly-Blocks of width 192, 16x16 tokens at 224."""
+    args = dict(patch_size=7, embed_dim=192, depth=32, expansion=3, shrinkage=4)
+    return _create_monet("monet_t", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def monet_s(pretrained: bool = False, **kwargs: Any) -> MONet:
+    """MONet-Small (Table 1): 45 Poly-Blocks of width 320, 14x14 tokens at 224."""
+    args = dict(patch_size=8, embed_dim=320, depth=45, expansion=3, shrinkage=4)
+    return _create_monet("monet_s", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def monet_ms_t(pretrained: bool = False, **kwargs: Any) -> MONet:
+    """Multi-stage MONet-Tiny (Table 1, Appendix B): widths 64-128-192-192, 4-8-12-10 blocks."""
+    args = dict(patch_size=2, embed_dim=(64, 128, 192, 192), depth=(4, 8, 12, 10),
+                expansion=3, shrinkage=8)
+    return _create_monet("monet_ms_t", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def monet_ms_s(pretrained: bool = False, **kwargs: Any) -> MONet:
+    """Multi-stage MONet-Small (Table 1, Appendix B): widths 128-192-256-384, 4-6-12-14 blocks."""
+    args = dict(patch_size=2, embed_dim=(128, 192, 256, 384), depth=(4, 6, 12, 14),
+                expansion=3, shrinkage=8)
+    return _create_monet("monet_ms_s", pretrained, **{**args, **kwargs})
