@@ -3,6 +3,8 @@
 from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynomialError,
                              PolynetsError, ProgramFormatError, ShapeError, TraceError,
                              TrainingDivergedError, UnsupportedOpError)
+from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, SpatialShift
+from polynets.models import MONet
 from polynets.program import Node, PolyProgram
 from polynets.pom import PoM, PoMState
 
