@@ -1,0 +1,522 @@
+"""Training loop for polynomial classifiers: AdamW, warm-up + cosine, AMP, EMA, Mixup, DDP, resume.
+
+``Trainer(model, TrainConfig(...)).fit(train_ds, val_ds) -> history`` trains a classifier on
+``(x, label)`` datasets. The recipe follows the MONet paper: AdamW with linear warm-up and cosine
+decay (updated every step), label smoothing, gradient clipping, optional EMA and timm's
+Mixup/CutMix for images. The device is picked automatically (CUDA > MPS > CPU); on CUDA the
+forward runs under bf16/fp16 autocast with channels-last memory. Under ``torchrun`` the model is
+wrapped in DistributedDataParallel and only rank 0 writes. With ``out_dir`` set, every run writes
+``run.json``, ``metrics.jsonl`` (one JSON object per line) and ``last.pt`` (plus ``best.pt`` when
+validating); ``resume=True`` continues from ``last.pt`` with identical results for a fixed seed,
+also after an interruption part-way through an epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from tqdm.auto import tqdm
+
+from polynets.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
+from polynets.device import autocast_dtype, init_distributed
+from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
+
+__all__ = ["ResumableDistributedSampler", "TrainConfig", "Trainer", "seed_everything", "warmup_cosine"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters and run settings of :class:`Trainer` (defaults suit small image sets).
+
+    ``warmup_epochs`` may be fractional; ``clip_grad`` is a max global L2 norm (None: off);
+    ``amp`` is ``"auto"|"bf16"|"fp16"|"off"`` (autocast on CUDA only); ``checkpoint_every`` is
+    in epochs; ``log_every`` in optimizer steps; ``num_classes`` is needed by Mixup/CutMix when
+    the model has no ``num_classes`` attribute.
+    """
+
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    warmup_epochs: float = 1.0
+    min_lr: float = 1e-5
+    label_smoothing: float = 0.0
+    clip_grad: float | None = None
+    device: str = "auto"
+    amp: str = "auto"
+    compile: bool = False
+    ema_decay: float | None = None
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    seed: int = 0
+    out_dir: str | None = None
+    checkpoint_every: int = 1
+    num_workers: int = 0
+    log_every: int = 10
+    progress: bool = True
+    deterministic: bool = False
+    resume: bool = False
+    num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
+                    "checkpoint_every": self.checkpoint_every, "log_every": self.log_every}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"TrainConfig.{name} must be positive, got {value!r}")
+        nonneg = {"weight_decay": self.weight_decay, "warmup_epochs": self.warmup_epochs, "min_lr": self.min_lr,
+                  "mixup": self.mixup, "cutmix": self.cutmix, "num_workers": self.num_workers}
+        for name, value in nonneg.items():
+            if value < 0:
+                raise ConfigError(f"TrainConfig.{name} must be >= 0, got {value!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"TrainConfig.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise ConfigError(f"TrainConfig.clip_grad must be positive or None, got {self.clip_grad}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"TrainConfig.ema_decay must be in (0, 1) or None, got {self.ema_decay}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR factor at ``step``: linear ramp (step+1)/warmup, then min + (1-min)(1+cos(pi p))/2, p in [0, 1]."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler (per-epoch permutation from ``seed + epoch``) that can start part-way.
+
+    ``start_index`` skips the first samples of this rank's share of the epoch, so an epoch
+    interrupted after k batches resumes with exactly the batches it had not seen.
+    """
+
+    def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.start_index = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start_index, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+@contextmanager
+def _deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Use deterministic kernels (and no cuDNN autotuning) inside the block, then restore."""
+    if not enabled:
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(data if isinstance(data, str) else json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class _MetricsLog:
+    """Append-only JSON-lines log, ``{"kind": "step"|"epoch", ...}`` per line."""
+
+    def __init__(self, path: Path, *, keep_until_step: int | None) -> None:
+        self.path = path
+        if keep_until_step is None or not path.exists():
+            path.write_text("")
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("step", 0) <= keep_until_step:
+                kept.append(line + "\n")
+        _write_json_atomic(path, "".join(kept))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+class Trainer:
+    """Trains ``model`` for classification with :class:`TrainConfig`.
+
+    ``loss_fn(logits (B, K), target) -> scalar`` defaults to cross-entropy with label smoothing
+    (soft-target cross-entropy under Mixup/CutMix); evaluation uses ``loss_fn`` when given, else
+    plain cross-entropy. ``model_name``/``model_kwargs`` go into checkpoints so
+    :func:`polynets.checkpoint.load_model` can rebuild the model; ``run_info`` (JSON-able) is
+    stored with them (the CLI records the dataset there).
+    """
+
+    def __init__(self, model: nn.Module, config: TrainConfig | None = None, *, loss_fn: LossFn | None = None,
+                 model_name: str | None = None, model_kwargs: Mapping[str, Any] | None = None,
+                 run_info: Mapping[str, Any] | None = None) -> None:
+        self.config = config if config is not None else TrainConfig()
+        self.dist, self.device = init_distributed(self.config.device)
+        self.amp_dtype = autocast_dtype(self.device, self.config.amp)
+        self.channels_last = self.device.type == "cuda"
+        model = unwrap_model(model).to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        self.model_name = model_name or cfg.get("architecture") or type(model).__name__
+        self.model_kwargs = dict(model_kwargs or {})
+        self.run_info = dict(run_info or {})
+        self.loss_fn = loss_fn
+        self.history: list[dict[str, Any]] = []
+        self.global_step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.ema: Any = None
+        self.out_dir = Path(self.config.out_dir) if self.config.out_dir else None
+
+    # ----------------------------------------------------------------- set-up helpers
+    def _num_classes(self) -> int:
+        n = self.config.num_classes or getattr(self.model, "num_classes", None)
+        if not n:
+            raise ConfigError("Mixup/CutMix need the number of classes: set TrainConfig.num_classes")
+        return int(n)
+
+    def _build_optimizer(self, steps_per_epoch: int) -> None:
+        cfg = self.config
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim > 1]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim <= 1]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+        total = cfg.epochs * steps_per_epoch
+        warmup = min(total, max(0, round(cfg.warmup_epochs * steps_per_epoch)))
+        min_ratio = cfg.min_lr / cfg.lr
+
+        def factor(step: int) -> float:
+            return warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def _train_loss(self, mixing: bool) -> LossFn:
+        if self.loss_fn is not None:
+            return self.loss_fn
+        if mixing:
+            from timm.loss import SoftTargetCrossEntropy
+
+            return SoftTargetCrossEntropy()
+        return nn.CrossEntropyLoss(label_smoothing=self.config.label_smoothing)
+
+    def _autocast(self) -> Any:
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last and x.ndim == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+    def _diverged(self, value: float, step: int, epoch: int, batch: int) -> TrainingDivergedError:
+        lr = self.config.lr
+        saved = ""
+        if self.out_dir is not None and (self.out_dir / "last.pt").exists():
+            saved = f" The last good checkpoint is {self.out_dir / 'last.pt'}."
+        return TrainingDivergedError(
+            f"training diverged: the loss became {value} at step {step} (epoch {epoch + 1}, batch {batch + 1}). "
+            "Polynomial networks multiply activations, so large inputs or weights grow without bound. "
+            f"Remedies: lower the learning rate (lr={lr:g} -> {lr / 10:g}); clip gradients (clip_grad=1.0, "
+            f"now {self.config.clip_grad}); use normalisation inside the blocks (norm='batch'); use a longer "
+            f"warm-up (warmup_epochs, now {self.config.warmup_epochs:g}); standardise the inputs.{saved}"
+        )
+
+    def _checkpoint(self, name: str, *, epoch: int, batch: int, progress: Mapping[str, float],
+                    rng: Mapping[str, Any] | None = None, scaler: Any = None) -> Path | None:
+        if self.out_dir is None or not self.dist.is_main:
+            return None
+        extra = {
+            "batch_in_epoch": batch,
+            "progress": dict(progress),
+            "history": self.history,
+            "config": dataclasses.asdict(self.config),
+            "run_info": self.run_info,
+            "ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        }
+        return save_checkpoint(self.out_dir / name, model=self.model, model_name=self.model_name,
+                               model_kwargs=self.model_kwargs, optimizer=self.optimizer, scheduler=self.scheduler,
+                               epoch=epoch, step=self.global_step, extra=extra, rng=rng if rng is not None else True)
+
+    def _restore(self, scaler: Any) -> tuple[int, int, dict[str, float], dict[str, Any] | None]:
+        """Load ``out_dir/last.pt``; returns (epoch, batch in epoch, partial-epoch sums, rng state)."""
+        assert self.out_dir is not None
+        path = self.out_dir / "last.pt"
+        ckpt = load_checkpoint(path, map_location=self.device)
+        if ckpt["model_name"] != self.model_name:
+            raise CheckpointError(f"{path} holds model {ckpt['model_name']!r}, but this run trains {self.model_name!r}")
+        try:
+            self.model.load_state_dict(ckpt["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path} does not fit this model: {str(exc).splitlines()[0]}") from exc
+        assert self.optimizer is not None and self.scheduler is not None
+        if ckpt["optimizer"] is not None:
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["scheduler"] is not None:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        extra = ckpt["extra"]
+        if self.ema is not None and extra.get("ema") is not None:
+            self.ema.module.load_state_dict(extra["ema"])
+        if extra.get("scaler") is not None:
+            scaler.load_state_dict(extra["scaler"])
+        self.global_step = int(ckpt["step"])
+        self.history = list(extra.get("history", []))
+        return int(ckpt["epoch"]), int(extra.get("batch_in_epoch", 0)), dict(extra.get("progress", {})), ckpt["rng"]
+
+    # ----------------------------------------------------------------- public API
+    def fit(self, train_dataset: Dataset, val_dataset: Dataset | None = None, *,
+            resume: bool | None = None) -> list[dict[str, Any]]:
+        """Train for ``config.epochs`` epochs; returns the history, one metrics dict per epoch.
+
+        Each dict holds epoch, step, lr, train_loss, train_accuracy, samples_per_s, time_s and,
+        with ``val_dataset``, val_loss / val_accuracy (and val_ema_* with EMA). ``resume``
+        (default ``config.resume``) continues from ``out_dir/last.pt`` when it exists.
+        """
+        cfg = self.config
+        resume = cfg.resume if resume is None else resume
+        with _deterministic_algorithms(cfg.deterministic):
+            return self._fit(train_dataset, val_dataset, resume)
+
+    def _fit(self, train_dataset: Dataset, val_dataset: Dataset | None, resume: bool) -> list[dict[str, Any]]:
+        cfg = self.config
+        seed_everything(cfg.seed + self.dist.rank)
+        mixing = cfg.mixup > 0 or cfg.cutmix > 0
+        sampler = ResumableDistributedSampler(train_dataset, num_replicas=self.dist.world_size, rank=self.dist.rank,
+                                              seed=cfg.seed)
+        per_rank = sampler.num_samples
+        steps_per_epoch = per_rank // cfg.batch_size if mixing else math.ceil(per_rank / cfg.batch_size)
+        if steps_per_epoch == 0:
+            raise ConfigError(f"{per_rank} samples per process is fewer than one batch of {cfg.batch_size} "
+                              "(Mixup/CutMix drop incomplete batches); lower batch_size")
+        self._build_optimizer(steps_per_epoch)
+        if cfg.ema_decay is not None:
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay)
+        mixup_fn = None
+        if mixing:
+            from timm.data import Mixup
+
+            mixup_fn = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.label_smoothing,
+                             num_classes=self._num_classes())
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        start_epoch, start_batch, progress, rng = 0, 0, {}, None
+        checkpoint_path = self.out_dir / "last.pt" if self.out_dir is not None else None
+        if resume and checkpoint_path is not None and checkpoint_path.exists():
+            start_epoch, start_batch, progress, rng = self._restore(scaler)
+        elif resume and self.dist.is_main:
+            where = checkpoint_path if checkpoint_path is not None else "anywhere (out_dir is not set)"
+            print(f"polynets: no checkpoint at {where}; starting from scratch", file=sys.stderr)
+        log = None
+        if self.out_dir is not None and self.dist.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _write_json_atomic(self.out_dir / "run.json", {
+                "model_name": self.model_name, "model_kwargs": self.model_kwargs, "config": dataclasses.asdict(cfg),
+                "run_info": self.run_info, "device": str(self.device), "world_size": self.dist.world_size,
+                "amp": str(self.amp_dtype) if self.amp_dtype else None})
+            log = _MetricsLog(self.out_dir / "metrics.jsonl",
+                              keep_until_step=self.global_step if start_epoch or start_batch else None)
+        net: nn.Module = self.model
+        if self.dist.enabled:
+            net = nn.parallel.DistributedDataParallel(
+                net, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if cfg.compile:
+            net = torch.compile(net)
+        if rng is not None:
+            if self.dist.is_main:
+                restore_rng_state(rng)
+            else:
+                seed_everything(cfg.seed + 7919 * self.dist.rank + self.global_step)
+        loss_fn = self._train_loss(mixing)
+        best = max((h.get("val_accuracy", -1.0) for h in self.history), default=-1.0)
+        for epoch in range(start_epoch, cfg.epochs):
+            record = self._train_epoch(net, train_dataset, sampler, epoch, start_batch, steps_per_epoch, progress,
+                                       loss_fn, mixup_fn, scaler, log)
+            start_batch, progress = 0, {}
+            if val_dataset is not None:
+                record.update({f"val_{k}": v for k, v in self.evaluate(val_dataset).items()})
+                if self.ema is not None:
+                    record.update({f"val_ema_{k}": v for k, v in self.evaluate(val_dataset, model=self.ema.module).items()})
+            self.history.append(record)
+            if log is not None:
+                log.write(record)
+            if self.dist.is_main and cfg.progress:
+                shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+                                  if k != "kind")
+                tqdm.write(shown, file=sys.stderr)
+            last = epoch + 1 == cfg.epochs
+            if (epoch + 1) % cfg.checkpoint_every == 0 or last:
+                self._checkpoint("last.pt", epoch=epoch + 1, batch=0, progress={}, scaler=scaler)
+            if record.get("val_accuracy", -1.0) > best:
+                best = record["val_accuracy"]
+                self._checkpoint("best.pt", epoch=epoch + 1, batch=0, progress={}, scaler=scaler)
+        return self.history
+
+    def _train_epoch(self, net: nn.Module, dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int,
+                     start_batch: int, steps_per_epoch: int, progress: Mapping[str, float], loss_fn: LossFn,
+                     mixup_fn: Any, scaler: Any, log: _MetricsLog | None) -> dict[str, Any]:
+        cfg = self.config
+        assert self.optimizer is not None and self.scheduler is not None
+        sampler.set_epoch(epoch)
+        sampler.start_index = start_batch * cfg.batch_size
+        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+                            pin_memory=self.device.type == "cuda", drop_last=mixup_fn is not None,
+                            generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        net.train()
+        sums = torch.tensor([progress.get("loss_sum", 0.0), progress.get("correct", 0.0), progress.get("seen", 0.0)],
+                            dtype=torch.float64, device=self.device)
+        check_every = cfg.log_every if self.device.type == "cuda" else 1
+        pending: list[tuple[int, int, torch.Tensor]] = []
+        window = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples since last log
+        done, snapshot = start_batch, capture_rng_state()
+        t0, t_log, seen_at_start = time.perf_counter(), time.perf_counter(), float(sums[2])
+        bar = tqdm(total=steps_per_epoch, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                   disable=not (cfg.progress and self.dist.is_main), leave=False, dynamic_ncols=True, file=sys.stderr)
+        try:
+            for batch, (x, y) in enumerate(loader, start=start_batch):
+                x, y = self._to_device(x, y)
+                if mixup_fn is not None and x.ndim != 4:
+                    raise ConfigError(f"Mixup/CutMix apply to images (B, C, H, W); this dataset gives {tuple(x.shape)}")
+                target = y
+                if mixup_fn is not None:
+                    x, target = mixup_fn(x, y)
+                with self._autocast():
+                    logits = net(x)
+                    loss = loss_fn(logits, target)
+                self.optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                if cfg.clip_grad is not None:
+                    scaler.unscale_(self.optimizer)
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+                scaler.step(self.optimizer)
+                scaler.update()
+                self.scheduler.step()
+                self.global_step += 1
+                if self.ema is not None:
+                    self.ema.update(self.model, step=self.global_step)
+                done, snapshot = batch + 1, capture_rng_state()
+                n = y.shape[0]
+                lv = loss.detach().double()
+                sums += torch.stack([lv * n, (logits.detach().argmax(-1) == y).sum().double(),
+                                     torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+                window += torch.stack([lv * n, torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+                pending.append((self.global_step, batch, lv))
+                bar.update(1)
+                if len(pending) >= check_every or batch + 1 == steps_per_epoch:
+                    values = torch.stack([p[2] for p in pending]).cpu()
+                    bad = (~torch.isfinite(values)).nonzero()
+                    if len(bad):
+                        step, bad_batch, _ = pending[int(bad[0])]
+                        raise self._diverged(float(values[int(bad[0])]), step, epoch, bad_batch)
+                    pending.clear()
+                if self.global_step % cfg.log_every == 0:
+                    w = window.tolist()
+                    now = time.perf_counter()
+                    rate = w[1] * self.dist.world_size / max(now - t_log, 1e-9)
+                    s = sums.tolist()
+                    bar.set_postfix(loss=f"{w[0] / w[1]:.4f}", acc=f"{s[1] / s[2]:.3f}", samples_s=f"{rate:.0f}")
+                    if log is not None:
+                        log.write({"kind": "step", "epoch": epoch + 1, "step": self.global_step, "loss": w[0] / w[1],
+                                   "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate})
+                    window.zero_()
+                    t_log = now
+        except KeyboardInterrupt:
+            s = sums.tolist()
+            saved = self._checkpoint("last.pt", epoch=epoch, batch=done, rng=snapshot, scaler=scaler,
+                                     progress={"loss_sum": s[0], "correct": s[1], "seen": s[2]})
+            if saved is not None:
+                tqdm.write(f"interrupted: saved {saved} at step {self.global_step}; continue with resume=True",
+                           file=sys.stderr)
+            raise
+        finally:
+            bar.close()
+        elapsed = time.perf_counter() - t0
+        if self.dist.enabled:
+            dist.all_reduce(sums)
+        s = sums.tolist()
+        return {"kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
+                "lr": self.optimizer.param_groups[0]["lr"], "train_loss": s[0] / max(s[2], 1.0),
+                "train_accuracy": s[1] / max(s[2], 1.0),
+                "samples_per_s": (s[2] - seen_at_start * self.dist.world_size) / max(elapsed, 1e-9),
+                "time_s": elapsed}
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Dataset, *, model: nn.Module | None = None,
+                 batch_size: int | None = None) -> dict[str, float]:
+        """Mean loss and accuracy of ``model`` (default: the trained model) on ``dataset``.
+
+        Under DDP each rank evaluates every world_size-th sample and the sums are all-reduced.
+        """
+        model = model if model is not None else self.model
+        if self.dist.enabled:
+            dataset = Subset(dataset, range(self.dist.rank, len(dataset), self.dist.world_size))
+        loader = DataLoader(dataset, batch_size=batch_size or self.config.batch_size, shuffle=False,
+                            num_workers=self.config.num_workers, pin_memory=self.device.type == "cuda")
+        loss_fn = self.loss_fn if self.loss_fn is not None else nn.CrossEntropyLoss()
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        try:
+            for x, y in loader:
+                x, y = self._to_device(x, y)
+                with self._autocast():
+                    logits = model(x)
+                    loss = loss_fn(logits, y)
+                n = y.shape[0]
+                sums += torch.stack([loss.detach().double() * n, (logits.argmax(-1) == y).sum().double(),
+                                     torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+        finally:
+            model.train(was_training)
+        if self.dist.enabled:
+            dist.all_reduce(sums)
+        loss_sum, correct, seen = sums.tolist()
+        if seen == 0:
+            raise ConfigError("cannot evaluate on an empty dataset")
+        return {"loss": loss_sum / seen, "accuracy": correct / seen}
