@@ -5,7 +5,10 @@ from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynom
                              TrainingDivergedError, UnsupportedOpError)
 from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, SpatialShift
 from polynets.models import MONet
+from polynets.certify import Certificate, certify
+from polynets.passes import optimize
 from polynets.program import Node, PolyProgram
+from polynets.trace import trace
 from polynets.pom import PoM, PoMState
 
 __version__ = "0.1.0"

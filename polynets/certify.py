@@ -1,0 +1,134 @@
+"""Degree and depth analysis of polynomial programs, and the certificate of a model.
+
+For each node of a :class:`~polynets.program.PolyProgram` the analysis computes
+
+* ``degree``: the total degree of the node's value as a polynomial of the input (structural:
+  exact unless coefficients cancel, which random or trained weights do not do);
+* ``depth``: the multiplicative depth, i.e. the longest chain of ciphertext-ciphertext products;
+* ``levels``: CKKS levels consumed on the longest path -- one per ciphertext product and one per
+  plaintext multiplication (linear map or non-trivial constant scaling), each followed by a
+  rescale; ``plain_mults`` counts the plaintext ones on that path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from polynets.program import PolyProgram
+
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Per-node result of :func:`analyse`."""
+
+    degree: int
+    depth: int
+    levels: int
+    plain_mults: int
+
+
+def _trivial_scale(value: np.ndarray) -> bool:
+    return bool(np.all(np.abs(value) == 1.0))
+
+
+def analyse(program: PolyProgram) -> list[NodeInfo]:
+    """Degree, multiplicative depth and CKKS levels of every node, in node order."""
+    infos: list[NodeInfo] = []
+    for node in program.nodes:
+        ins = [infos[j] for j in node.inputs]
+        if node.op == "input":
+            info = NodeInfo(1, 0, 0, 0)
+        elif node.op == "mul":
+            a, b = ins
+            top = max(ins, key=lambda s: (s.levels, s.plain_mults))
+            info = NodeInfo(a.degree + b.degree, max(a.depth, b.depth) + 1, top.levels + 1,
+                            top.plain_mults)
+        elif node.op == "linear" or (node.op == "mul_const"
+                                     and not _trivial_scale(node.attrs["value"])):
+            (a,) = ins
+            degree = a.degree
+            if node.op == "linear" and node.attrs.get("bias") is not None:
+                degree = max(degree, 0)
+            info = NodeInfo(degree, a.depth, a.levels + 1, a.plain_mults + 1)
+        else:  # add, add_const, gather, mul_const by +-1: no level
+            top = max(ins, key=lambda s: (s.levels, s.plain_mults))
+            info = NodeInfo(max(s.degree for s in ins), max(s.depth for s in ins), top.levels,
+                            top.plain_mults)
+        infos.append(info)
+    return infos
+
+
+@dataclass
+class Certificate:
+    """What a model computes, as far as encryption and symbolic expansion care.
+
+    ``is_polynomial``: every op is an addition, a multiplication or affine; ``degree``: total
+    degree of the output in the input; ``depth``: ciphertext-ciphertext multiplicative depth;
+    ``levels``: CKKS levels (rescales) on the longest path; ``plain_mults``: plaintext
+    multiplications on that path; ``offending``: the modules that break polynomiality.
+    """
+
+    model: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    is_polynomial: bool
+    degree: int | None = None
+    depth: int | None = None
+    levels: int | None = None
+    plain_mults: int | None = None
+    offending: list[Any] = field(default_factory=list)
+    program: PolyProgram | None = None
+    op_counts: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.is_polynomial
+
+    def __str__(self) -> str:
+        head = f"Certificate for {self.model}: input {self.input_shape} -> " \
+               f"output {self.output_shape}"
+        if not self.is_polynomial:
+            lines = [head, "  polynomial:   no -- it cannot be encrypted or expanded as is.",
+                     "  offending modules:"]
+            lines += [f"    - {o}" for o in self.offending]
+            return "\n".join(lines)
+        ops = ", ".join(f"{k} {v}" for k, v in sorted(self.op_counts.items()))
+        return "\n".join([
+            head,
+            "  polynomial:   yes",
+            f"  degree:       {self.degree} (total degree of the output in the input)",
+            f"  depth:        {self.depth} (longest chain of ciphertext-ciphertext products)",
+            f"  CKKS levels:  {self.levels} on the longest path "
+            f"({self.depth} products + {self.plain_mults} plaintext multiplications)",
+            f"  program:      {sum(self.op_counts.values())} ops ({ops})",
+        ])
+
+
+def certify(model: nn.Module, example_input: Any) -> Certificate:
+    """Trace ``model`` on ``example_input`` and certify whether it is a polynomial.
+
+    Never raises for a non-polynomial model: the certificate lists every offending module with
+    its qualified name, type and a hint. Unknown ops still raise
+    :class:`~polynets.errors.UnsupportedOpError`.
+    """
+    from polynets.passes import optimize
+    from polynets.trace import record
+
+    nodes, out, offences, meta = record(model, example_input, strict=False)
+    name = type(model).__name__
+    in_shape, out_shape = tuple(meta["input_shape"]), tuple(meta["output_shape"])
+    if offences:
+        return Certificate(name, in_shape, out_shape, False, offending=offences)
+    if out is None:
+        return Certificate(name, in_shape, out_shape, True, degree=0, depth=0, levels=0,
+                           plain_mults=0)
+    program = optimize(PolyProgram(nodes, out, meta=meta))
+    info = analyse(program)[program.output]
+    return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
+                       levels=info.levels, plain_mults=info.plain_mults, program=program,
+                       op_counts=program.op_counts())

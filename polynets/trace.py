@@ -1,0 +1,722 @@
+"""Lower a PyTorch model to a :class:`~polynets.program.PolyProgram`.
+
+How: the model (a float64, eval-mode copy) is run once on one sample of the example input under a
+``TorchDispatchMode``. Every ATen op whose operands depend on the input is lowered to the
+program's seven ops; everything else (parameters, ``w.t()``, buffers, masks) is evaluated as it
+runs and becomes a constant. Why a dispatch-mode recorder rather than ``torch.fx`` or
+``torch.export``: it sees the ops that really execute, after every ``nn.Module``, functional and
+composite op (``F.linear``, ``einsum``, ``matmul``) is decomposed to a small, stable ATen set, with
+concrete shapes and values, so Python control flow and user modules need no special support; and
+forward hooks give each op the qualified name of the module that issued it, for error messages.
+The price is that a trace is specialised to the example's per-sample shape, which is what an
+encrypted program needs anyway.
+
+Ops that do not preserve polynomiality (LayerNorm, GELU, sigmoid, softmax, division by data, ...)
+are recorded as *offences* with their module path and a hint; :func:`trace` raises
+:class:`~polynets.errors.NonPolynomialError`, :func:`polynets.certify` reports them. An op the
+tracer does not know raises :class:`~polynets.errors.UnsupportedOpError` naming the op and the
+module -- never a silently wrong program.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from polynets.errors import NonPolynomialError, ShapeError, TraceError, UnsupportedOpError
+from polynets.program import Node, PolyProgram
+
+__all__ = ["trace", "Offence", "record"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Offence:
+    """A module that makes a model non-polynomial."""
+
+    path: str
+    module_type: str
+    op: str
+    hint: str
+
+    def __str__(self) -> str:
+        where = self.path or "<model>"
+        return f"{where} ({self.module_type}): {self.op} is not a polynomial; {self.hint}"
+
+
+_HINTS: dict[str, str] = {
+    "native_layer_norm": 'LayerNorm divides by a data-dependent norm; use norm="batch", which '
+                         "folds into the affine map at inference",
+    "native_group_norm": 'GroupNorm divides by a data-dependent norm; use norm="batch"',
+    "gelu": 'use the polynomial variant (activation="linear" for PoM; Mu-Layers need none)',
+    "relu": "use a polynomial block (Mu-Layer) or a square instead of the activation",
+    "silu": 'use the polynomial variant (activation="linear")',
+    "tanh": "use a polynomial block (Mu-Layer) instead of the activation",
+    "sigmoid": 'use gate="linear" or a polynomial gate',
+    "_softmax": "attention's softmax is not a polynomial; replace attention by pn.PoM",
+    "_log_softmax": "apply log-softmax outside the model (on decrypted logits)",
+    "div": "division by a data-dependent value; divide by a constant instead",
+    "reciprocal": "division by a data-dependent value; divide by a constant instead",
+}
+_DEFAULT_HINT = "replace it by additions and multiplications (Mu-Layer, square, polynomial gate)"
+
+_NONPOLY = {
+    "native_layer_norm", "native_group_norm", "gelu", "relu", "silu", "tanh", "sigmoid",
+    "_softmax", "_log_softmax", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "clamp",
+    "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "erf", "sin", "cos", "sign",
+    "maximum", "minimum", "max", "min", "amax", "amin", "where", "eq", "ne", "gt", "ge", "lt",
+    "le", "softplus", "hardswish", "hardsigmoid", "mish", "log1p", "expm1", "linalg_vector_norm",
+    "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "_log_softmax",
+    "logsumexp", "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean",
+    "std_mean", "native_dropout", "bernoulli",
+}
+
+# Ops that only move, copy or select values: lowered to one gather by running them on indices.
+_LAYOUT = {
+    "view", "_unsafe_view", "reshape", "alias", "permute", "transpose", "t", "unsqueeze",
+    "squeeze", "expand", "clone", "contiguous", "slice", "select", "narrow", "flip", "roll",
+    "repeat", "detach", "lift_fresh", "lift_fresh_copy", "_to_copy", "to", "index",
+    "index_select", "gather", "movedim", "unfold", "diagonal", "split", "split_with_sizes",
+    "unbind", "chunk", "constant_pad_nd", "cat", "stack",
+    "expand_copy", "view_copy", "permute_copy", "slice_copy", "select_copy", "transpose_copy",
+    "unsqueeze_copy", "squeeze_copy", "t_copy", "alias_copy", "tile", "repeat_interleave",
+    "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "im2col", "col2im", "_unsafe_index",
+    "hstack", "vstack", "flatten", "unflatten", "ravel", "zero_pad2d",
+}
+
+# Ops that are affine in their (single) traced operand: lowered with a dense probe of the map.
+_AFFINE_PROBE = {
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+    "_adaptive_avg_pool2d", "adaptive_avg_pool3d", "_adaptive_avg_pool3d",
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_linear1d",
+    "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
+    "trace", "diag", "tril", "triu", "fft_r2c",
+}
+_PROBE_LIMIT = 50_000_000  # entries of a dense probed matrix
+
+# Ops whose output depends only on the operand's shape (never traced).
+_SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
+               "new_empty", "new_full", "sym_size", "sym_stride", "sym_numel", "size", "stride",
+               "rand_like", "randn_like", "randint_like", "_shape_as_tensor"}
+
+_INPLACE_ARITH = {"add_", "sub_", "mul_", "div_", "neg_", "pow_"}
+
+
+def _name(func: Any) -> str:
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+
+
+def _np(t: Any) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        return t.detach().to("cpu", torch.float64).numpy().copy()
+    return np.asarray(t, dtype=np.float64)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops that touch input-dependent tensors as program nodes."""
+
+    def __init__(self, strict: bool):
+        super().__init__()
+        self.strict = strict
+        self.nodes: list[Node] = []
+        self.node_of: dict[int, int] = {}
+        self.alive: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
+        self.stack: list[tuple[str, str]] = [("", "model")]
+        self.offences: list[Offence] = []
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    @property
+    def path(self) -> str:
+        return self.stack[-1][0]
+
+    def add(self, op: str, inputs: Sequence[int], shape: Sequence[int], **attrs: Any) -> int:
+        self.nodes.append(Node(op, tuple(int(i) for i in inputs), tuple(int(d) for d in shape),
+                               attrs, self.path))
+        return len(self.nodes) - 1
+
+    def bind(self, tensor: torch.Tensor, node: int) -> None:
+        self.node_of[id(tensor)] = node
+        self.alive.append(tensor)
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and id(x) in self.node_of
+
+    def shape(self, node: int) -> tuple[int, ...]:
+        return self.nodes[node].shape
+
+    def gather(self, inputs: Sequence[int], index: np.ndarray) -> int:
+        """A gather node, or the input itself when ``index`` is the identity."""
+        index = np.asarray(index, dtype=np.int64)
+        if len(inputs) == 1 and self.shape(inputs[0]) == index.shape and \
+                np.array_equal(index.ravel(), np.arange(index.size)):
+            return int(inputs[0])
+        return self.add("gather", inputs, index.shape, index=index)
+
+    def reshape(self, node: int, shape: Sequence[int]) -> int:
+        return self.gather([node], np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape))
+
+    def broadcast(self, node: int, shape: Sequence[int]) -> int:
+        """Materialise numpy/torch broadcasting of ``node`` to ``shape`` as a gather."""
+        src = self.shape(node)
+        idx = np.arange(int(np.prod(src, dtype=np.int64))).reshape(src)
+        idx = idx.reshape((1,) * (len(shape) - len(src)) + tuple(src))
+        return self.gather([node], np.broadcast_to(idx, tuple(shape)).copy())
+
+    # ----------------------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        if not any(self.traced(a) for a in flat_in):
+            return out
+        name = _name(func)
+        if name in _SHAPE_ONLY:
+            return out
+        module_type = self.stack[-1][1]
+        if name in _NONPOLY or (name in ("div", "true_divide") and self.traced(args[1])) \
+                or (name == "pow" and not self._integer_pow(args)) \
+                or (name in ("native_batch_norm",) and bool(args[5])):
+            op = "pow with a non-integer exponent" if name == "pow" else f"aten.{name}"
+            if name == "native_batch_norm":
+                op, hint = "batch norm in training mode", "call model.eval() before tracing"
+            else:
+                hint = _HINTS.get(name, _DEFAULT_HINT)
+            self.offences.append(Offence(self.path, module_type, op, hint))
+            if self.strict:
+                raise NonPolynomialError(str(self.offences[-1]))
+            self._opaque(out)
+            return out
+        if name in _INPLACE_ARITH or name.endswith("_") or name == "copy_":
+            if name in _INPLACE_ARITH and self.traced(args[0]) and not args[0]._is_view():
+                base = getattr(aten, name[:-1])
+                self._lower(base, name[:-1], args, kwargs, args[0])
+                return out
+            raise UnsupportedOpError(
+                f"in-place aten.{name} on an input-dependent tensor in module "
+                f"'{self.path or '<model>'}' ({module_type}): write it out of place "
+                f"(e.g. torch.cat of slices instead of assigning into a slice)")
+        self._lower(func, name, args, kwargs, out)
+        return out
+
+    def _integer_pow(self, args: Sequence[Any]) -> bool:
+        if self.traced(args[1]) if len(args) > 1 else False:
+            return False
+        exponent = args[1]
+        if isinstance(exponent, torch.Tensor):
+            if exponent.numel() != 1:
+                return False
+            exponent = exponent.item()
+        return float(exponent).is_integer() and exponent >= 0
+
+    def _opaque(self, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.bind(t, self.add("input", (), tuple(t.shape)))
+
+    # ----------------------------------------------------------------------------- lowering
+    def _lower(self, func: Any, name: str, args: Sequence[Any], kwargs: dict, out: Any) -> None:
+        handler: Callable | None = _HANDLERS.get(name)
+        if handler is not None:
+            handler(self, func, args, kwargs, out)
+        elif name in _LAYOUT:
+            self._layout(func, args, kwargs, out)
+        elif name in _AFFINE_PROBE:
+            self._probe(func, args, kwargs, out)
+        else:
+            raise UnsupportedOpError(
+                f"aten.{name} on an input-dependent tensor in module '{self.path or '<model>'}' "
+                f"({self.stack[-1][1]}) cannot be lowered to a polynomial program; supported "
+                f"are affine maps, products, sums and layout ops")
+
+    def _layout(self, func: Any, args: Sequence[Any], kwargs: dict, out: Any) -> None:
+        """Run a layout op on index tensors: it tells where every output element comes from."""
+        flat_args, spec = tree_flatten((args, kwargs))
+        inputs: list[int] = []
+        offset = 0
+        index_args = []
+        value_args = []
+        has_const = False
+        for a in flat_args:
+            if self.traced(a):
+                node = self.node_of[id(a)]
+                inputs.append(node)
+                n = a.numel()
+                index_args.append(torch.arange(offset + 1, offset + n + 1, dtype=torch.float64)
+                                  .reshape(a.shape))
+                value_args.append(torch.zeros(a.shape, dtype=torch.float64))
+                offset += n
+            elif isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() > 0 \
+                    and _name(func) in ("cat", "stack", "hstack", "vstack"):
+                has_const = True
+                index_args.append(torch.zeros(a.shape, dtype=torch.float64))
+                value_args.append(a.to(torch.float64))
+            else:
+                index_args.append(a)
+                value_args.append(a)
+        iargs, ikwargs = tree_unflatten_pair(index_args, spec)
+        if _name(func) == "constant_pad_nd":
+            pad_value = iargs[2] if len(iargs) > 2 else ikwargs.get("value", 0.0)
+            iargs = (iargs[0], iargs[1], 0.0)
+        else:
+            pad_value = 0.0
+        if _name(func) == "_to_copy":
+            ikwargs = {**ikwargs, "dtype": torch.float64}
+        idx_out = func(*iargs, **ikwargs)
+        outs = tree_flatten(out)[0]
+        idx_outs = tree_flatten(idx_out)[0]
+        const_outs = None
+        if has_const:
+            vargs, vkwargs = tree_unflatten_pair(value_args, spec)
+            const_outs = tree_flatten(func(*vargs, **vkwargs))[0]
+        for k, (o, io) in enumerate(zip(outs, idx_outs)):
+            if not isinstance(o, torch.Tensor):
+                continue
+            index = io.detach().numpy().astype(np.int64) - 1
+            node = self.gather(inputs, index)
+            extra = None
+            if const_outs is not None:
+                extra = _np(const_outs[k])
+            if pad_value != 0.0:
+                extra = (index < 0) * float(pad_value)
+            if extra is not None and np.any(extra != 0):
+                node = self.add("add_const", [node], index.shape, value=extra)
+            self.bind(o, node)
+
+    def _probe(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
+        """Lower an op affine in its one traced operand by probing it with basis vectors."""
+        flat_args, spec = tree_flatten((args, kwargs))
+        traced = [i for i, a in enumerate(flat_args) if self.traced(a)]
+        if len(traced) != 1:
+            raise UnsupportedOpError(f"{_name(func)} with several input-dependent operands in "
+                                     f"module '{self.path or '<model>'}'")
+        x = flat_args[traced[0]]
+        n, m = x.numel(), out.numel()
+        if n * m > _PROBE_LIMIT:
+            raise UnsupportedOpError(
+                f"aten.{_name(func)} in module '{self.path or '<model>'}' maps {n} to {m} values; "
+                f"too large to lower as a dense affine map (limit {_PROBE_LIMIT} entries)")
+
+        def call(v: torch.Tensor) -> torch.Tensor:
+            fa = list(flat_args)
+            fa[traced[0]] = v
+            a, kw = tree_unflatten_pair(fa, spec)
+            return func(*a, **kw)
+
+        basis = torch.eye(n, dtype=torch.float64).reshape((n,) + tuple(x.shape))
+        zero = call(torch.zeros_like(x, dtype=torch.float64)).reshape(-1)
+        cols = torch.stack([call(basis[i]).reshape(-1) - zero for i in range(n)])  # (n, m)
+        node = self.reshape(self.node_of[id(x)], (n,))
+        node = self.add("linear", [node], (m,), axis=0, weight=cols.numpy().copy(),
+                        bias=zero.numpy().copy() if torch.any(zero != 0) else None)
+        self.bind(out, self.reshape(node, tuple(out.shape)))
+
+    # ----------------------------------------------------------------------------- helpers
+    def linear(self, node: int, axis: int, weight: np.ndarray, bias: np.ndarray | None) -> int:
+        shape = list(self.shape(node))
+        axis = axis % len(shape)
+        shape[axis] = weight.shape[1]
+        if bias is not None and not np.any(bias):
+            bias = None
+        return self.add("linear", [node], shape, axis=axis, weight=weight, bias=bias)
+
+    def scale(self, node: int, value: Any, out_shape: Sequence[int]) -> int:
+        return self._const_op("mul_const", node, value, out_shape)
+
+    def shift(self, node: int, value: Any, out_shape: Sequence[int]) -> int:
+        return self._const_op("add_const", node, value, out_shape)
+
+    def _const_op(self, op: str, node: int, value: Any, out_shape: Sequence[int]) -> int:
+        v = _np(value)
+        out_shape = tuple(out_shape)
+        if self.shape(node) != out_shape:
+            node = self.broadcast(node, out_shape)
+        while v.ndim > len(out_shape):
+            v = v.reshape(v.shape[1:])
+        if op == "mul_const" and np.all(v == 1.0):
+            return node
+        if op == "add_const" and not np.any(v):
+            return node
+        return self.add(op, [node], out_shape, value=v)
+
+    def binary(self, op: str, a: int, b: int, out_shape: Sequence[int]) -> int:
+        out_shape = tuple(out_shape)
+        a = self.broadcast(a, out_shape) if self.shape(a) != out_shape else a
+        b = self.broadcast(b, out_shape) if self.shape(b) != out_shape else b
+        return self.add(op, [a, b], out_shape)
+
+    def operand(self, x: Any) -> int | None:
+        return self.node_of[id(x)] if self.traced(x) else None
+
+
+def tree_unflatten_pair(flat: list, spec: Any) -> tuple[tuple, dict]:
+    args, kwargs = tree_unflatten(flat, spec)
+    return tuple(args), dict(kwargs)
+
+
+# --------------------------------------------------------------------------------- handlers
+def _h_add(r: _Recorder, func, args, kwargs, out) -> None:
+    name = _name(func)
+    a, b = args[0], args[1]
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    sign = -1.0 if name == "sub" else 1.0
+    if name == "rsub":  # b - alpha * a
+        a, b, sign = b, a, -1.0
+        na, nb = r.operand(a), r.operand(b)
+        if na is not None and nb is not None:
+            nb = r.scale(nb, -float(alpha), r.shape(nb))
+            r.bind(out, r.binary("add", na, nb, out.shape))
+            return
+        if nb is not None:  # a constant - alpha * traced
+            node = r.scale(nb, -float(alpha), out.shape)
+            r.bind(out, r.shift(node, a, out.shape))
+            return
+        r.bind(out, r.shift(na, -float(alpha) * _np(b), out.shape))
+        return
+    na, nb = r.operand(a), r.operand(b)
+    coef = sign * float(alpha)
+    if na is not None and nb is not None:
+        if coef != 1.0:
+            nb = r.scale(nb, coef, r.shape(nb))
+        r.bind(out, r.binary("add", na, nb, out.shape))
+    elif na is not None:
+        r.bind(out, r.shift(na, coef * _np(b), out.shape))
+    else:
+        node = r.scale(nb, coef, out.shape)
+        r.bind(out, r.shift(node, a, out.shape))
+
+
+def _h_mul(r: _Recorder, func, args, kwargs, out) -> None:
+    a, b = args[0], args[1]
+    na, nb = r.operand(a), r.operand(b)
+    if na is not None and nb is not None:
+        r.bind(out, r.binary("mul", na, nb, out.shape))
+    elif na is not None:
+        r.bind(out, r.scale(na, b, out.shape))
+    else:
+        r.bind(out, r.scale(nb, a, out.shape))
+
+
+def _h_div(r: _Recorder, func, args, kwargs, out) -> None:
+    if kwargs.get("rounding_mode") is not None:
+        raise UnsupportedOpError(f"rounded division in module '{r.path or '<model>'}'")
+    r.bind(out, r.scale(r.operand(args[0]), 1.0 / _np(args[1]), out.shape))
+
+
+def _h_neg(r: _Recorder, func, args, kwargs, out) -> None:
+    r.bind(out, r.scale(r.operand(args[0]), -1.0, out.shape))
+
+
+def _h_pow(r: _Recorder, func, args, kwargs, out) -> None:
+    base = r.operand(args[0])
+    k = args[1].item() if isinstance(args[1], torch.Tensor) else args[1]
+    k = int(k)
+    if k == 0:
+        zero = r.scale(base, 0.0, out.shape)
+        r.bind(out, r.shift(zero, 1.0, out.shape))
+        return
+    result: int | None = None
+    square = base
+    while k:  # binary exponentiation: multiplicative depth ceil(log2 k)
+        if k & 1:
+            result = square if result is None else r.binary("mul", result, square, out.shape)
+        k >>= 1
+        if k:
+            square = r.binary("mul", square, square, out.shape)
+    assert result is not None
+    r.bind(out, result)
+
+
+def _h_square(r: _Recorder, func, args, kwargs, out) -> None:
+    x = r.operand(args[0])
+    r.bind(out, r.binary("mul", x, x, out.shape))
+
+
+def _h_mm(r: _Recorder, func, args, kwargs, out) -> None:
+    _matmul(r, args[0], args[1], None, 1.0, 1.0, out)
+
+
+def _h_addmm(r: _Recorder, func, args, kwargs, out) -> None:
+    beta = kwargs.get("beta", 1.0)
+    alpha = kwargs.get("alpha", 1.0)
+    if r.traced(args[0]):
+        node = _matmul(r, args[1], args[2], None, 1.0, alpha, None)
+        scaled = r.scale(r.operand(args[0]), beta, out.shape)
+        r.bind(out, r.binary("add", node, scaled, out.shape))
+        return
+    _matmul(r, args[1], args[2], args[0], beta, alpha, out)
+
+
+def _matmul(r: _Recorder, a: Any, b: Any, bias: Any, beta: float, alpha: float,
+            out: torch.Tensor | None) -> int:
+    """a @ b (2-D or batched 3-D) where one or both operands are input-dependent."""
+    na, nb = r.operand(a), r.operand(b)
+    shape = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) + (a.shape[-2], b.shape[-1])
+    if na is not None and nb is not None:
+        node = _bilinear(r, na, nb, tuple(a.shape), tuple(b.shape), shape)
+        if alpha != 1.0:
+            node = r.scale(node, alpha, shape)
+    elif na is not None:
+        w = _np(b) * alpha  # (k, n) or (G, k, n)
+        node = _apply_weight(r, na, tuple(a.shape), w, axis=-1)
+    else:
+        w = np.swapaxes(_np(a), -1, -2) * alpha  # x^T-side: contract b's rows
+        node = _apply_weight(r, nb, tuple(b.shape), w, axis=-2)
+    if bias is not None:
+        bvec = _np(bias) * beta
+        node = r.shift(node, bvec, shape)
+    if out is not None:
+        r.bind(out, node)
+    return node
+
+
+def _apply_weight(r: _Recorder, node: int, xshape: tuple[int, ...], w: np.ndarray,
+                  axis: int) -> int:
+    """Contract ``axis`` of x with w (k, n), or with a per-batch-entry w (G, k, n)."""
+    if w.ndim == 2 or all(np.array_equal(w[0], w[g]) for g in range(w.shape[0])):
+        return r.linear(node, axis, w if w.ndim == 2 else w[0], None)
+    # Batched weights differ: x (G, p, q); move G next to the contracted axis, use a
+    # block-diagonal weight on the merged (G * k) axis, then move G back.
+    g, k, n = w.shape
+    axis = axis % 3
+    other = 2 if axis == 1 else 1
+    perm = (other, 0, axis)
+    idx = np.arange(int(np.prod(xshape))).reshape(xshape).transpose(perm)  # (p, G, k)
+    merged = r.gather([node], idx.reshape(xshape[other], g * k))
+    block = np.zeros((g * k, g * n))
+    for i in range(g):
+        block[i * k:(i + 1) * k, i * n:(i + 1) * n] = w[i]
+    lin = r.linear(merged, 1, block, None)  # (p, G * n)
+    p = xshape[other]
+    back = np.arange(p * g * n).reshape(p, g, n)
+    back = back.transpose(1, 0, 2) if axis == 2 else back.transpose(1, 2, 0)
+    return r.gather([lin], back)
+
+
+def _bilinear(r: _Recorder, na: int, nb: int, sa: tuple, sb: tuple, shape: tuple) -> int:
+    """a @ b with both operands input-dependent: broadcast, multiply, sum over k."""
+    k = sa[-1]
+    batch = shape[:-2]
+    n, m = shape[-2], shape[-1]
+    ia = np.arange(int(np.prod(sa))).reshape(sa)[..., :, :, None]
+    ib = np.arange(int(np.prod(sb))).reshape(sb)[..., None, :, :]
+    full = batch + (n, k, m)
+    ea = r.gather([na], np.broadcast_to(ia, full).copy())
+    eb = r.gather([nb], np.broadcast_to(ib, full).copy())
+    prod = r.add("mul", [ea, eb], full)
+    summed = r.linear(prod, len(full) - 2, np.ones((k, 1)), None)
+    return r.reshape(summed, shape)
+
+
+def _h_bmm(r: _Recorder, func, args, kwargs, out) -> None:
+    _matmul(r, args[0], args[1], None, 1.0, 1.0, out)
+
+
+def _h_baddbmm(r: _Recorder, func, args, kwargs, out) -> None:
+    _h_addmm(r, func, args, kwargs, out)
+
+
+def _reduce(r: _Recorder, x: torch.Tensor, dims: Any, keepdim: bool, mean: bool,
+            out: torch.Tensor) -> None:
+    node = r.operand(x)
+    nd = x.dim()
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(nd))
+    if isinstance(dims, int):
+        dims = [dims]
+    dims = sorted({d % nd for d in dims}) if nd else []
+    keep = [d for d in range(nd) if d not in dims]
+    shape = tuple(x.shape)
+    count = int(np.prod([shape[d] for d in dims])) if dims else 1
+    idx = np.arange(int(np.prod(shape))).reshape(shape).transpose(keep + dims)
+    merged = r.gather([node], idx.reshape(tuple(shape[d] for d in keep) + (count,)))
+    w = np.full((count, 1), 1.0 / count if mean else 1.0)
+    summed = r.linear(merged, len(keep), w, None)
+    r.bind(out, r.reshape(summed, tuple(out.shape)))
+
+
+def _h_sum(r: _Recorder, func, args, kwargs, out) -> None:
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    _reduce(r, args[0], dims, keepdim, False, out)
+
+
+def _h_mean(r: _Recorder, func, args, kwargs, out) -> None:
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    _reduce(r, args[0], dims, keepdim, True, out)
+
+
+def _h_cumsum(r: _Recorder, func, args, kwargs, out) -> None:
+    x = args[0]
+    dim = args[1] % max(x.dim(), 1)
+    n = x.shape[dim]
+    r.bind(out, r.linear(r.operand(x), dim, np.triu(np.ones((n, n))), None))
+
+
+def _h_batch_norm(r: _Recorder, func, args, kwargs, out) -> None:
+    x, weight, bias, mean, var = args[:5]
+    eps = args[-1] if _name(func) == "_native_batch_norm_legit_no_training" else args[7]
+    c = x.shape[1]
+    inv = 1.0 / np.sqrt(_np(var) + float(eps))
+    scale = inv * (_np(weight) if weight is not None else 1.0)
+    shift = (_np(bias) if bias is not None else 0.0) - _np(mean) * scale
+    bshape = (c,) + (1,) * (x.dim() - 2)
+    node = r.scale(r.operand(x), scale.reshape(bshape), x.shape)
+    node = r.shift(node, shift.reshape(bshape), x.shape)
+    r.bind(out[0], node)
+
+
+def _h_convolution(r: _Recorder, func, args, kwargs, out) -> None:
+    x, weight, bias, stride, padding, dilation, transposed, _, groups = args[:9]
+    if r.traced(weight) or (bias is not None and r.traced(bias)):
+        raise UnsupportedOpError(f"convolution with an input-dependent kernel in module "
+                                 f"'{r.path or '<model>'}'")
+    if transposed:
+        r._probe(func, args, kwargs, out)
+        return
+    nsp = x.dim() - 2
+    if nsp not in (1, 2):
+        r._probe(func, args, kwargs, out)
+        return
+    node = r.operand(x)
+    # im2col as a gather: (N, C, *S) -> (N, *S_out, C/g * prod(k)) per group, then one linear.
+    xs = tuple(x.shape)
+    n, cin = xs[0], xs[1]
+    w = _np(weight)  # (O, C/g, *k)
+    cout = w.shape[0]
+    ksz = w.shape[2:]
+    idx = torch.arange(1, int(np.prod(xs)) + 1, dtype=torch.float64).reshape(xs)
+    pads = [int(p) for p in padding]
+    if nsp == 1:
+        idx = idx.unsqueeze(2)
+        ksz = (1,) + tuple(ksz)
+        stride, dilation, pads = (1, stride[0]), (1, dilation[0]), [0, pads[0]]
+    padded = torch.nn.functional.pad(idx, (pads[1], pads[1], pads[0], pads[0]))
+    cols = torch.nn.functional.unfold(padded, kernel_size=ksz, dilation=tuple(dilation),
+                                      stride=tuple(stride))  # (N, C*kh*kw, L)
+    cols = cols.transpose(1, 2)  # (N, L, C*kh*kw)
+    index = cols.numpy().astype(np.int64) - 1
+    patches = r.gather([node], index)
+    per = cin // groups * int(np.prod(ksz))
+    opg = cout // groups
+    wmat = np.zeros((cin * int(np.prod(ksz)), cout))
+    for g in range(groups):
+        wg = w[g * opg:(g + 1) * opg].reshape(opg, per)  # (O/g, C/g * k)
+        wmat[g * per:(g + 1) * per, g * opg:(g + 1) * opg] = wg.T
+    lin = r.linear(patches, 2, wmat, _np(bias) if bias is not None else None)  # (N, L, O)
+    oshape = tuple(out.shape)
+    back = np.arange(n * int(np.prod(oshape[2:])) * cout).reshape(n, -1, cout)
+    back = back.transpose(0, 2, 1).reshape(oshape)
+    r.bind(out, r.gather([lin], back))
+
+
+def _h_linear(r: _Recorder, func, args, kwargs, out) -> None:
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if r.traced(w):
+        raise UnsupportedOpError(f"linear with an input-dependent weight in module "
+                                 f"'{r.path or '<model>'}'")
+    node = r.linear(r.operand(x), -1, _np(w).T, _np(bias) if bias is not None else None)
+    r.bind(out, node)
+
+
+def _h_dropout(r: _Recorder, func, args, kwargs, out) -> None:
+    train = args[2] if len(args) > 2 else kwargs.get("train", False)
+    if train:
+        raise UnsupportedOpError(f"dropout in training mode in module '{r.path or '<model>'}': "
+                                 f"call model.eval() first")
+    r.bind(out, r.operand(args[0]))
+
+
+_HANDLERS: dict[str, Callable] = {
+    "add": _h_add, "sub": _h_add, "rsub": _h_add, "mul": _h_mul, "div": _h_div,
+    "true_divide": _h_div, "neg": _h_neg, "pow": _h_pow, "square": _h_square, "mm": _h_mm,
+    "addmm": _h_addmm, "bmm": _h_bmm, "baddbmm": _h_baddbmm, "sum": _h_sum, "mean": _h_mean,
+    "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
+    "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
+    "dropout": _h_dropout,
+}
+
+
+# --------------------------------------------------------------------------------- entry points
+def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Tensor]:
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"expected an nn.Module to trace, got {type(model).__name__}")
+    if not isinstance(example_input, torch.Tensor):
+        example_input = torch.as_tensor(np.asarray(example_input))
+    if example_input.dim() < 1 or example_input.shape[0] < 1:
+        raise ShapeError(f"example_input must have a leading batch dimension of size >= 1, got "
+                         f"shape {tuple(example_input.shape)}")
+    if not torch.all(torch.isfinite(example_input.float())):
+        raise ShapeError("example_input contains NaN or infinite values")
+    clone = copy.deepcopy(model).to("cpu").double().eval()
+    x = example_input[:1].detach().to("cpu", torch.float64).clone()
+    return clone, x
+
+
+def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
+        list[Node], int | None, list[Offence], dict[str, Any]]:
+    """Run the recorder; returns (nodes, output node or None, offences, meta)."""
+    clone, x = _prepare(model, example_input)
+    rec = _Recorder(strict=strict)
+    handles = []
+    for qualname, module in clone.named_modules():
+        if module is clone:
+            continue
+
+        def pre(mod, inputs, _q=qualname):  # noqa: ANN001
+            rec.stack.append((_q, type(mod).__name__))
+
+        def post(mod, inputs, output):  # noqa: ANN001
+            rec.stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    rec.stack = [("", type(clone).__name__)]
+    rec.bind(x, rec.add("input", (), tuple(x.shape)))
+    try:
+        with torch.no_grad(), rec:
+            y = clone(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(y, torch.Tensor):
+        raise TraceError(f"the model must return one tensor to be traced, got {type(y).__name__}")
+    meta = {"model": type(model).__name__, "input_shape": list(x.shape),
+            "output_shape": list(y.shape)}
+    out = rec.node_of.get(id(y))
+    return rec.nodes, out, rec.offences, meta
+
+
+def trace(model: nn.Module, example_input: Any, *, optimize: bool = True) -> PolyProgram:
+    """Lower ``model`` (run in eval mode, float64) to a :class:`PolyProgram`.
+
+    ``example_input``: a tensor ``(B, ...)``; only its first sample is used, and the program
+    accepts any batch of that per-sample shape. With ``optimize`` (default) BatchNorm and other
+    affine chains are folded into adjacent linear maps, linear chains fused, layout ops composed.
+
+    Raises :class:`NonPolynomialError` naming every offending module, and
+    :class:`UnsupportedOpError` for ops the tracer does not know.
+    """
+    nodes, out, offences, meta = record(model, example_input, strict=False)
+    if offences:
+        raise NonPolynomialError(
+            "the model is not a polynomial of its input:\n" +
+            "\n".join(f"  - {o}" for o in offences))
+    if out is None:
+        raise TraceError("the model's output does not depend on its input; nothing to trace")
+    program = PolyProgram(nodes, out, meta=meta)
+    if optimize:
+        from polynets.passes import optimize as _optimize
+
+        program = _optimize(program)
+    return program
+
