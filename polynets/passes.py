@@ -21,21 +21,39 @@ from typing import Callable
 
 import numpy as np
 
-from polynets.program import Node, PolyProgram
+from polynets.program import Node, PolyProgram, _gather, _linear
 
 __all__ = ["optimize"]
 
 _CHANGED = -1  # a rule's return value: rewrote nodes in place, nothing to alias
 
 
+_DENSE_LIMIT = 1 << 20  # entries of a weight made by fusing linear maps on two axes
+
+
 def optimize(program: PolyProgram, *, max_rounds: int = 100) -> PolyProgram:
     """Return an equivalent program with affine chains folded and identities removed."""
     nodes = [Node(n.op, n.inputs, n.shape, dict(n.attrs), n.path) for n in program.nodes]
     output = program.output
-    rules: list[Callable[[list[Node], int, list[list[int]]], int | None]] = [
+    rules: list[Rule] = [
         _identity, _compose_gathers, _merge_consts, _fold_after_linear, _fold_before_linear,
-        _push_through_gather, _push_into_product, _fuse_linears,
+        _push_through_gather, _push_into_product, _fuse_linears, _sink_reshape,
+        _distribute_over_add, _fuse_across_axes,
     ]
+    nodes, output = _run(nodes, output, rules, max_rounds)
+    # dense collapsing last: structured maps first get every fold and fusion they can
+    nodes, output = _run(nodes, output, [_collapse_chain] + rules, max_rounds)
+    meta = dict(program.meta)
+    meta["optimized"] = True
+    return PolyProgram(nodes, output, meta=meta)
+
+
+Rule = Callable[[list[Node], int, list[list[int]]], "int | None"]
+
+
+def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
+         ) -> tuple[list[Node], int]:
+    """Apply ``rules`` over the program until nothing changes."""
     for _ in range(max_rounds):
         changed = False
         for rule in rules:
@@ -61,9 +79,7 @@ def optimize(program: PolyProgram, *, max_rounds: int = 100) -> PolyProgram:
             nodes, output = _compact(nodes, output)
         if not changed:
             break
-    meta = dict(program.meta)
-    meta["optimized"] = True
-    return PolyProgram(nodes, output, meta=meta)
+    return nodes, output
 
 
 # --------------------------------------------------------------------------------- utilities
@@ -76,23 +92,31 @@ def _users(nodes: list[Node]) -> list[list[int]]:
 
 
 def _compact(nodes: list[Node], output: int) -> tuple[list[Node], int]:
-    """Drop nodes that do not reach the output (the input always stays) and renumber."""
-    live = [False] * len(nodes)
-    live[output] = True
-    for i in range(len(nodes) - 1, -1, -1):
-        if live[i]:
-            for j in nodes[i].inputs:
-                live[j] = True
-    for i, n in enumerate(nodes):
-        if n.op == "input":
-            live[i] = True
-    new_id: dict[int, int] = {}
-    kept: list[Node] = []
-    for i, n in enumerate(nodes):
-        if live[i]:
-            new_id[i] = len(kept)
-            n.inputs = tuple(new_id[j] for j in n.inputs)
-            kept.append(n)
+    """Keep the input and the nodes that reach the output, in a topological order."""
+    order: list[int] = []
+    state = [0] * len(nodes)  # 0 new, 1 on the stack, 2 done
+    roots = [i for i, n in enumerate(nodes) if n.op == "input"] + [output]
+    for root in roots:
+        stack = [root]
+        while stack:
+            i = stack[-1]
+            if state[i] == 2:
+                stack.pop()
+                continue
+            state[i] = 1
+            pending = [j for j in nodes[i].inputs if state[j] == 0]
+            if pending:
+                stack.extend(pending)
+            else:
+                state[i] = 2
+                order.append(i)
+                stack.pop()
+    new_id = {old: new for new, old in enumerate(order)}
+    kept = []
+    for old in order:
+        n = nodes[old]
+        n.inputs = tuple(new_id[j] for j in n.inputs)
+        kept.append(n)
     return kept, new_id[output]
 
 
@@ -108,6 +132,28 @@ def _only_along(value: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndar
     if not np.array_equal(moved, np.broadcast_to(row, moved.shape)):
         return None
     return np.array(row, dtype=np.float64)
+
+
+def _regular_fill(value: np.ndarray, read: np.ndarray) -> np.ndarray:
+    """Fill the entries nobody reads so the constant varies along one axis only, if it can.
+
+    Entries that a gather never reads may take any value; choosing them well lets the constant
+    fold into a linear map on that axis (e.g. a BatchNorm after a shift that drops a border).
+    """
+    for axis in range(value.ndim):
+        moved = np.moveaxis(value, axis, -1).reshape(-1, value.shape[axis])
+        mask = np.moveaxis(read, axis, -1).reshape(-1, value.shape[axis])
+        profile = np.empty(value.shape[axis])
+        for c in range(value.shape[axis]):
+            seen = moved[mask[:, c], c]
+            if seen.size and np.any(seen != seen[0]):
+                break
+            profile[c] = seen[0] if seen.size else moved[0, c]
+        else:
+            shape = [1] * value.ndim
+            shape[axis] = value.shape[axis]
+            return np.broadcast_to(profile.reshape(shape), value.shape).copy()
+    return value
 
 
 def _single_user(users: list[list[int]], j: int) -> bool:
@@ -221,27 +267,34 @@ def _fold_after_linear(nodes: list[Node], i: int, users: list[list[int]]) -> int
 
 
 def _fold_before_linear(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """linear(const(x)) -> linear'(x); a constant read by several linear maps folds into all."""
     n = nodes[i]
     if n.op != "linear":
         return None
     j = n.inputs[0]
     c = nodes[j]
-    if c.op not in ("mul_const", "add_const") or not _single_user(users, j):
+    if c.op not in ("mul_const", "add_const") or nodes[c.inputs[0]].shape != c.shape:
         return None
-    src_shape = nodes[c.inputs[0]].shape
-    if src_shape != c.shape:
-        return None
-    axis = n.attrs["axis"]
-    prof = _only_along(c.attrs["value"], c.shape, axis)
-    if prof is None:
-        return None
-    w, b = n.attrs["weight"], n.attrs.get("bias")
-    if c.op == "mul_const":
-        attrs = {"axis": axis, "weight": prof[:, None] * w, "bias": b}
-    else:
-        shift = prof @ w
-        attrs = {"axis": axis, "weight": w, "bias": shift if b is None else b + shift}
-    nodes[i] = Node("linear", c.inputs, n.shape, attrs, n.path)
+    readers = sorted(set(users[j]))
+    profiles = {}
+    for k in readers:
+        reader = nodes[k]
+        if reader.op != "linear" or reader.inputs[0] != j:
+            return None
+        prof = _only_along(c.attrs["value"], c.shape, reader.attrs["axis"])
+        if prof is None:
+            return None
+        profiles[k] = prof
+    for k, prof in profiles.items():
+        reader = nodes[k]
+        w, b = reader.attrs["weight"], reader.attrs.get("bias")
+        if c.op == "mul_const":
+            attrs = {"axis": reader.attrs["axis"], "weight": prof[:, None] * w, "bias": b}
+        else:
+            shift = prof @ w
+            attrs = {"axis": reader.attrs["axis"], "weight": w,
+                     "bias": shift if b is None else b + shift}
+        nodes[k] = Node("linear", c.inputs, reader.shape, attrs, reader.path)
     return _CHANGED
 
 
@@ -267,7 +320,10 @@ def _push_through_gather(nodes: list[Node], i: int, users: list[list[int]]) -> i
     pulled[idx[used]] = full[used]
     if not np.array_equal(pulled[idx[used]], full[used]):
         return None
-    nodes[j] = Node(n.op, g.inputs, src.shape, {"value": pulled.reshape(src.shape)}, n.path)
+    read = np.zeros(src.numel, dtype=bool)
+    read[idx[used]] = True
+    pulled = _regular_fill(pulled.reshape(src.shape), read.reshape(src.shape))
+    nodes[j] = Node(n.op, g.inputs, src.shape, {"value": pulled}, n.path)
     nodes[i] = Node("gather", (j,), g.shape, dict(g.attrs), g.path)
     return _CHANGED
 
@@ -314,4 +370,161 @@ def _fuse_linears(nodes: list[Node], i: int, users: list[list[int]]) -> int | No
         bias = b2 if bias is None else bias + b2
     nodes[i] = Node("linear", first.inputs, n.shape,
                     {"axis": n.attrs["axis"], "weight": w1 @ w2, "bias": bias}, n.path)
+    return _CHANGED
+
+
+def _fuse_across_axes(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """linear_b(linear_a(x)) on two different axes -> one linear on the merged axes (kron).
+
+    Done only when the merged weight stays small; it saves a CKKS level (e.g. token pooling
+    followed by the classifier head become one map).
+    """
+    n = nodes[i]
+    if n.op != "linear":
+        return None
+    j = n.inputs[0]
+    first = nodes[j]
+    if first.op != "linear" or not _single_user(users, j) \
+            or first.attrs["axis"] == n.attrs["axis"]:
+        return None
+    w1, b1, a1 = first.attrs["weight"], first.attrs.get("bias"), first.attrs["axis"]
+    w2, b2, a2 = n.attrs["weight"], n.attrs.get("bias"), n.attrs["axis"]
+    if w1.size * w2.size > _DENSE_LIMIT:
+        return None
+    src = nodes[first.inputs[0]]
+    # order the two axes as (lo, hi); weights follow the same order
+    (lo, wl), (hi, wh) = sorted([(a1, w1), (a2, w2)], key=lambda t: t[0])
+    rest = [d for d in range(len(src.shape)) if d not in (lo, hi)]
+    perm = rest[:lo] + [lo, hi] + rest[lo:]
+    idx = np.arange(src.numel).reshape(src.shape).transpose(perm)
+    merged_shape = tuple(src.shape[d] for d in rest[:lo]) + (wl.shape[0] * wh.shape[0],) + \
+        tuple(src.shape[d] for d in rest[lo:])
+    weight = np.kron(wl, wh)
+    # constant part: first's bias pushed through the second map, plus the second's bias
+    c1 = np.zeros(w1.shape[1]) if b1 is None else b1
+    if a1 == lo:
+        const = np.outer(c1, w2.sum(axis=0))
+    else:
+        const = np.outer(w2.sum(axis=0), c1)
+    if b2 is not None:
+        const = const + (b2[None, :] if a2 == hi else b2[:, None])
+    bias = const.reshape(-1) if np.any(const) else None
+    out_mid = tuple(n.shape[d] for d in rest[:lo]) + (wl.shape[1] * wh.shape[1],) + \
+        tuple(n.shape[d] for d in rest[lo:])
+    perm_out = rest[:lo] + [lo, hi] + rest[lo:]
+    back_shape = tuple(n.shape[d] for d in perm_out)
+    back = np.arange(int(np.prod(out_mid))).reshape(back_shape)
+    back = back.transpose(np.argsort(perm_out))
+    g_in = Node("gather", first.inputs, merged_shape, {"index": idx.reshape(merged_shape)},
+                first.path)
+    nodes.append(g_in)
+    lin = Node("linear", (len(nodes) - 1,), out_mid,
+               {"axis": len(rest[:lo]), "weight": weight, "bias": bias}, n.path)
+    nodes.append(lin)
+    nodes[i] = Node("gather", (len(nodes) - 1,), n.shape, {"index": back.copy()}, n.path)
+    return _CHANGED
+
+
+def _distribute_over_add(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """L(a + b) with a = linear(u) on L's axis -> (L o a)(u) + L(b): one level less on u's path.
+
+    Residual connections (y = x + C(u), then the next layer's maps read y) are the common case.
+    """
+    n = nodes[i]
+    if n.op != "linear":
+        return None
+    j = n.inputs[0]
+    s = nodes[j]
+    if s.op != "add" or s.inputs[0] == s.inputs[1]:
+        return None
+    axis = n.attrs["axis"]
+    for k, other in ((s.inputs[0], s.inputs[1]), (s.inputs[1], s.inputs[0])):
+        a = nodes[k]
+        if a.op != "linear" or a.attrs["axis"] != axis or len(set(users[k])) != 1:
+            continue
+        if a.attrs["weight"].size * n.attrs["weight"].shape[1] > \
+                _DENSE_LIMIT * max(1, a.attrs["weight"].shape[1]):
+            continue
+        w, b = n.attrs["weight"], n.attrs.get("bias")
+        wa, ba = a.attrs["weight"], a.attrs.get("bias")
+        fused_bias = None if ba is None else ba @ w
+        nodes.append(Node("linear", a.inputs, n.shape,
+                          {"axis": axis, "weight": wa @ w, "bias": fused_bias}, a.path))
+        left = len(nodes) - 1
+        nodes.append(Node("linear", (other,), n.shape, {"axis": axis, "weight": w, "bias": b},
+                          n.path))
+        nodes[i] = Node("add", (left, len(nodes) - 1), n.shape, {}, s.path)
+        return _CHANGED
+    return None
+
+
+def _sink_reshape(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """linear(reshape(x)) on a last axis that the reshape keeps -> reshape(linear(x)).
+
+    ``nn.Linear`` on a (B, H, W, C) tensor runs as view -> matmul -> view; moving the views
+    outward lets them cancel and exposes linear maps to folding, fusion and distribution.
+    """
+    n = nodes[i]
+    if n.op != "linear":
+        return None
+    j = n.inputs[0]
+    g = nodes[j]
+    if g.op != "gather" or len(g.inputs) != 1:
+        return None
+    src = nodes[g.inputs[0]]
+    axis = n.attrs["axis"]
+    if axis != len(g.shape) - 1 or not src.shape or src.shape[-1] != g.shape[-1]:
+        return None
+    if not np.array_equal(g.attrs["index"].ravel(), np.arange(g.numel)) or g.numel != src.numel:
+        return None
+    out_src = src.shape[:-1] + (n.shape[-1],)
+    nodes.append(Node("linear", g.inputs, out_src,
+                      {"axis": len(src.shape) - 1, "weight": n.attrs["weight"],
+                       "bias": n.attrs.get("bias")}, n.path))
+    total = int(np.prod(n.shape, dtype=np.int64))
+    nodes[i] = Node("gather", (len(nodes) - 1,), n.shape,
+                    {"index": np.arange(total).reshape(n.shape)}, g.path)
+    return _CHANGED
+
+
+def _collapse_chain(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """A chain of layout ops and two or more linear maps -> one dense linear map, when small.
+
+    E.g. a channel map, a transpose, token pooling and the classifier head: one level, not three.
+    """
+    n = nodes[i]
+    if n.op != "linear":
+        return None
+    chain = [i]
+    cur = n.inputs[0]
+    while (nodes[cur].op == "linear" or (nodes[cur].op == "gather"
+                                         and len(nodes[cur].inputs) == 1)) \
+            and _single_user(users, cur):
+        chain.append(cur)
+        cur = nodes[cur].inputs[0]
+    if sum(nodes[k].op == "linear" for k in chain) < 2:
+        return None
+    src = nodes[cur]
+    n_in, n_out = src.numel, n.numel
+    if n_in * n_out > _DENSE_LIMIT:
+        return None
+    basis = np.concatenate([np.zeros((1, n_in)), np.eye(n_in)]).reshape((n_in + 1,) + src.shape)
+    value = basis
+    for k in reversed(chain):
+        node = nodes[k]
+        if node.op == "linear":
+            value = _linear(value, node.attrs["axis"], node.attrs["weight"],
+                            node.attrs.get("bias"))
+        else:
+            value = _gather([value], node.attrs["index"], n_in + 1).reshape(
+                (n_in + 1,) + node.shape)
+    flat = value.reshape(n_in + 1, n_out)
+    bias = flat[0]
+    weight = flat[1:] - bias[None, :]
+    nodes.append(Node("gather", (cur,), (n_in,), {"index": np.arange(n_in)}, n.path))
+    nodes.append(Node("linear", (len(nodes) - 1,), (n_out,),
+                      {"axis": 0, "weight": weight, "bias": bias if np.any(bias) else None},
+                      n.path))
+    nodes[i] = Node("gather", (len(nodes) - 1,), n.shape,
+                    {"index": np.arange(n_out).reshape(n.shape)}, n.path)
     return _CHANGED
