@@ -19,8 +19,10 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -35,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from tqdm.auto import tqdm
 
-from polynets.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
+from polynets.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
 from polynets.device import autocast_dtype, init_distributed
 from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
 
@@ -148,6 +150,27 @@ def _deterministic_algorithms(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+
+
+@contextmanager
+def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
+    """Inside the block a first Ctrl-C (SIGINT) only raises a flag, read between optimizer steps,
+    so the trainer can checkpoint a consistent state; a second Ctrl-C interrupts at once."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if hit.is_set():
+            raise KeyboardInterrupt
+        hit.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -269,7 +292,7 @@ class Trainer:
         )
 
     def _checkpoint(self, name: str, *, epoch: int, batch: int, progress: Mapping[str, float],
-                    rng: Mapping[str, Any] | None = None, scaler: Any = None) -> Path | None:
+                    scaler: Any = None) -> Path | None:
         if self.out_dir is None or not self.dist.is_main:
             return None
         extra = {
@@ -283,7 +306,7 @@ class Trainer:
         }
         return save_checkpoint(self.out_dir / name, model=self.model, model_name=self.model_name,
                                model_kwargs=self.model_kwargs, optimizer=self.optimizer, scheduler=self.scheduler,
-                               epoch=epoch, step=self.global_step, extra=extra, rng=rng if rng is not None else True)
+                               epoch=epoch, step=self.global_step, extra=extra)
 
     def _restore(self, scaler: Any) -> tuple[int, int, dict[str, float], dict[str, Any] | None]:
         """Load ``out_dir/last.pt``; returns (epoch, batch in epoch, partial-epoch sums, rng state)."""
@@ -321,10 +344,11 @@ class Trainer:
         """
         cfg = self.config
         resume = cfg.resume if resume is None else resume
-        with _deterministic_algorithms(cfg.deterministic):
-            return self._fit(train_dataset, val_dataset, resume)
+        with _deterministic_algorithms(cfg.deterministic), _deferred_interrupt() as interrupted:
+            return self._fit(train_dataset, val_dataset, resume, interrupted)
 
-    def _fit(self, train_dataset: Dataset, val_dataset: Dataset | None, resume: bool) -> list[dict[str, Any]]:
+    def _fit(self, train_dataset: Dataset, val_dataset: Dataset | None, resume: bool,
+             interrupted: Callable[[], bool]) -> list[dict[str, Any]]:
         cfg = self.config
         seed_everything(cfg.seed + self.dist.rank)
         mixing = cfg.mixup > 0 or cfg.cutmix > 0
@@ -378,7 +402,7 @@ class Trainer:
         best = max((h.get("val_accuracy", -1.0) for h in self.history), default=-1.0)
         for epoch in range(start_epoch, cfg.epochs):
             record = self._train_epoch(net, train_dataset, sampler, epoch, start_batch, steps_per_epoch, progress,
-                                       loss_fn, mixup_fn, scaler, log)
+                                       loss_fn, mixup_fn, scaler, log, interrupted)
             start_batch, progress = 0, {}
             if val_dataset is not None:
                 record.update({f"val_{k}": v for k, v in self.evaluate(val_dataset).items()})
@@ -401,7 +425,8 @@ class Trainer:
 
     def _train_epoch(self, net: nn.Module, dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int,
                      start_batch: int, steps_per_epoch: int, progress: Mapping[str, float], loss_fn: LossFn,
-                     mixup_fn: Any, scaler: Any, log: _MetricsLog | None) -> dict[str, Any]:
+                     mixup_fn: Any, scaler: Any, log: _MetricsLog | None,
+                     interrupted: Callable[[], bool]) -> dict[str, Any]:
         cfg = self.config
         assert self.optimizer is not None and self.scheduler is not None
         sampler.set_epoch(epoch)
@@ -415,7 +440,6 @@ class Trainer:
         check_every = cfg.log_every if self.device.type == "cuda" else 1
         pending: list[tuple[int, int, torch.Tensor]] = []
         window = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples since last log
-        done, snapshot = start_batch, capture_rng_state()
         t0, t_log, seen_at_start = time.perf_counter(), time.perf_counter(), float(sums[2])
         bar = tqdm(total=steps_per_epoch, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                    disable=not (cfg.progress and self.dist.is_main), leave=False, dynamic_ncols=True, file=sys.stderr)
@@ -441,7 +465,6 @@ class Trainer:
                 self.global_step += 1
                 if self.ema is not None:
                     self.ema.update(self.model, step=self.global_step)
-                done, snapshot = batch + 1, capture_rng_state()
                 n = y.shape[0]
                 lv = loss.detach().double()
                 sums += torch.stack([lv * n, (logits.detach().argmax(-1) == y).sum().double(),
@@ -467,14 +490,14 @@ class Trainer:
                                    "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate})
                     window.zero_()
                     t_log = now
-        except KeyboardInterrupt:
-            s = sums.tolist()
-            saved = self._checkpoint("last.pt", epoch=epoch, batch=done, rng=snapshot, scaler=scaler,
-                                     progress={"loss_sum": s[0], "correct": s[1], "seen": s[2]})
-            if saved is not None:
-                tqdm.write(f"interrupted: saved {saved} at step {self.global_step}; continue with resume=True",
-                           file=sys.stderr)
-            raise
+                if self._stop_requested(interrupted):
+                    s = sums.tolist()
+                    saved = self._checkpoint("last.pt", epoch=epoch, batch=batch + 1, scaler=scaler,
+                                             progress={"loss_sum": s[0], "correct": s[1], "seen": s[2]})
+                    where = f"saved {saved}" if saved is not None else "no out_dir, nothing saved"
+                    tqdm.write(f"interrupted after step {self.global_step}: {where}; continue with resume=True",
+                               file=sys.stderr)
+                    raise KeyboardInterrupt
         finally:
             bar.close()
         elapsed = time.perf_counter() - t0
@@ -486,6 +509,16 @@ class Trainer:
                 "train_accuracy": s[1] / max(s[2], 1.0),
                 "samples_per_s": (s[2] - seen_at_start * self.dist.world_size) / max(elapsed, 1e-9),
                 "time_s": elapsed}
+
+    def _stop_requested(self, interrupted: Callable[[], bool]) -> bool:
+        """True once Ctrl-C was pressed on any rank (ranks agree every log_every steps under DDP)."""
+        if not self.dist.enabled:
+            return interrupted()
+        if self.global_step % self.config.log_every:
+            return False
+        flag = torch.tensor([float(interrupted())], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
 
     @torch.no_grad()
     def evaluate(self, dataset: Dataset, *, model: nn.Module | None = None,

@@ -1,0 +1,365 @@
+"""The ``polynets`` command: ``train``, ``eval``, ``certify``, ``plot``, ``bench`` and plugin subcommands.
+
+Plugins: for each module in :data:`PLUGINS` that can be imported (``he.cli``, ``symbolic.cli``),
+``register(subparsers)`` adds that package's subcommands (``demo``, ``compile``, ``encrypt``,
+``run``, ``decrypt``, ``discover``); polynets itself never imports ``he`` or ``symbolic`` at module
+level. Errors of the polynets hierarchy print as ``polynets: error: <message>`` with exit code 2.
+Under ``torchrun --nproc_per_node N -m polynets.cli train ...`` training is distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from polynets.errors import ConfigError, PolynetsError
+
+__all__ = ["PLUGINS", "build_parser", "main"]
+
+PLUGINS = ("he.cli", "symbolic.cli")
+BENCHMARK_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+TIMM_SIZE_KEYS = ("num_classes", "in_chans", "img_size")
+
+
+# ------------------------------------------------------------------------------ helpers
+def parse_model_args(items: Sequence[str] | None) -> dict[str, Any]:
+    """``["embed_dim=64", "depth=[2,2]", "norm=batch"]`` -> dict; values are JSON when they parse, else strings."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--model-arg expects KEY=VALUE (e.g. embed_dim=64), got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
+        out[key.strip()] = value
+    return out
+
+
+def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, Any]:
+    """Arguments that build model ``name`` for dataset ``info``: geometry from the data, then ``user``.
+
+    The data's sizes (num_classes, in_chans/img_size or seq_len/in_features) are passed when the
+    builder names them (timm builders get num_classes, in_chans, img_size). ``monet`` on small
+    images (<= 32 px) also gets a small default width, depth and patch size.
+    """
+    from polynets.checkpoint import model_builder
+
+    builder = model_builder(name)
+    params = inspect.signature(builder).parameters
+    data_kwargs = info.model_kwargs()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in data_kwargs.items() if k in TIMM_SIZE_KEYS}
+    else:
+        kwargs = {k: v for k, v in data_kwargs.items() if k in params}
+    if name.lower() == "monet" and info.kind == "image" and info.img_size <= 32:
+        kwargs.update(patch_size=2 if info.img_size <= 16 else 4, embed_dim=64, depth=4)
+    kwargs.update(user)
+    return kwargs
+
+
+def _load_data(args: argparse.Namespace, run_info: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    from polynets.data import load_dataset
+
+    saved = run_info or {}
+    defaults = {"dataset": None, "data_dir": None, "seed": 0, "test_size": 0.2, "img_size": 224}
+    chosen = {k: getattr(args, k, None) if getattr(args, k, None) is not None else saved.get(k, default)
+              for k, default in defaults.items()}
+    if not chosen["dataset"]:
+        raise ConfigError("no dataset given and the checkpoint does not record one; pass --dataset NAME")
+    return load_dataset(chosen["dataset"], data_dir=chosen["data_dir"], seed=chosen["seed"],
+                        test_size=chosen["test_size"], img_size=chosen["img_size"])
+
+
+def _add_data_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    from polynets.data import available_datasets
+
+    p.add_argument("--dataset", default="digits" if required else None,
+                   help=f"one of {', '.join(available_datasets())}" + (" (default: digits)" if required else
+                                                                       " (default: the one recorded at training)"))
+    p.add_argument("--data-dir", help="directory holding mnist / fashion_mnist / cifar / imagefolder files")
+    p.add_argument("--test-size", type=float, default=0.2 if required else None,
+                   help="held-out fraction when a set is split (default: 0.2)")
+    p.add_argument("--img-size", type=int, default=224 if required else None,
+                   help="image side for imagefolder (default: 224)")
+
+
+def _add_model_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--model", default=default, help="model name: monet, polymorpher_classifier, monet_t, a timm "
+                                                    "name ..." + (f" (default: {default})" if default else ""))
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="model argument, repeatable; values parse as JSON (embed_dim=64, depth=[2,2], norm=batch)")
+
+
+def _finish_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ commands
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a model on a dataset and write run.json, metrics.jsonl, last.pt/best.pt to --out."""
+    from polynets.checkpoint import build_model
+    from polynets.train import TrainConfig, Trainer
+
+    train_ds, test_ds, info = _load_data(args)
+    if args.max_train_samples:
+        from torch.utils.data import Subset
+
+        train_ds = Subset(train_ds, range(min(args.max_train_samples, len(train_ds))))
+    kwargs = model_kwargs_for(args.model, info, parse_model_args(args.model_arg))
+    model = build_model(args.model, **kwargs)
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                         warmup_epochs=args.warmup_epochs, min_lr=min(args.min_lr, args.lr),
+                         label_smoothing=args.label_smoothing, clip_grad=args.clip_grad, device=args.device,
+                         amp=args.amp, compile=args.compile, ema_decay=args.ema_decay, mixup=args.mixup,
+                         cutmix=args.cutmix, seed=args.seed, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                         num_workers=args.num_workers, log_every=args.log_every, progress=not args.no_progress,
+                         deterministic=args.deterministic, resume=args.resume, num_classes=info.num_classes)
+    run_info = {"dataset": info.name, "data_dir": args.data_dir, "seed": args.seed, "test_size": args.test_size,
+                "img_size": args.img_size, "input_shape": list(info.input_shape), "info": info.as_dict()}
+    trainer = Trainer(model, config, model_name=args.model, model_kwargs=kwargs, run_info=run_info)
+    n_params = sum(p.numel() for p in model.parameters())
+    if trainer.dist.is_main:
+        print(f"training {args.model} ({n_params:,} parameters, {json.dumps(kwargs)}) on {info.name} "
+              f"({info.num_train} train / {info.num_test} test) on {trainer.device}"
+              f"{f' x{trainer.dist.world_size} processes' if trainer.dist.enabled else ''}")
+    try:
+        history = trainer.fit(train_ds, test_ds)
+    except KeyboardInterrupt:
+        print("polynets: interrupted; run the same command with --resume to continue", file=sys.stderr)
+        return 130
+    finally:
+        _finish_distributed()
+    if trainer.dist.is_main:
+        last = history[-1]
+        print(f"done: epoch {last['epoch']}, train accuracy {last['train_accuracy']:.4f}, "
+              f"test accuracy {last['val_accuracy']:.4f}, test loss {last['val_loss']:.4f}")
+        if args.out:
+            print(f"checkpoint: {Path(args.out) / 'last.pt'}   metrics: {Path(args.out) / 'metrics.jsonl'}")
+            if args.plot:
+                from polynets.plot import plot_run
+
+                print(f"curves: {plot_run(args.out)}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint on the test split (or --split train) of its dataset."""
+    from polynets.checkpoint import load_checkpoint, load_model
+    from polynets.train import TrainConfig, Trainer
+
+    run_info = load_checkpoint(args.checkpoint)["extra"].get("run_info") or {}
+    model = load_model(args.checkpoint)
+    train_ds, test_ds, info = _load_data(args, run_info)
+    trainer = Trainer(model, TrainConfig(batch_size=args.batch_size, device=args.device, progress=False))
+    metrics = trainer.evaluate(train_ds if args.split == "train" else test_ds)
+    result = {"checkpoint": str(args.checkpoint), "dataset": info.name, "split": args.split,
+              "samples": info.num_train if args.split == "train" else info.num_test, **metrics}
+    print(json.dumps(result) if args.json else
+          f"{info.name} {args.split} ({result['samples']} samples): accuracy {metrics['accuracy']:.4f}, "
+          f"loss {metrics['loss']:.4f}")
+    return 0
+
+
+def cmd_certify(args: argparse.Namespace) -> int:
+    """Certify that a model is a polynomial of its input; prints degree and multiplicative depth."""
+    import torch
+
+    import polynets
+    from polynets.checkpoint import build_model, load_checkpoint, load_model
+
+    certify = getattr(polynets, "certify", None)
+    if certify is None:
+        raise ConfigError("this polynets installation has no certifier (polynets.certify)")
+    if args.checkpoint:
+        shape = (load_checkpoint(args.checkpoint)["extra"].get("run_info") or {}).get("input_shape")
+        model = load_model(args.checkpoint)
+    else:
+        if not args.model:
+            raise ConfigError("certify needs a checkpoint path or --model NAME")
+        _, _, info = _load_data(args)
+        model = build_model(args.model, **model_kwargs_for(args.model, info, parse_model_args(args.model_arg)))
+        shape = list(info.input_shape)
+    if args.input_shape:
+        try:
+            shape = [int(s) for s in args.input_shape.split(",")]
+        except ValueError as exc:
+            raise ConfigError(f"--input-shape expects comma-separated integers such as 1,8,8, got "
+                              f"{args.input_shape!r}") from exc
+    if not shape:
+        raise ConfigError("the input shape is unknown; pass --input-shape C,H,W (one sample, no batch dimension)")
+    example = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
+    certificate = certify(model.eval(), example)
+    print(str(certificate))
+    return 0 if getattr(certificate, "is_polynomial", True) else 1
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a run's training curves (loss, accuracy, learning rate) to a PNG."""
+    from polynets.plot import plot_run
+
+    print(plot_run(args.run, args.output))
+    return 0
+
+
+def _benchmarks() -> dict[str, tuple[Path, str]]:
+    if not BENCHMARK_DIR.is_dir():
+        raise ConfigError(f"benchmarks live in a source checkout ({BENCHMARK_DIR} does not exist); clone the "
+                          "repository and install it with `pip install -e .`")
+    found = {}
+    for script in sorted(BENCHMARK_DIR.glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        except SyntaxError:
+            doc = ""
+        found[script.stem] = (script, doc.strip().splitlines()[0] if doc.strip() else "")
+    return found
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """List the benchmark scripts, or run one (extra arguments go to the script)."""
+    scripts = _benchmarks()
+    if not args.name:
+        width = max((len(n) for n in scripts), default=0)
+        for name, (_, summary) in scripts.items():
+            print(f"{name:<{width}}  {summary}")
+        if not scripts:
+            print(f"no benchmark scripts in {BENCHMARK_DIR}")
+        return 0
+    name = args.name[:-3] if args.name.endswith(".py") else args.name
+    if name not in scripts:
+        raise ConfigError(f"no benchmark {args.name!r}; available: {', '.join(scripts) or 'none'}")
+    return subprocess.call([sys.executable, str(scripts[name][0]), *args.args])
+
+
+# ------------------------------------------------------------------------------ parser
+def _add_train(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a polynomial network", description=cmd_train.__doc__,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(p, "monet")
+    _add_data_args(p, required=True)
+    p.add_argument("--max-train-samples", type=int, help="train on the first N training samples only")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=float, default=2.0)
+    p.add_argument("--min-lr", type=float, default=1e-5, help="final learning rate of the cosine decay")
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--clip-grad", type=float, help="clip the global gradient norm to this value")
+    p.add_argument("--ema-decay", type=float, help="keep an EMA of the weights with this decay (e.g. 0.999)")
+    p.add_argument("--mixup", type=float, default=0.0, help="Mixup alpha (images)")
+    p.add_argument("--cutmix", type=float, default=0.0, help="CutMix alpha (images)")
+    p.add_argument("--device", default="auto", help="auto (CUDA > MPS > CPU), cpu, cuda, cuda:N or mps")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"], help="autocast on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="run directory for checkpoints and metrics (none: nothing is written)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="epochs between checkpoints")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log records")
+    p.add_argument("--deterministic", action="store_true", help="use deterministic kernels")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--plot", action="store_true", help="draw OUT/curves.png at the end")
+    p.set_defaults(func=cmd_train)
+
+
+def _add_eval(sub: Any) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint", description=cmd_eval.__doc__)
+    p.add_argument("checkpoint", help="a checkpoint written by `polynets train` (e.g. runs/x/last.pt)")
+    _add_data_args(p, required=False)
+    p.add_argument("--split", choices=["test", "train"], default="test")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, help="split seed (default: the one recorded at training)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+
+def _add_certify(sub: Any) -> None:
+    p = sub.add_parser("certify", help="certify a model is a polynomial (degree, depth)",
+                       description=cmd_certify.__doc__)
+    p.add_argument("checkpoint", nargs="?", help="checkpoint to certify (or give --model)")
+    _add_model_args(p, None)
+    _add_data_args(p, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-shape", help="one sample's shape, e.g. 1,8,8 (default: from the checkpoint or dataset)")
+    p.set_defaults(func=cmd_certify)
+
+
+def _add_plot(sub: Any) -> None:
+    p = sub.add_parser("plot", help="draw a run's training curves", description=cmd_plot.__doc__)
+    p.add_argument("run", help="run directory (holding metrics.jsonl)")
+    p.add_argument("-o", "--output", help="PNG path (default: RUN/curves.png)")
+    p.set_defaults(func=cmd_plot)
+
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="list or run benchmarks (source checkout)", description=cmd_bench.__doc__)
+    p.add_argument("name", nargs="?", help="benchmark to run (omit to list them)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
+    p.set_defaults(func=cmd_bench)
+
+
+def _register_plugins(sub: Any) -> list[str]:
+    """Let each importable plugin add its subcommands; returns the names of loaded plugins."""
+    loaded = []
+    for module_name in PLUGINS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name in (module_name, module_name.split(".")[0]):
+                continue
+            print(f"polynets: warning: plugin {module_name} could not be loaded: {exc}", file=sys.stderr)
+            continue
+        register = getattr(module, "register", None)
+        if callable(register):
+            register(sub)
+            loaded.append(module_name)
+    return loaded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``polynets`` argument parser with built-in and plugin subcommands."""
+    import polynets
+
+    parser = argparse.ArgumentParser(
+        prog="polynets", description="Activation-free polynomial networks: train, certify, encrypt, discover.")
+    parser.add_argument("--version", action="version", version=f"polynets {polynets.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_train, _add_eval, _add_certify, _add_plot, _add_bench):
+        add(sub)
+    _register_plugins(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``polynets`` command line; returns the exit code (2 for polynets errors)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(func(args) or 0)
+    except PolynetsError as exc:
+        print(f"polynets: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
