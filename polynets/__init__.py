@@ -10,5 +10,6 @@ from polynets.passes import optimize
 from polynets.program import Node, PolyProgram
 from polynets.trace import trace
 from polynets.pom import PoM, PoMState
+from polynets.models.polymorpher import Polymorpher, PolymorpherClassifier
 
 __version__ = "0.1.0"

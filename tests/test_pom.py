@@ -228,3 +228,139 @@ def test_block_causal_mask_rejects_block_size_that_does_not_divide() -> None:
 
 def test_pom_is_exported_from_package() -> None:
     assert pn.PoM is PoM
+
+
+# --- certificate (tracer) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, degree", [
+    ({}, 3),                                           # H degree 2, linear gate 1
+    ({"degree": 3}, 4),                                # H degree 3, linear gate 1
+    ({"gate": "poly2"}, 4),                            # H degree 2, quadratic gate 2
+    ({"degree": 3, "form": "products"}, 4),            # prod of 3 projections, linear gate
+    ({"mask": "causal"}, 3),                           # cumsum is linear over tokens
+    ({"mask": "block_causal", "block_size": 3}, 3),
+    ({"mask": causal_mask(6), "aggregation": "sum"}, 3),
+])
+def test_linear_pom_certifies_as_polynomial_of_degree_k_plus_gate_degree(kwargs: dict,
+                                                                          degree: int) -> None:
+    """Degree = k + deg(g): H(X) sums (a linear map) degree-k token features, the gate adds deg g.
+
+    Mean aggregation multiplies by constant reciprocal counts, so it does not change the degree.
+    """
+    pom = PoM(8, **kwargs).eval()
+    x = torch.randn(1, 6, 8)
+    cert = pn.certify(pom, x)
+    assert cert.is_polynomial, cert.offending
+    assert cert.degree == degree == pom.polynomial_degree
+    xs = torch.randn(3, 6, 8, dtype=torch.float64)
+    program = pn.trace(pom, x)
+    expected = pom.double()(xs).detach().numpy()
+    assert abs(program.simulate(xs.numpy()) - expected).max() < 1e-10
+
+
+def test_original_pom_is_reported_non_polynomial_with_module_path() -> None:
+    model = pn.PolymorpherClassifier(6, 8, 3, dim=8, depth=1, activation="gelu",
+                                     gate="sigmoid").eval()
+    cert = pn.certify(model, torch.randn(1, 6, 8))
+    assert not cert.is_polynomial
+    ops = {(o.path, o.op) for o in cert.offending}
+    assert ("blocks.0.mixer", "aten.gelu") in ops
+    assert ("blocks.0.mixer", "aten.sigmoid") in ops
+
+
+def test_linear_polymorpher_classifier_certifies_with_composed_degree() -> None:
+    """Block: X + PoM(X) has degree 3, the Mu-Layer squares it: 6; two blocks: 6 * 6 = 36."""
+    for depth, degree in ((1, 6), (2, 36)):
+        model = pn.PolymorpherClassifier(8, 8, 10, dim=16, depth=depth).eval()
+        cert = pn.certify(model, torch.randn(1, 8, 8))
+        assert cert.is_polynomial and cert.degree == degree
+
+
+# --- Polymorpher ----------------------------------------------------------------------------
+
+
+def test_polymorpher_without_norm_is_residual_pom_plus_feed_forward() -> None:
+    torch.manual_seed(0)
+    block = pn.Polymorpher(8, norm="none").double()
+    x = _x()
+    y = x + block.mixer(x)
+    torch.testing.assert_close(block(x), y + block.ff(y), rtol=1e-12, atol=1e-12)
+    assert isinstance(block.ff, pn.MuLayer)
+
+
+@pytest.mark.parametrize("norm", ["none", "batch", "layer"])
+def test_causal_polymorpher_step_equals_forward(norm: str) -> None:
+    torch.manual_seed(0)
+    block = pn.Polymorpher(8, mask="causal", norm=norm, gate="poly2").double()
+    block.train()
+    block(_x(b=8, seed=5))  # give BatchNorm running statistics
+    block.eval()
+    x = _x()
+    state = block.init_state(2)
+    outs = []
+    for t in range(x.shape[1]):
+        y, state = block.step(state, x[:, t])
+        outs.append(y)
+    torch.testing.assert_close(torch.stack(outs, dim=1), block(x), rtol=1e-10, atol=1e-10)
+
+
+def test_token_wise_polymorpher_never_mixes_tokens_and_matches_size() -> None:
+    torch.manual_seed(0)
+    token = pn.Polymorpher(16, mixer="token").double().eval()
+    pom = pn.Polymorpher(16).double().eval()
+    x = _x(d=16)
+    x2 = x.clone()
+    x2[:, 3] += 1.0
+    changed = (token(x2) - token(x)).abs().amax(dim=(0, 2)) > 0
+    assert changed.tolist() == [t == 3 for t in range(x.shape[1])]
+    assert ((pom(x2) - pom(x)).abs().amax(dim=(0, 2)) > 0).all()
+    n_token = sum(p.numel() for p in token.parameters())
+    n_pom = sum(p.numel() for p in pom.parameters())
+    assert abs(n_token - n_pom) / n_pom < 0.05
+
+
+def test_classifier_shapes_head_and_pooling() -> None:
+    model = pn.PolymorpherClassifier(8, 5, 3, dim=16, depth=2)
+    x = torch.randn(4, 8, 5)
+    assert model(x).shape == (4, 3)
+    assert model.forward_head(model.forward_features(x), pre_logits=True).shape == (4, 16)
+    model.reset_classifier(0, global_pool="sum")
+    assert model(x).shape == (4, 16)
+    assert model.pos_embed.shape == (1, 8, 16)
+
+
+def test_classifier_and_block_reject_bad_shapes_and_options() -> None:
+    model = pn.PolymorpherClassifier(8, 5, 3, dim=16, depth=1)
+    with pytest.raises(ShapeError, match=r"\(B, 8, 5\)"):
+        model(torch.randn(4, 7, 5))
+    with pytest.raises(ShapeError, match=r"\(B, N, 16\)"):
+        pn.Polymorpher(16)(torch.randn(2, 16))
+    with pytest.raises(ConfigError, match="unknown ff"):
+        pn.Polymorpher(16, ff="conv")
+    with pytest.raises(ConfigError, match="unknown mixer"):
+        pn.Polymorpher(16, mixer="attention")
+    with pytest.raises(ConfigError, match="norm"):
+        pn.Polymorpher(16, norm="group")
+    with pytest.raises(ConfigError, match="global_pool"):
+        pn.PolymorpherClassifier(8, 5, 3, global_pool="max")
+    with pytest.raises(ConfigError, match="no recurrent state"):
+        pn.Polymorpher(16, mixer="token").init_state(2)
+
+
+@pytest.mark.slow
+def test_polymorpher_learns_digit_pairs_task_that_token_wise_model_cannot() -> None:
+    """Same-digit pairs (16 row tokens, label depends on tokens 8 apart): PoM >> token-wise."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "pom_sequence.py"
+    spec = importlib.util.spec_from_file_location("pom_sequence", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.set_num_threads(1)
+    pom = example.train_and_evaluate("pairs", "pom", 8, progress=False)
+    token = example.train_and_evaluate("pairs", "token", 8, progress=False)
+    assert pom["test_accuracy"] > 0.85
+    assert token["test_accuracy"] < 0.65
+    assert pom["test_accuracy"] - token["test_accuracy"] > 0.25
