@@ -7,10 +7,10 @@ polynomial variant, no mask) and multi-head attention (Q/K/V and output projecti
 repeats, measured in the same run on the CPU and, when present, on the GPU.
 
 Peak memory. CPU: every (mixer, length) runs in a fresh process (forked from a server that has
-imported torch once) that first warms up on 16 tokens, reads its peak resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), runs one
-forward, reads it again, then one forward+backward and reads it again; the figures are the
-growth of that high-water mark over the warmed-up baseline (tracemalloc cannot see torch's
-allocations). GPU: ``torch.cuda.max_memory_allocated`` over the allocation before the run.
+imported torch once) that first warms up on 16 tokens, reads its peak resident set size
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``), runs one forward, reads it again, then one
+forward+backward and reads it again; the figures are the growth of that high-water mark over
+the warmed-up baseline (tracemalloc cannot see torch's allocations). GPU: ``torch.cuda.max_memory_allocated`` over the allocation before the run.
 
 Usage: ``python benchmarks/pom_vs_attention.py [--threads 1] [--max-len 16384] [--out DIR]``.
 Writes ``DIR/pom_vs_attention.json`` and ``DIR/pom_vs_attention.png`` (log-log) and prints the
@@ -214,7 +214,8 @@ def run_device(device: str, lengths: list[int], threads: int, budget_s: float,
 
 
 def machine_info(threads: int) -> dict:
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    info = {"platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": threads,
             "python": platform.python_version(),
             "note": ("CPU cores may be shared with other jobs while this runs, so absolute times "

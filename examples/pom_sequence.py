@@ -40,7 +40,7 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32).reshape(-1, 8, 8)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, stratify=y, random_state=seed)
-    return torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte)
+    return tuple(torch.from_numpy(a) for a in (xtr, ytr, xte, yte))  # type: ignore[return-value]
 
 
 def sample_pairs(x: torch.Tensor, y: torch.Tensor, n: int,

@@ -76,10 +76,11 @@ def _check_block_size(block_size: object) -> int:
 
 def _parse_gate(gate: str) -> int | None:
     """Degree of a ``"poly<g>"`` gate (g >= 1), or None for a fixed gate name."""
-    if gate in _FIXED_GATES:
+    if isinstance(gate, str) and gate in _FIXED_GATES:
         return None
-    if gate.startswith("poly") and gate[4:].isdigit() and int(gate[4:]) >= 1:
-        return int(gate[4:])
+    digits = gate[4:] if isinstance(gate, str) and gate.startswith("poly") else ""
+    if digits.isdigit() and int(digits) >= 1:
+        return int(digits)
     raise ConfigError(
         f"unknown gate {gate!r}; expected one of {sorted(_FIXED_GATES)} or 'poly<g>' with g >= 1 "
         "(e.g. 'poly2')")
@@ -103,7 +104,7 @@ def _constant(values: np.ndarray, like: Tensor) -> Tensor:
 
 
 class PoM(nn.Module):
-    """Polynomial Mixer: ``PoM(X) = W_o [ g(W_s X) * H(X) ]``, ``H(X) = [sum_p a_p h(W_h X)^p] M^T``.
+    """Polynomial Mixer: ``PoM(X) = W_o [g(W_s X) * H(X)]``, ``H(X) = [sum_p a_p h(W_h X)^p] M^T``.
 
     Args:
         dim: token width d. Input and output are (B, N, d).
@@ -148,7 +149,8 @@ class PoM(nn.Module):
         gate_degree = _parse_gate(gate)
 
         self.dim, self.degree, self.expand = dim, degree, expand
-        self.activation, self.gate, self.aggregation, self.form = activation, gate, aggregation, form
+        self.activation, self.gate = activation, gate
+        self.aggregation, self.form = aggregation, form
         self.hidden = int(round(expand * dim))
         self.state_dim = self.hidden * (degree if form == "products" else 1)
         self._mask_kind, self.block_size = self._configure_mask(mask, block_size)
@@ -286,7 +288,7 @@ class PoM(nn.Module):
             summed = blocks.unsqueeze(2).expand(b, t // k, k, s).reshape(b, t, s)
         return summed if carry is None else summed + carry.unsqueeze(1)
 
-    def state(self, x: Tensor) -> Tensor:
+    def shared_state(self, x: Tensor) -> Tensor:
         """The shared state H(X): (B, N, d) -> (B, 1, S) without a mask, else (B, N, S)."""
         self._check_tokens(x, "input", 3)
         n = x.shape[1]
@@ -313,7 +315,7 @@ class PoM(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``W_o [ g(W_s x) * H(x) ]``: (B, N, d) -> (B, N, d)."""
-        h = self.state(x)
+        h = self.shared_state(x)
         return self.proj_o(self.selection(x) * h)
 
     # --- recurrent inference ---------------------------------------------------------------

@@ -130,7 +130,8 @@ def test_mean_aggregation_is_sum_divided_by_token_count() -> None:
     total = _pom(aggregation="sum")
     total.load_state_dict(mean.state_dict())
     x = _x(n=10)
-    torch.testing.assert_close(total.state(x) / 10, mean.state(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total.shared_state(x) / 10, mean.shared_state(x), rtol=1e-12,
+                               atol=1e-12)
     assert not torch.allclose(total(x), mean(x))
 
 
@@ -141,7 +142,7 @@ def test_powers_form_state_is_the_weighted_power_sum() -> None:
     x = _x()
     z = pom.proj_h(x)
     expected = sum(pom.alpha[p - 1] * z ** p for p in range(1, 4)).mean(dim=1, keepdim=True)
-    torch.testing.assert_close(pom.state(x), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(pom.shared_state(x), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_products_form_state_concatenates_running_products() -> None:
@@ -149,7 +150,7 @@ def test_products_form_state_concatenates_running_products() -> None:
     x = _x()
     h1, h2, h3 = torch.nn.functional.gelu(pom.proj_h(x)).chunk(3, dim=-1)
     expected = torch.cat([h1, h1 * h2, h1 * h2 * h3], dim=-1).mean(dim=1, keepdim=True)
-    torch.testing.assert_close(pom.state(x), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(pom.shared_state(x), expected, rtol=1e-10, atol=1e-12)
     assert pom.state_dim == 3 * pom.hidden
 
 
@@ -185,6 +186,7 @@ def test_non_polynomial_variant_reports_no_degree() -> None:
     ({"activation": "softmax"}, ConfigError, "unknown activation"),
     ({"gate": "poly0"}, ConfigError, "unknown gate"),
     ({"gate": "relu"}, ConfigError, "unknown gate"),
+    ({"gate": None}, ConfigError, "unknown gate"),
     ({"form": "sums"}, ConfigError, "unknown form"),
     ({"aggregation": "max"}, ConfigError, "unknown aggregation"),
     ({"degree": 0}, ConfigError, "degree"),

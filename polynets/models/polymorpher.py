@@ -32,7 +32,7 @@ def _feed_forward(kind: str, dim: int, hidden: int, rank: int | None, bias: bool
 
 
 def _matched_hidden(dim: int, weights: int) -> int:
-    """Smallest Mu-Layer hidden width m whose weights (A, D, B, C; rank m // 4) reach ``weights``."""
+    """Smallest Mu-Layer hidden width m whose weights (A, D, B, C; rank m // 4) reach weights."""
     m = 1
     while 2 * dim * m + (dim + m) * max(1, m // 4) < weights:
         m += 1
