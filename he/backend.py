@@ -1,0 +1,217 @@
+"""Thin layer over SEAL (``tenseal.sealapi``): contexts, level/scale bookkeeping, byte I/O.
+
+Scale discipline: a ciphertext at level ``l`` (after ``l`` rescales) always carries the canonical
+scale ``S[l]``, with ``S[0] = 2^scale_bits`` and ``S[l+1] = S[l]^2 / q_l`` (``q_l`` the prime
+dropped by the ``l``-th rescale). A ciphertext-ciphertext product of two level-``l`` values lands
+exactly on ``S[l+1]``; a plaintext product encodes its plaintext at scale ``S[l]`` and lands there
+too; a value at a lower level is lifted by a multiplication with an encoded 1 chosen so that it
+arrives on the canonical scale. Additions therefore never meet mismatched scales.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable
+
+import numpy as np
+import tenseal.sealapi as seal
+
+from he.errors import ParameterError, SerializationError
+from he.params import CKKSParams
+
+__all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements"]
+
+
+def build_context(params: CKKSParams) -> Any:
+    """A SEAL CKKS context for ``params`` with 128-bit security enforced by SEAL itself."""
+    params.check()
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(params.poly_modulus_degree)
+    try:
+        enc.set_coeff_modulus(seal.CoeffModulus.Create(params.poly_modulus_degree,
+                                                       list(params.coeff_mod_bit_sizes)))
+    except (ValueError, RuntimeError) as exc:
+        raise ParameterError(f"SEAL cannot build the modulus chain {params.coeff_mod_bit_sizes} "
+                             f"for N={params.poly_modulus_degree}: {exc}") from exc
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    if not ctx.parameters_set():
+        raise ParameterError(f"SEAL rejected the parameters: {ctx.parameters_error_message()}")
+    return ctx
+
+
+def galois_elements(steps: list[int], ring_degree: int) -> list[int]:
+    """SEAL Galois elements for left rotations by ``steps`` slots (``3^step mod 2N``)."""
+    half = ring_degree // 2
+    return sorted({pow(3, int(s) % half, 2 * ring_degree) for s in steps if int(s) % half})
+
+
+def save_object(obj: Any) -> bytes:
+    """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format)."""
+    fd, path = tempfile.mkstemp(prefix="polynets-he-")
+    os.close(fd)
+    try:
+        obj.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)
+
+
+def load_object(factory: Callable[[], Any], context: Any, data: bytes, what: str) -> Any:
+    """Load bytes written by :func:`save_object` into a fresh ``factory()`` object.
+
+    SEAL validates the header, sizes and that every coefficient is reduced for ``context``; any
+    failure becomes a :class:`SerializationError`.
+    """
+    if len(data) < 16 or data[:2] != b"\x5e\xa1":
+        raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
+    fd, path = tempfile.mkstemp(prefix="polynets-he-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        obj = factory()
+        try:
+            obj.load(context, path)
+        except (ValueError, RuntimeError, TypeError, IndexError, MemoryError) as exc:
+            raise SerializationError(f"{what}: malformed, truncated or for other parameters "
+                                     f"({exc})") from exc
+        if not seal.is_valid_for(obj, context):
+            raise SerializationError(f"{what}: does not belong to this parameter set")
+        return obj
+    finally:
+        os.unlink(path)
+
+
+class Engine:
+    """Encoder, evaluator and the level/scale bookkeeping for one parameter set."""
+
+    def __init__(self, params: CKKSParams, context: Any | None = None):
+        self.params = params
+        self.context = context if context is not None else build_context(params)
+        self.encoder = seal.CKKSEncoder(self.context)
+        self.evaluator = seal.Evaluator(self.context)
+        self.slots = self.encoder.slot_count()
+        self.parms_ids: list[Any] = []
+        primes: list[int] = []
+        data = self.context.first_context_data()
+        while data is not None:
+            self.parms_ids.append(data.parms_id())
+            primes.append(data.parms().coeff_modulus()[-1].value())
+            data = data.next_context_data()
+        self.top_chain = self.context.first_context_data().chain_index()
+        self.scales = [float(params.scale)]
+        for level in range(params.levels):
+            s = self.scales[-1]
+            self.scales.append(s * s / float(primes[level]))
+        self.relin_keys: Any = None
+        self.galois_keys: Any = None
+
+    # --------------------------------------------------------------------- bookkeeping
+    def level(self, ct: Any) -> int:
+        return self.top_chain - self.context.get_context_data(ct.parms_id()).chain_index()
+
+    def encode_vector(self, values: np.ndarray, level: int, scale: float) -> Any:
+        pt = seal.Plaintext()
+        self.encoder.encode(np.asarray(values, dtype=np.float64).tolist(),
+                            self.parms_ids[level], scale, pt)
+        return pt
+
+    def encode_scalar(self, value: float, level: int, scale: float) -> Any:
+        pt = seal.Plaintext()
+        self.encoder.encode(float(value), self.parms_ids[level], scale, pt)
+        return pt
+
+    def _canon(self, ct: Any) -> Any:
+        ct.scale = self.scales[self.level(ct)]
+        return ct
+
+    # --------------------------------------------------------------------- arithmetic
+    def lift(self, ct: Any, level: int) -> Any:
+        """Return ``ct`` at ``level`` (>= its own) on the canonical scale, value unchanged."""
+        cur = self.level(ct)
+        if cur == level:
+            return ct
+        if cur > level:
+            raise ParameterError(f"cannot lower a level-{cur} ciphertext to level {level}")
+        out = ct
+        if cur < level - 1:
+            out = seal.Ciphertext()
+            self.evaluator.mod_switch_to(ct, self.parms_ids[level - 1], out)
+        # out has scale S[cur] at level-1; the product with 1 at scale p, rescaled by q, must be
+        # S[level]: p = S[level] * q / S[cur].
+        q = float(self.context.get_context_data(self.parms_ids[level - 1]).parms()
+                  .coeff_modulus()[-1].value())
+        one = self.encode_scalar(1.0, level - 1, self.scales[level] * q / self.scales[cur])
+        res = seal.Ciphertext()
+        self.evaluator.multiply_plain(out, one, res)
+        self.evaluator.rescale_to_next_inplace(res)
+        return self._canon(res)
+
+    def rescale(self, ct: Any) -> Any:
+        self.evaluator.rescale_to_next_inplace(ct)
+        return self._canon(ct)
+
+    def mul_plain(self, ct: Any, pt: Any) -> Any:
+        """``ct * pt`` without rescale (plaintext encoded at scale S[level(ct)])."""
+        out = seal.Ciphertext()
+        self.evaluator.multiply_plain(ct, pt, out)
+        return out
+
+    def mul_scalar(self, ct: Any, value: float) -> Any:
+        """``ct * value`` without rescale."""
+        return self.mul_plain(ct, self.encode_scalar(value, self.level(ct),
+                                                     self.scales[self.level(ct)]))
+
+    def mul_int(self, ct: Any, value: int) -> Any:
+        """``ct * value`` for an integer: exact, keeps the level and the scale."""
+        if value == 1:
+            return ct
+        if value == -1:
+            out = seal.Ciphertext()
+            self.evaluator.negate(ct, out)
+            return out
+        out = self.mul_plain(ct, self.encode_scalar(float(value), self.level(ct), 1.0))
+        return self._canon(out)
+
+    def multiply(self, a: Any, b: Any) -> Any:
+        """``a * b`` (relinearised and rescaled), both lifted to a common level first."""
+        level = max(self.level(a), self.level(b))
+        a, b = self.lift(a, level), self.lift(b, level)
+        out = seal.Ciphertext()
+        if a is b:
+            self.evaluator.square(a, out)
+        else:
+            self.evaluator.multiply(a, b, out)
+        self.evaluator.relinearize_inplace(out, self.relin_keys)
+        return self.rescale(out)
+
+    def add(self, a: Any, b: Any) -> Any:
+        level = max(self.level(a), self.level(b))
+        a, b = self.lift(a, level), self.lift(b, level)
+        out = seal.Ciphertext()
+        self.evaluator.add(a, b, out)
+        return out
+
+    def add_inplace(self, acc: Any, b: Any) -> None:
+        self.evaluator.add_inplace(acc, b)
+
+    def add_plain(self, ct: Any, pt: Any) -> Any:
+        """``ct + pt`` for a plaintext encoded at ct's level and canonical scale."""
+        out = seal.Ciphertext()
+        self.evaluator.add_plain(ct, pt, out)
+        return out
+
+    def add_plain_scalar(self, ct: Any, value: float) -> Any:
+        level = self.level(ct)
+        out = seal.Ciphertext()
+        self.evaluator.add_plain(ct, self.encode_scalar(value, level, self.scales[level]), out)
+        return out
+
+    def rotate(self, ct: Any, step: int) -> Any:
+        step = int(step) % self.slots
+        if step == 0:
+            return ct
+        out = seal.Ciphertext()
+        self.evaluator.rotate_vector(ct, step, self.galois_keys, out)
+        return out

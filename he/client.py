@@ -1,0 +1,374 @@
+"""Client / server split of encrypted inference.
+
+The :class:`Client` makes the keys and is the only holder of the secret key; it encrypts inputs
+and decrypts results. :func:`Client.public_context` exports the public key, the relinearisation
+keys and only the Galois keys the program's rotations need. The :class:`Server` runs a compiled
+program on :class:`Ciphertext` objects (or their bytes) and never sees a secret key: it refuses a
+context that contains one.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import tenseal.sealapi as seal
+from tqdm.auto import tqdm
+
+from he.backend import Engine, galois_elements, load_object, save_object
+from he.compiler import CompiledProgram
+from he.container import pack, unpack
+from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
+                       SecretKeyError, SerializationError)
+from he.runtime import VectorKernels, run_batch, run_vector
+
+__all__ = ["Ciphertext", "Client", "Server"]
+
+
+class Ciphertext:
+    """Encrypted data of a compiled program: inputs from a client or results from a server.
+
+    ``groups``: batch packing -- one group per ``slots`` samples, each a list of one ciphertext
+    per element of the sample shape; vector packing -- one group per sample, holding its input
+    ciphertexts (one or several planes) or its single result ciphertext.
+    Carries the packing, the program fingerprint and the key-set id, which are checked on use.
+    """
+
+    def __init__(self, *, packing: str, fingerprint: str, key_id: str, role: str,
+                 n_samples: int, groups: list[list[Any]]):
+        self.packing = packing
+        self.fingerprint = fingerprint
+        self.key_id = key_id
+        self.role = role
+        self.n_samples = int(n_samples)
+        self._groups = groups
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def __repr__(self) -> str:
+        return (f"Ciphertext({self.role}, {self.packing} packing, {self.n_samples} samples, "
+                f"{sum(len(g) for g in self._groups)} SEAL ciphertexts, key set {self.key_id})")
+
+    def to_bytes(self) -> bytes:
+        """Serialise (SEAL's compressed format inside a polynets container)."""
+        blobs = {f"g{i}": [b if isinstance(b, bytes) else save_object(b) for b in g]
+                 for i, g in enumerate(self._groups)}
+        header = {"packing": self.packing, "fingerprint": self.fingerprint,
+                  "key_id": self.key_id, "role": self.role, "n_samples": self.n_samples,
+                  "groups": len(self._groups)}
+        return pack("ciphertext", header, blobs)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Ciphertext":
+        """Parse bytes from :meth:`to_bytes`; SEAL data is validated when the keys' owner uses it.
+
+        Raises :class:`~he.errors.SerializationError` for garbage or truncated bytes.
+        """
+        head, blobs = unpack(data, "ciphertext", "ciphertext")
+        try:
+            n_groups = int(head["groups"])
+            groups = [list(blobs[f"g{i}"]) for i in range(n_groups)]
+            ct = cls(packing=str(head["packing"]), fingerprint=str(head["fingerprint"]),
+                     key_id=str(head["key_id"]), role=str(head["role"]),
+                     n_samples=int(head["n_samples"]), groups=groups)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SerializationError(f"ciphertext: malformed header ({exc!r})") from exc
+        if ct.role not in ("input", "output") or n_groups < 1 or ct.n_samples < 1:
+            raise SerializationError("ciphertext: malformed header (role/groups/samples)")
+        return ct
+
+    def _seal_groups(self, context: Any) -> list[list[Any]]:
+        out = []
+        for gi, g in enumerate(self._groups):
+            out.append([load_object(seal.Ciphertext, context, b, f"ciphertext part {gi}.{k}")
+                        if isinstance(b, bytes) else b for k, b in enumerate(g)])
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.to_bytes())
+
+
+def _as_ciphertext(ct: Any) -> Ciphertext:
+    if isinstance(ct, Ciphertext):
+        return ct
+    if isinstance(ct, (bytes, bytearray, memoryview)):
+        return Ciphertext.from_bytes(bytes(ct))
+    raise SerializationError(f"expected an he.Ciphertext or its bytes, got {type(ct).__name__}")
+
+
+def _check(ct: Ciphertext, prog: CompiledProgram, key_id: str, role: str, who: str) -> None:
+    if ct.fingerprint != prog.fingerprint:
+        raise KeyMismatchError(
+            f"{who}: this ciphertext was made for compiled program {ct.fingerprint}, not "
+            f"{prog.fingerprint}; encrypt with a client of the same compiled program")
+    if ct.key_id != key_id:
+        raise KeyMismatchError(
+            f"{who}: this ciphertext was encrypted under key set {ct.key_id}, but the keys here "
+            f"are {key_id}; use the public context of the client that encrypted it")
+    if ct.packing != prog.packing:
+        raise KeyMismatchError(f"{who}: ciphertext uses {ct.packing} packing, the program "
+                               f"{prog.packing}")
+    if ct.role != role:
+        raise KeyMismatchError(f"{who}: expected an {role} ciphertext, got an {ct.role} one")
+
+
+def _seal_call(fn: Callable[[], Any], what: str) -> Any:
+    try:
+        return fn()
+    except HEError:
+        raise
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise KeyMismatchError(f"{what} failed inside SEAL ({exc}); the ciphertext does not fit "
+                               f"these keys or parameters") from exc
+
+
+class Client:
+    """Key owner: makes keys, encrypts inputs, decrypts results.
+
+    ``Client(program)`` generates a fresh key set; ``Client.from_secret_context(program, data)``
+    reloads one saved with :meth:`secret_context`.
+    """
+
+    def __init__(self, program: CompiledProgram, *, _secret: bytes | None = None):
+        self.program = program
+        self.engine = Engine(program.params)
+        ctx = self.engine.context
+        if _secret is None:
+            keygen = seal.KeyGenerator(ctx)
+            self._secret_key = keygen.secret_key()
+            self.public_key = seal.PublicKey()
+            keygen.create_public_key(self.public_key)
+            self.relin_keys = seal.RelinKeys()
+            keygen.create_relin_keys(self.relin_keys)
+            self.galois_keys = None
+            steps = program.plan.rotations() if program.plan is not None else []
+            if steps:
+                self.galois_keys = seal.GaloisKeys()
+                keygen.create_galois_keys(galois_elements(steps, program.params.poly_modulus_degree),
+                                          self.galois_keys)
+            self.key_id = secrets.token_hex(8)
+        else:
+            head, blobs = _unpack_context(_secret, ("secret-context",), program)
+            self.key_id = str(head["key_id"])
+            self._secret_key = load_object(seal.SecretKey, ctx, blobs["secret_key"][0],
+                                           "secret key")
+            self.public_key, self.relin_keys, self.galois_keys = _load_public(ctx, blobs)
+        self._encryptor = seal.Encryptor(ctx, self.public_key)
+        self._decryptor = seal.Decryptor(ctx, self._secret_key)
+
+    # ------------------------------------------------------------------ keys
+    def _public_blobs(self) -> dict[str, list[bytes]]:
+        return {"public_key": [save_object(self.public_key)],
+                "relin_keys": [save_object(self.relin_keys)],
+                "galois_keys": [save_object(self.galois_keys)] if self.galois_keys else []}
+
+    def public_context(self) -> bytes:
+        """Public, relinearisation and the needed Galois keys (no secret key), as bytes."""
+        return pack("public-context", {"fingerprint": self.program.fingerprint,
+                                       "key_id": self.key_id}, self._public_blobs())
+
+    def secret_context(self) -> bytes:
+        """Everything, secret key included: keep it on the client side only."""
+        blobs = self._public_blobs()
+        blobs["secret_key"] = [save_object(self._secret_key)]
+        return pack("secret-context", {"fingerprint": self.program.fingerprint,
+                                       "key_id": self.key_id}, blobs)
+
+    @classmethod
+    def from_secret_context(cls, program: CompiledProgram, data: bytes) -> "Client":
+        return cls(program, _secret=data)
+
+    # ------------------------------------------------------------------ encrypt / decrypt
+    def _check_input(self, x: Any) -> np.ndarray:
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().double().numpy()
+        x = np.asarray(x, dtype=np.float64)
+        want = self.program.input_shape
+        if x.ndim != len(want) + 1 or tuple(x.shape[1:]) != want:
+            raise InputShapeError(f"encrypt expects a batch of shape (B, {', '.join(map(str, want))}"
+                                  f"{',' if len(want) == 1 else ''}), got {tuple(x.shape)}")
+        if x.shape[0] < 1:
+            raise InputShapeError("encrypt needs at least one sample")
+        if not np.all(np.isfinite(x)):
+            raise InputShapeError("encrypt got NaN or infinite values")
+        calibrated = self.program.input_range
+        peak = float(np.max(np.abs(x)))
+        if calibrated > 0 and peak > calibrated * (1 + 1e-9):
+            ratio = peak / calibrated
+            d = max(1, self.program.degree)
+            growth = ratio ** d
+            warnings.warn(CalibrationRangeWarning(
+                f"inputs reach |x| = {peak:.4g}, {ratio:.3g}x the calibrated range "
+                f"{calibrated:.4g}; a degree-{d} program may grow intermediate values up to "
+                f"{growth:.3g}x, losing about {math.log2(growth):.1f} bits of precision (expected "
+                f"output error up to ~{self.program.params.expected_error * growth:.2e}) and "
+                f"overflowing the modulus if values pass 2^{self.program.params.coeff_mod_bit_sizes[0] - self.program.params.scale_bits - 1}; "
+                f"recompile with calibration data that covers these inputs"), stacklevel=3)
+        return x
+
+    def _encrypt_vector(self, values: np.ndarray) -> Any:
+        eng = self.engine
+        pt = eng.encode_vector(values, 0, eng.scales[0])
+        ct = seal.Ciphertext()
+        self._encryptor.encrypt(pt, ct)
+        return ct
+
+    def encrypt(self, x: Any, progress: bool = False) -> Ciphertext:
+        """Encrypt a batch ``x`` of shape ``(B, *input_shape)``.
+
+        Batch packing: ``ceil(B / slots)`` groups of ``prod(input_shape)`` ciphertexts; vector
+        packing: one group per sample (one ciphertext, or the plan's input planes).
+        """
+        x = self._check_input(x)
+        b = x.shape[0]
+        flat = x.reshape(b, -1)
+        groups: list[list[Any]] = []
+        slots = self.engine.slots
+        if self.program.packing == "batch":
+            for start in tqdm(range(0, b, slots), desc="encrypt", disable=not progress,
+                              leave=False):
+                block = flat[start:start + slots]
+                groups.append([self._encrypt_vector(block[:, j]) for j in range(flat.shape[1])])
+        else:
+            plan = self.program.plan
+            assert plan is not None
+            for s in tqdm(range(b), desc="encrypt", disable=not progress, leave=False):
+                ext = np.append(flat[s], 0.0)
+                groups.append([self._encrypt_vector(ext[np.where(idx < 0, ext.size - 1, idx)])
+                               for idx in plan.input_layout])
+        return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
+                          key_id=self.key_id, role="input", n_samples=b, groups=groups)
+
+    def decrypt(self, ct: Any) -> np.ndarray:
+        """Decrypt a server result to an array of shape ``(B, *output_shape)``."""
+        ct = _as_ciphertext(ct)
+        _check(ct, self.program, self.key_id, "output", "decrypt")
+        groups = ct._seal_groups(self.engine.context)
+        eng = self.engine
+        out_n = int(np.prod(self.program.output_shape, dtype=np.int64))
+
+        def dec(c: Any) -> np.ndarray:
+            pt = seal.Plaintext()
+            self._decryptor.decrypt(c, pt)
+            return np.asarray(eng.encoder.decode_double(pt))
+
+        rows = []
+        if self.program.packing == "batch":
+            remaining = ct.n_samples
+            for g in groups:
+                if len(g) != out_n:
+                    raise SerializationError(f"decrypt: a result group holds {len(g)} "
+                                             f"ciphertexts, expected {out_n}")
+                take = min(remaining, eng.slots)
+                cols = [_seal_call(lambda c=c: dec(c), "decryption")[:take] for c in g]
+                rows.append(np.stack(cols, axis=1))
+                remaining -= take
+        else:
+            if len(groups) != ct.n_samples or any(len(g) != 1 for g in groups):
+                raise SerializationError("decrypt: a vector result needs one ciphertext per "
+                                         "sample")
+            for g in groups:
+                rows.append(_seal_call(lambda g=g: dec(g[0]), "decryption")[None, :out_n])
+        y = np.concatenate(rows, axis=0)
+        return y.reshape((ct.n_samples,) + self.program.output_shape)
+
+
+def _unpack_context(data: Any, kinds: tuple[str, ...], program: CompiledProgram
+                    ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
+    head, blobs = unpack(data, ("public-context", "secret-context"), "context")
+    if head["kind"] not in kinds:
+        if head["kind"] == "secret-context":
+            raise SecretKeyError("this context contains the client's secret key; a server must "
+                                 "only receive client.public_context()")
+        raise SecretKeyError("this context has no secret key; a client needs the secret "
+                             "context it saved")
+    if head.get("fingerprint") != program.fingerprint:
+        raise KeyMismatchError(f"context made for compiled program {head.get('fingerprint')}, "
+                               f"not {program.fingerprint}; use keys of the same compiled program")
+    for name in ("public_key", "relin_keys", "galois_keys"):
+        if name not in blobs:
+            raise SerializationError(f"context: missing {name.replace('_', ' ')}")
+    if "key_id" not in head:
+        raise SerializationError("context: missing key set id")
+    return head, blobs
+
+
+def _load_public(ctx: Any, blobs: dict[str, list[bytes]]) -> tuple[Any, Any, Any]:
+    pk = load_object(seal.PublicKey, ctx, blobs["public_key"][0], "public key")
+    rk = load_object(seal.RelinKeys, ctx, blobs["relin_keys"][0], "relinearisation keys")
+    gk = (load_object(seal.GaloisKeys, ctx, blobs["galois_keys"][0], "Galois keys")
+          if blobs["galois_keys"] else None)
+    return pk, rk, gk
+
+
+class Server:
+    """Runs a compiled program on ciphertexts with public keys only.
+
+    ``Server(program, public_context)``: ``public_context`` is :meth:`Client.public_context`'s
+    bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
+    """
+
+    def __init__(self, program: CompiledProgram, public_context: bytes):
+        if not isinstance(public_context, (bytes, bytearray, memoryview)):
+            raise SerializationError(f"Server needs the public context as bytes, got "
+                                     f"{type(public_context).__name__}")
+        self.program = program
+        head, blobs = _unpack_context(public_context, ("public-context",), program)
+        if "secret_key" in blobs:
+            raise SecretKeyError("the public context carries a secret key; refusing it")
+        self.key_id = str(head["key_id"])
+        self.engine = Engine(program.params)
+        pk, rk, gk = _load_public(self.engine.context, blobs)
+        self.engine.relin_keys = rk
+        self.engine.galois_keys = gk
+        self._encryptor = seal.Encryptor(self.engine.context, pk)
+        self.context_bytes = len(public_context)
+        self.kernels = VectorKernels(self.engine, program.plan) if program.plan is not None \
+            else None
+
+    def _encrypt_constant(self, value: float) -> Any:
+        eng = self.engine
+        pt = eng.encode_vector(np.full(eng.slots, value), 0, eng.scales[0])
+        ct = seal.Ciphertext()
+        self._encryptor.encrypt(pt, ct)
+        return ct
+
+    def run(self, ct: Any, progress: bool = False) -> Ciphertext:
+        """Evaluate the program on encrypted inputs; returns the encrypted outputs."""
+        ct = _as_ciphertext(ct)
+        _check(ct, self.program, self.key_id, "input", "server")
+        groups = ct._seal_groups(self.engine.context)
+        prog = self.program
+        out_groups: list[list[Any]] = []
+        if prog.packing == "batch":
+            n_in = int(np.prod(prog.input_shape, dtype=np.int64))
+            for g in groups:
+                if len(g) != n_in:
+                    raise SerializationError(f"server: an input group holds {len(g)} "
+                                             f"ciphertexts, expected {n_in}")
+                res = _seal_call(lambda g=g: run_batch(self.engine, prog.program, g, progress),
+                                 "evaluation")
+                out_groups.append([self._encrypt_constant(e) if isinstance(e, float) else e
+                                   for e in res])
+        else:
+            plan = prog.plan
+            assert plan is not None and self.kernels is not None
+            n_in = len(plan.input_layout)
+            for g in tqdm(groups, desc="server", disable=not progress, leave=False):
+                if len(g) != n_in:
+                    raise SerializationError(f"server: a sample holds {len(g)} input "
+                                             f"ciphertexts, expected {n_in}")
+                out_groups.append([_seal_call(
+                    lambda g=g: run_vector(self.engine, plan, self.kernels, g), "evaluation")])
+        return Ciphertext(packing=prog.packing, fingerprint=prog.fingerprint, key_id=self.key_id,
+                          role="output", n_samples=ct.n_samples, groups=out_groups)
+
+    def decrypt(self, *args: Any, **kwargs: Any) -> None:
+        """A server holds no secret key, so it cannot decrypt: always raises SecretKeyError."""
+        raise SecretKeyError("the server holds only public keys and cannot decrypt; send the "
+                             "result to the client")

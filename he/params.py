@@ -1,0 +1,197 @@
+"""CKKS parameter selection: ring degree, modulus chain and scale from depth and precision.
+
+The user never types a modulus chain. :func:`choose_params` derives one from three facts about a
+compiled program:
+
+* ``levels``: rescales on the longest path (each plaintext or ciphertext multiplication costs one
+  prime of the chain);
+* ``max_abs``: the largest magnitude any intermediate value reaches on the calibration data,
+  which sizes the first prime (decryption modulus) so nothing wraps around;
+* ``gain``: how much a unit of rounding noise injected at every rescale grows by the output, so the
+  scale can be picked for the requested output precision.
+
+The ring degree is the smallest of 8192, 16384, 32768 whose modulus budget at 128-bit classical
+security (HomomorphicEncryption.org standard: 218, 438, 881 bits) holds the chain; SEAL itself
+re-checks the chain against the same table when a context is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from he.errors import ParameterError, TooDeepError
+
+__all__ = ["CKKSParams", "choose_params", "MAX_MODULUS_BITS", "RING_DEGREES", "noise_unit"]
+
+#: Largest total coefficient-modulus bit count at 128-bit classical security (HE standard).
+MAX_MODULUS_BITS: dict[int, int] = {1024: 27, 2048: 54, 4096: 109, 8192: 218, 16384: 438,
+                                    32768: 881}
+#: Ring degrees the compiler picks from (smaller rings are too shallow to be useful).
+RING_DEGREES: tuple[int, ...] = (8192, 16384, 32768)
+_MIN_SCALE_BITS = 20
+_MAX_PRIME_BITS = 60
+_MARGIN_BITS = 2
+_ROTATION_BITS = 10
+
+
+def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float]) -> float:
+    """Expected max output error: encryption noise ``~N`` and rescale noise ``~4 sqrt(N)``
+    (in units of the scale), weighted by the program's gains ``(g_in, g_rs)``."""
+    g_in, g_rs = gain
+    return (g_in * ring_degree + g_rs * 4.0 * math.sqrt(ring_degree)) / 2.0 ** scale_bits
+
+
+@dataclass(frozen=True)
+class CKKSParams:
+    """A CKKS parameter set and the reasons it was chosen.
+
+    ``coeff_mod_bit_sizes`` is the whole chain: first (decryption) prime, ``levels`` primes of
+    ``scale_bits`` bits, then the special (key-switching) prime.
+    """
+
+    poly_modulus_degree: int
+    coeff_mod_bit_sizes: tuple[int, ...]
+    scale_bits: int
+    levels: int
+    security_bits: int
+    expected_error: float
+    max_abs: float
+    why: str
+
+    @property
+    def total_bits(self) -> int:
+        return int(sum(self.coeff_mod_bit_sizes))
+
+    @property
+    def slots(self) -> int:
+        return self.poly_modulus_degree // 2
+
+    @property
+    def scale(self) -> float:
+        return 2.0 ** self.scale_bits
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["coeff_mod_bit_sizes"] = list(self.coeff_mod_bit_sizes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CKKSParams":
+        try:
+            params = cls(poly_modulus_degree=int(d["poly_modulus_degree"]),
+                         coeff_mod_bit_sizes=tuple(int(b) for b in d["coeff_mod_bit_sizes"]),
+                         scale_bits=int(d["scale_bits"]), levels=int(d["levels"]),
+                         security_bits=int(d["security_bits"]),
+                         expected_error=float(d["expected_error"]), max_abs=float(d["max_abs"]),
+                         why=str(d["why"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParameterError(f"malformed CKKS parameter record: {exc!r}") from exc
+        params.check()
+        return params
+
+    def check(self) -> None:
+        """Raise :class:`ParameterError` unless the set is well formed and 128-bit secure."""
+        n = self.poly_modulus_degree
+        if n not in MAX_MODULUS_BITS:
+            raise ParameterError(f"ring degree {n} is not a power of two in "
+                                 f"{sorted(MAX_MODULUS_BITS)}")
+        if len(self.coeff_mod_bit_sizes) != self.levels + 2:
+            raise ParameterError(f"a chain for {self.levels} levels has {self.levels + 2} primes, "
+                                 f"got {len(self.coeff_mod_bit_sizes)}")
+        if any(not 17 <= b <= _MAX_PRIME_BITS for b in self.coeff_mod_bit_sizes):
+            raise ParameterError(f"prime sizes must lie in [17, {_MAX_PRIME_BITS}] bits, got "
+                                 f"{list(self.coeff_mod_bit_sizes)}")
+        if self.total_bits > MAX_MODULUS_BITS[n]:
+            raise ParameterError(
+                f"modulus of {self.total_bits} bits exceeds the {MAX_MODULUS_BITS[n]} bits allowed "
+                f"at 128-bit security for N={n}")
+
+    def __str__(self) -> str:
+        chain = ", ".join(str(b) for b in self.coeff_mod_bit_sizes)
+        return (f"CKKS N={self.poly_modulus_degree} ({self.slots} slots), moduli [{chain}] = "
+                f"{self.total_bits} bits (<= {MAX_MODULUS_BITS[self.poly_modulus_degree]} for "
+                f"{self.security_bits}-bit security), scale 2^{self.scale_bits}, "
+                f"{self.levels} levels, expected max output error {self.expected_error:.2e}\n"
+                f"  why: {self.why}")
+
+
+def _budget_levels(ring: int, first: int, special: int, scale_bits: int) -> int:
+    return max(0, (MAX_MODULUS_BITS[ring] - first - special) // scale_bits)
+
+
+def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
+                  precision_bits: int = 16, output_abs: float = 1.0, slots_needed: int = 1,
+                  ring_degree: int | None = None, scale_bits: int | None = None,
+                  rotations: bool = False) -> CKKSParams:
+    """Pick the smallest secure CKKS parameter set for a program.
+
+    Args:
+        levels: rescales on the longest path of the program.
+        max_abs: largest |value| of any intermediate node on the calibration data.
+        gain: ``(g_in, g_rs)`` output error per unit of encryption and of rescale noise (see
+            :func:`noise_unit`), from the compiler's error propagation.
+        precision_bits: wanted bits of output precision relative to ``output_abs``.
+        output_abs: largest |output| on the calibration data.
+        slots_needed: slots one ciphertext must hold (vector packing's widest value).
+        ring_degree, scale_bits: overrides (tests); the set must still be 128-bit secure.
+        rotations: the program rotates ciphertexts; the special prime then gets extra bits,
+            since key-switching noise scales with (largest prime / special prime).
+
+    Returns:
+        :class:`CKKSParams`. Raises :class:`TooDeepError` when no secure set has enough levels.
+    """
+    levels = int(levels)
+    mag_bits = max(0, math.ceil(math.log2(max(max_abs, 1.0))))
+    rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
+    if ring_degree is not None and ring_degree not in MAX_MODULUS_BITS:
+        raise ParameterError(f"ring degree {ring_degree} is not one of {sorted(MAX_MODULUS_BITS)}")
+    best_supported = 0
+    reasons: list[str] = []
+    for ring in rings:
+        if ring // 2 < slots_needed:
+            reasons.append(f"N={ring}: {ring // 2} slots < {slots_needed} needed")
+            continue
+        err_target = max(output_abs, 1e-3) * 2.0 ** -precision_bits
+        if scale_bits is None:
+            want = math.log2(max(noise_unit(ring, 0, gain), 1.0) / err_target)
+            sb = max(_MIN_SCALE_BITS, math.ceil(want))
+        else:
+            sb = int(scale_bits)
+        first = sb + mag_bits + _MARGIN_BITS
+        if first > _MAX_PRIME_BITS:
+            sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
+            first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
+        special = min(_MAX_PRIME_BITS, max(first, sb) + (_ROTATION_BITS if rotations else 0))
+        supported = _budget_levels(ring, first, special, sb)
+        best_supported = max(best_supported, supported)
+        if levels > supported:
+            reasons.append(f"N={ring}: {first}+{levels}x{sb}+{special} bits > "
+                           f"{MAX_MODULUS_BITS[ring]}")
+            continue
+        chain = (first,) + (sb,) * levels + (special,)
+        expected = noise_unit(ring, sb, gain)
+        why = (f"{levels} rescaling levels on the longest path -> {levels} primes of {sb} bits; "
+               f"scale 2^{sb} so encryption/rounding noise (gains {gain[0]:.3g}/{gain[1]:.3g} to "
+               f"the output) stays near "
+               f"2^-{precision_bits} of the output range {output_abs:.3g}; first prime {first} "
+               f"bits = scale + {mag_bits} bits for the largest calibrated value "
+               f"{max_abs:.3g} + {_MARGIN_BITS} bits margin; special prime {special} bits"
+               f"{' (+' + str(_ROTATION_BITS) + ' against rotation noise)' if rotations else ''}; N={ring} is the smallest ring whose "
+               f"128-bit budget ({MAX_MODULUS_BITS[ring]} bits) holds {sum(chain)} bits")
+        if reasons:
+            why += " (" + "; ".join(reasons) + ")"
+        params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
+                            levels=levels, security_bits=128, expected_error=expected,
+                            max_abs=float(max_abs), why=why)
+        params.check()
+        return params
+    if all(ring // 2 < slots_needed for ring in rings):
+        raise TooDeepError(f"a value needs {slots_needed} slots but the largest ring allowed "
+                           f"holds {max(rings) // 2}; use packing='batch'", levels, best_supported)
+    raise TooDeepError(
+        f"the program needs {levels} multiplicative levels but the largest supported at 128-bit "
+        f"security is {best_supported} (N={max(rings)}, scale 2^{sb}); SEAL has no "
+        f"bootstrapping: reduce the model's depth (fewer Mu-Layers/blocks, degree-2 layers) or "
+        f"lower precision_bits", levels, best_supported)

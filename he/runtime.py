@@ -1,0 +1,226 @@
+"""The two CKKS interpreters of a polynomial program.
+
+* :func:`run_batch`: batch packing. A value of sample shape ``S`` is a flat list of ``prod(S)``
+  elements, each a SEAL ciphertext (one sample per slot) or a Python float (a value known in the
+  clear, e.g. a zero from padding or a constant). Linear maps are sums of plaintext-scalar
+  products rescaled once per output; zero weights are skipped; gathers are reindexing.
+* :func:`run_vector`: vector packing over a :class:`~he.plan.VectorPlan` with plaintexts encoded
+  once by :class:`VectorKernels`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from he.backend import Engine
+from he.plan import MatVec, VectorPlan
+from polynets.program import PolyProgram
+
+__all__ = ["run_batch", "VectorKernels", "run_vector"]
+
+Elem = Any  # a seal.Ciphertext or a float
+
+
+def _is_ct(e: Elem) -> bool:
+    return not isinstance(e, float)
+
+
+def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
+    if not _is_ct(e):
+        return e * v
+    if v == 0.0:
+        return 0.0
+    if v == round(v) and abs(v) < 2 ** 20:
+        return eng.mul_int(e, int(v))
+    return eng.rescale(eng.mul_scalar(e, v))
+
+
+def _add_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
+    if _is_ct(a) and _is_ct(b):
+        return eng.add(a, b)
+    if _is_ct(a):
+        return eng.add_plain_scalar(a, b) if b != 0.0 else a
+    if _is_ct(b):
+        return eng.add_plain_scalar(b, a) if a != 0.0 else b
+    return a + b
+
+
+def _mul_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
+    if _is_ct(a) and _is_ct(b):
+        return eng.multiply(a, b)
+    if _is_ct(a):
+        return _scale_elem(eng, a, b)
+    return _scale_elem(eng, b, a)
+
+
+def _linear_batch(eng: Engine, x: list[Elem], shape: tuple[int, ...], axis: int,
+                  weight: np.ndarray, bias: np.ndarray | None) -> list[Elem]:
+    pre = int(np.prod(shape[:axis], dtype=np.int64))
+    k = shape[axis]
+    post = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    n = weight.shape[1]
+    cts = [e for e in x if _is_ct(e)]
+    level = max((eng.level(c) for c in cts), default=0)
+    xs = np.empty(len(x), dtype=object)
+    xs[:] = [eng.lift(e, level) if _is_ct(e) else e for e in x]
+    xs = xs.reshape(pre, k, post)
+    scale = eng.scales[level]
+    out = np.empty((pre, n, post), dtype=object)
+    nz = [np.nonzero(weight[:, j])[0] for j in range(n)]
+    for a in range(pre):
+        for j in range(n):
+            b0 = float(bias[j]) if bias is not None else 0.0
+            for c in range(post):
+                acc = None
+                const = b0
+                for i in nz[j]:
+                    e = xs[a, i, c]
+                    w = float(weight[i, j])
+                    if _is_ct(e):
+                        term = eng.mul_plain(e, eng.encode_scalar(w, level, scale))
+                        if acc is None:
+                            acc = term
+                        else:
+                            eng.add_inplace(acc, term)
+                    else:
+                        const += w * e
+                if acc is None:
+                    out[a, j, c] = const
+                else:
+                    res = eng.rescale(acc)
+                    out[a, j, c] = eng.add_plain_scalar(res, const) if const != 0.0 else res
+    return list(out.ravel())
+
+
+def _broadcast(elems: list[Elem], src: tuple[int, ...], dst: tuple[int, ...]) -> list[Elem]:
+    if tuple(src) == tuple(dst):
+        return elems
+    idx = np.broadcast_to(np.arange(len(elems)).reshape(src), dst).ravel()
+    return [elems[i] for i in idx]
+
+
+def run_batch(eng: Engine, program: PolyProgram, inputs: list[Any],
+              progress: bool = False) -> list[Elem]:
+    """Evaluate ``program`` on one group of batch-packed input ciphertexts (flat input order)."""
+    users = program.consumers()
+    remaining = [len(u) for u in users]
+    vals: list[list[Elem] | None] = [None] * len(program.nodes)
+    nodes = program.nodes
+    for i, node in enumerate(tqdm(nodes, desc="batch nodes", disable=not progress, leave=False)):
+        a = node.attrs
+        shape = tuple(node.shape)
+        ins = [vals[j] for j in node.inputs]
+        if node.op == "input":
+            out = list(inputs)
+        elif node.op == "linear":
+            src = tuple(nodes[node.inputs[0]].shape)
+            out = _linear_batch(eng, ins[0], src, a["axis"], np.asarray(a["weight"], np.float64),
+                                None if a.get("bias") is None else np.asarray(a["bias"], float))
+        elif node.op in ("mul", "add"):
+            xa = _broadcast(ins[0], tuple(nodes[node.inputs[0]].shape), shape)
+            xb = _broadcast(ins[1], tuple(nodes[node.inputs[1]].shape), shape)
+            fn = _mul_elem if node.op == "mul" else _add_elem
+            out = [fn(eng, p, q) for p, q in zip(xa, xb)]
+        elif node.op in ("mul_const", "add_const"):
+            v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
+            xa = _broadcast(ins[0], tuple(nodes[node.inputs[0]].shape), shape)
+            fn = _scale_elem if node.op == "mul_const" else _add_elem
+            out = [fn(eng, p, float(c)) for p, c in zip(xa, v)]
+        else:
+            flat = [e for x in ins for e in x]
+            out = [flat[j] if j >= 0 else 0.0 for j in np.asarray(a["index"]).ravel()]
+        vals[i] = out
+        for j in node.inputs:
+            remaining[j] -= 1
+            if remaining[j] == 0 and j != program.output:
+                vals[j] = None
+    result = vals[program.output]
+    assert result is not None
+    return result
+
+
+class VectorKernels:
+    """Plaintexts of a vector plan, encoded once for an engine (diagonals, planes, biases)."""
+
+    def __init__(self, eng: Engine, plan: VectorPlan):
+        self.diag: dict[tuple[int, int, int, int], Any] = {}
+        self.planes: dict[tuple[int, int], Any] = {}
+        self.bias: dict[int, Any] = {}
+        for si, st in enumerate(plan.steps):
+            if st.kind == "affine":
+                lin = max(plan.steps[s].level for s in st.inputs)
+                for ti, mv in enumerate(st.matvecs):
+                    if mv is None:
+                        continue
+                    for gi, group in enumerate(mv.groups):
+                        for b, vec in group.items():
+                            self.diag[si, ti, gi, b] = eng.encode_vector(vec, lin, eng.scales[lin])
+            elif st.kind == "planes":
+                for j, w in enumerate(st.planes):
+                    self.planes[si, j] = eng.encode_vector(w, 0, eng.scales[0])
+            if st.bias is not None and np.any(st.bias):
+                p = st.period
+                vec = np.zeros(p)
+                vec[:st.n] = st.bias
+                self.bias[si] = eng.encode_vector(np.tile(vec, eng.slots // p), st.level,
+                                                  eng.scales[st.level])
+
+
+def _matvec(eng: Engine, kern: VectorKernels, key: tuple[int, int], mv: MatVec, x: Any) -> Any:
+    rots = {b: eng.rotate(x, b) for b in mv.babies}
+    acc = None
+    for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups)):
+        inner = None
+        for b in group:
+            term = eng.mul_plain(rots[b], kern.diag[key + (gi, b)])
+            if inner is None:
+                inner = term
+            else:
+                eng.add_inplace(inner, term)
+        inner = eng.rotate(inner, giant)
+        if acc is None:
+            acc = inner
+        else:
+            eng.add_inplace(acc, inner)
+    out = eng.rescale(acc)
+    for f in mv.folds:
+        out = eng.add(out, eng.rotate(out, f))
+    return out
+
+
+def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
+    """Evaluate a vector plan on one sample's input ciphertexts; returns the output ciphertext."""
+    vals: list[Any] = [None] * len(plan.steps)
+    for si, st in enumerate(plan.steps):
+        if st.kind == "input":
+            vals[si] = inputs[0]
+            continue
+        if st.kind == "planes":
+            acc = None
+            for j, ct in enumerate(inputs):
+                term = eng.mul_plain(ct, kern.planes[si, j])
+                if acc is None:
+                    acc = term
+                else:
+                    eng.add_inplace(acc, term)
+            out = eng.rescale(acc)
+            for f in st.plane_folds:
+                out = eng.add(out, eng.rotate(out, f))
+        elif st.kind == "affine":
+            lin = max(plan.steps[s].level for s in st.inputs)
+            out = None
+            for ti, (src, mv) in enumerate(zip(st.inputs, st.matvecs)):
+                x = eng.lift(vals[src], lin)
+                term = x if mv is None else _matvec(eng, kern, (si, ti), mv, x)
+                out = term if out is None else eng.add(out, term)
+        elif st.kind == "mul":
+            out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
+        else:
+            out = eng.mul_int(vals[st.inputs[0]], st.factor)
+        if si in kern.bias:
+            out = eng.add_plain(out, kern.bias[si])
+        vals[si] = out
+    return vals[plan.output]
