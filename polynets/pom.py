@@ -353,7 +353,8 @@ class PoM(nn.Module):
             raise ShapeError(f"block-causal step needs chunks of whole blocks (a multiple of "
                              f"block_size={self.block_size} tokens), got {chunk.shape[1]}")
         summed = self._prefix_state(self.features(chunk), state.total)
-        new_state = PoMState(summed[:, -1], state.count + chunk.shape[1])
+        last = summed[:, -1] if chunk.shape[1] else state.total  # an empty chunk changes nothing
+        new_state = PoMState(last, state.count + chunk.shape[1])
         h = summed * self._inv_counts(state.count, chunk.shape[1], summed) \
             if self.aggregation == "mean" else summed
         y = self.proj_o(self.selection(chunk) * h)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
@@ -66,6 +68,22 @@ def test_causal_outputs_equal_token_by_token_recurrent_outputs(form: str, aggreg
     assert state.count == x.shape[1]
     torch.testing.assert_close(torch.stack(outs, dim=1), pom(x), rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.stack(outs, dim=1), pom(x), rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9), cut=st.integers(0, 9), seed=st.integers(0, 2 ** 16),
+       form=st.sampled_from(FORMS), aggregation=st.sampled_from(AGGREGATIONS))
+def test_any_split_of_a_causal_sequence_into_two_steps_gives_forward(
+        n: int, cut: int, seed: int, form: str, aggregation: str) -> None:
+    pom = _pom(d=4, seed=seed, form=form, aggregation=aggregation, mask="causal")
+    x = _x(b=1, n=n, d=4, seed=seed)
+    cut = min(cut, n)
+    state = pom.init_state(1)
+    parts = []
+    for chunk in (x[:, :cut], x[:, cut:]):
+        y, state = pom.step(state, chunk)
+        parts.append(y)
+    torch.testing.assert_close(torch.cat(parts, dim=1), pom(x), rtol=1e-10, atol=1e-12)
 
 
 def test_causal_outputs_equal_chunked_recurrent_outputs() -> None:
