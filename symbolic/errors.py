@@ -7,3 +7,23 @@ from polynets.errors import PolynetsError
 
 class SymbolicError(PolynetsError):
     """Base class of every error raised by :mod:`symbolic`."""
+
+
+class NotPolynomialError(SymbolicError, ValueError):
+    """A model or expression is not a polynomial of its inputs, so it cannot be expanded."""
+
+
+class SymbolicDataError(SymbolicError, ValueError):
+    """Trajectory data is malformed: NaN/inf, mismatched shapes, or times not increasing."""
+
+
+class ExpressionError(SymbolicError, ValueError):
+    """Expressions or variable names do not fit what was asked (wrong count, unknown symbols)."""
+
+
+class NotFittedError(SymbolicError, RuntimeError):
+    """A result was requested from an estimator before ``fit`` was called."""
+
+
+class FitError(SymbolicError, RuntimeError):
+    """A numerical fit could not produce a finite result (diverged or singular)."""
