@@ -44,6 +44,7 @@ from polynets.pom import PoM
 WIDTH = 256
 HEADS = 4
 MIXERS = ("pom", "sdpa")
+LABELS = {"pom": "PoM", "sdpa": "SDPA attention"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -255,7 +256,7 @@ def plot(result: dict, path: Path) -> None:
                           for r in run["rows"]]
                 else:
                     ys = [r[mixer][key]["median_s"] for r in run["rows"]]
-                ax.loglog(ns, ys, style, base=2, label=f"{mixer.upper()} ({run['device']})")
+                ax.loglog(ns, ys, style, base=2, label=f"{LABELS[mixer]} ({run['device']})")
             ax.set_xlabel("sequence length")
             ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
