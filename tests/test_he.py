@@ -1,0 +1,294 @@
+"""Encrypted inference with real SEAL contexts: correctness in both packings, key separation,
+parameter security and every error path of :mod:`he`."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import tenseal.sealapi as seal
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.backend import build_context
+from he.params import MAX_MODULUS_BITS
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def _bn_eval(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """Give BatchNorm layers non-trivial running statistics, then switch to eval mode."""
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval()
+
+
+def _roundtrip(model: nn.Module, x: torch.Tensor, packing: str, **kw) -> tuple:
+    prog = he.compile(model, x, calibration=x, packing=packing, **kw)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    out = server.run(client.encrypt(x).to_bytes())
+    y = client.decrypt(out.to_bytes())
+    return prog, y
+
+
+def _check_matches(model: nn.Module, x: torch.Tensor, packing: str, **kw) -> None:
+    prog, y = _roundtrip(model, x, packing, **kw)
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    sim = prog.simulate(x)
+    assert y.shape == ref.shape
+    assert np.max(np.abs(sim - ref)) < 1e-4 * max(1.0, np.max(np.abs(ref)))
+    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4 * max(1.0, np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
+    return model, torch.randn(5, 6)
+
+
+@pytest.fixture(scope="module")
+def mlp_setup(mlp):
+    model, x = mlp
+    prog = he.compile(model, x, packing="batch")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    return prog, client, server, x
+
+
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_user_mlp_with_square_decrypts_to_model_output(mlp, packing):
+    _check_matches(*mlp, packing)
+
+
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_mulayer_decrypts_to_model_output(packing):
+    torch.manual_seed(1)
+    model = pn.MuLayer(4, 3, hidden=4).eval()
+    _check_matches(model, torch.randn(3, 2, 2, 4), packing)
+
+
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_polyblock_with_batchnorm_decrypts_to_model_output(packing):
+    torch.manual_seed(2)
+    x = torch.randn(8, 2, 2, 4)
+    model = _bn_eval(pn.PolyBlock(4, expansion=1, shrinkage=2, norm="batch"), x)
+    _check_matches(model, x[:3], packing)
+
+
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_linear_pom_decrypts_to_model_output(packing):
+    torch.manual_seed(3)
+    model = pn.PoM(4, degree=2, expand=1, activation="linear").eval()
+    _check_matches(model, torch.randn(2, 3, 4), packing)
+
+
+def test_small_monet_decrypts_to_model_output_in_batch_packing():
+    torch.manual_seed(4)
+    x = torch.rand(16, 1, 4, 4)
+    model = _bn_eval(pn.MONet(img_size=4, in_chans=1, num_classes=3, patch_size=2, embed="patch",
+                              embed_dim=4, depth=1, expansion=1, shrinkage=2, norm="batch"), x)
+    _check_matches(model, x[:2], "batch")
+
+
+@pytest.mark.slow
+def test_small_monet_decrypts_to_model_output_in_vector_packing():
+    torch.manual_seed(4)
+    x = torch.rand(16, 1, 4, 4)
+    model = _bn_eval(pn.MONet(img_size=4, in_chans=1, num_classes=3, patch_size=2, embed="patch",
+                              embed_dim=4, depth=1, expansion=1, shrinkage=2, norm="batch"), x)
+    _check_matches(model, x[:2], "vector")
+
+
+def test_hand_built_program_compiles_without_a_model():
+    w = np.array([[1.0, -2.0], [0.5, 0.25], [3.0, 1.0]])
+    nodes = [pn.Node("input", (), (1, 3)),
+             pn.Node("linear", (0,), (1, 2), {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
+             pn.Node("mul", (1, 1), (1, 2)),
+             pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
+             pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
+    program = pn.PolyProgram(nodes, 4)
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    for packing in ("batch", "vector"):
+        prog = he.compile(program, calibration=x, packing=packing)
+        client = he.Client(prog)
+        y = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(x)))
+        assert np.max(np.abs(y - program.simulate(x))) <= prog.params.expected_error
+
+
+def test_vector_packing_generates_only_the_galois_keys_it_uses(mlp):
+    model, x = mlp
+    prog = he.compile(model, x, packing="vector")
+    client = he.Client(prog)
+    used = prog.plan.rotations()
+    assert client.galois_keys is not None
+    assert client.galois_keys.size() == len(used)
+
+
+def test_server_and_public_context_hold_no_secret_key(mlp_setup):
+    prog, client, server, x = mlp_setup
+    public = client.public_context()
+    secret_bytes = he.backend.save_object(client._secret_key)
+    assert secret_bytes[32:96] not in public
+    assert not any(hasattr(server, a) for a in ("_secret_key", "_decryptor"))
+    with pytest.raises(he.SecretKeyError, match="cannot decrypt"):
+        server.decrypt(server.run(client.encrypt(x)))
+
+
+def test_server_refuses_a_context_with_the_secret_key(mlp_setup):
+    prog, client, _, _ = mlp_setup
+    with pytest.raises(he.SecretKeyError, match="secret key"):
+        he.Server(prog, client.secret_context())
+
+
+def test_client_restored_from_secret_context_decrypts(mlp_setup):
+    prog, client, server, x = mlp_setup
+    again = he.Client.from_secret_context(prog, client.secret_context())
+    out = server.run(client.encrypt(x))
+    assert np.allclose(again.decrypt(out), client.decrypt(out), atol=1e-4)
+
+
+def test_ciphertext_from_another_key_set_is_refused(mlp_setup):
+    prog, client, server, x = mlp_setup
+    other = he.Client(prog)
+    with pytest.raises(he.KeyMismatchError, match="key set"):
+        server.run(other.encrypt(x))
+    with pytest.raises(he.KeyMismatchError, match="key set"):
+        other.decrypt(server.run(client.encrypt(x)))
+
+
+def test_context_of_another_program_is_refused(mlp, mlp_setup):
+    model, x = mlp
+    prog, client, _, _ = mlp_setup
+    prog2 = he.compile(model, x * 3, packing="batch")
+    with pytest.raises(he.KeyMismatchError, match="compiled program"):
+        he.Server(prog2, client.public_context())
+
+
+def test_wrong_input_shape_names_the_expected_shape(mlp_setup):
+    _, client, _, _ = mlp_setup
+    with pytest.raises(he.InputShapeError, match=r"\(B, 6,\)"):
+        client.encrypt(np.zeros((2, 5)))
+
+
+@pytest.mark.parametrize("mangle", [lambda b: b[: len(b) // 2], lambda b: b"garbage" * 20,
+                                    lambda b: b[:9] + b"\xff" * 40 + b[49:],
+                                    lambda b: b[:-5000] + bytes(5000)])
+def test_garbage_or_truncated_ciphertext_raises_serialization_error(mlp_setup, mangle):
+    _, client, server, x = mlp_setup
+    data = client.encrypt(x).to_bytes()
+    with pytest.raises(he.SerializationError):
+        server.run(mangle(data))
+
+
+def test_garbage_context_and_program_bytes_raise_serialization_error(mlp_setup):
+    prog, client, _, _ = mlp_setup
+    public = client.public_context()
+    with pytest.raises(he.SerializationError):
+        he.Server(prog, public[:100])
+    with pytest.raises(he.SerializationError):
+        he.CompiledProgram.from_bytes(prog.to_bytes()[:-10])
+    with pytest.raises(he.SerializationError):
+        he.CompiledProgram.from_bytes(b"PNHE\x01garbage")
+
+
+def test_compiled_program_round_trips_through_a_file(mlp_setup, tmp_path):
+    prog, client, server, x = mlp_setup
+    path = tmp_path / "model.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.fingerprint == prog.fingerprint
+    assert loaded.params == prog.params
+    server2 = he.Server(loaded, client.public_context())
+    y = client.decrypt(server2.run(client.encrypt(x)))
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+
+
+def test_inputs_outside_the_calibrated_range_warn_with_precision_loss(mlp_setup):
+    _, client, _, x = mlp_setup
+    with pytest.warns(he.CalibrationRangeWarning, match="bits of precision"):
+        client.encrypt(x * 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        client.encrypt(x)
+
+
+def test_non_polynomial_model_is_refused_with_module_path():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    with pytest.raises(he.NotEncryptableError, match=r"1 \(GELU\)") as info:
+        he.compile(model, torch.randn(2, 4))
+    assert info.value.certificate is not None and not info.value.certificate.is_polynomial
+
+
+def test_too_deep_program_reports_levels_needed_and_supported():
+    layers: list[nn.Module] = []
+    for _ in range(40):
+        layers += [nn.Linear(2, 2), Square()]
+    with pytest.raises(he.TooDeepError, match="needs 80 multiplicative levels") as info:
+        he.compile(nn.Sequential(*layers).eval(), torch.randn(2, 2) * 0.1, packing="batch")
+    assert info.value.levels_needed == 80 and 0 < info.value.levels_supported < 80
+
+
+def test_chosen_parameters_are_accepted_by_seal_at_128_bit_security(mlp_setup):
+    prog = mlp_setup[0]
+    p = prog.params
+    assert p.total_bits <= MAX_MODULUS_BITS[p.poly_modulus_degree]
+    assert build_context(p).parameters_set()
+    assert "levels" in p.why and str(p.poly_modulus_degree) in str(p)
+
+
+def test_seal_refuses_an_insecure_parameter_set():
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(8192)
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(8192, [60, 60, 60, 60]))   # 240 > 218 bits
+    assert not seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128).parameters_set()
+    with pytest.raises(he.ParameterError, match="128-bit"):
+        he.CKKSParams(8192, (60, 60, 60, 60), 40, 2, 128, 0.0, 1.0, "").check()
+
+
+def test_report_compares_model_simulation_and_decryption(mlp_setup, mlp):
+    prog, client, server, x = mlp_setup
+    model = mlp[0]
+    labels = model(x).argmax(1).numpy()
+    rep = he.report(model, prog, client, server, x, y_true=labels)
+    assert rep.argmax_agreement == 1.0 and rep.acc_plain == 1.0 == rep.acc_enc
+    assert rep.max_err_enc_sim <= prog.params.expected_error
+    assert "accuracy drop report" in str(rep)
+
+
+def test_cli_client_and_server_talk_through_files(mlp_setup, tmp_path, capsys):
+    from polynets.cli import main
+
+    prog, _, _, x = mlp_setup
+    prog.save(tmp_path / "m.he")
+    np.save(tmp_path / "x.npy", x.numpy())
+    keys = str(tmp_path / "keys")
+    assert main(["encrypt", str(tmp_path / "m.he"), str(tmp_path / "x.npy"), "--keys", keys,
+                 "-o", str(tmp_path / "x.ct")]) == 0
+    assert main(["run", str(tmp_path / "m.he"), str(tmp_path / "x.ct"), "--context",
+                 f"{keys}/public.ctx", "-o", str(tmp_path / "y.ct")]) == 0
+    assert main(["decrypt", str(tmp_path / "m.he"), str(tmp_path / "y.ct"), "--keys", keys,
+                 "-o", str(tmp_path / "y.npy")]) == 0
+    y = np.load(tmp_path / "y.npy", allow_pickle=False)
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+    assert "predictions:" in capsys.readouterr().out
+    assert main(["run", str(tmp_path / "m.he"), str(tmp_path / "x.ct"), "--context",
+                 f"{keys}/secret.ctx", "-o", str(tmp_path / "z.ct")]) == 2
+
+
+@pytest.mark.slow
+def test_demo_quick_runs_end_to_end():
+    from he.demo import run_demo
+
+    res = run_demo(quick=True, progress=False, echo=lambda *a: None)
+    assert abs(res.acc_plain - res.acc_encrypted) <= 0.005 + 1e-9
