@@ -62,10 +62,12 @@ def check_shape(owner: str, x: Tensor, expected: Sequence[int | str], *,
 
 def to_2tuple(value: int | Sequence[int], name: str) -> tuple[int, int]:
     """Return ``(value, value)`` for an int, or the pair itself; ConfigError for anything else."""
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
-        raise ConfigError(f"{name} must be a positive int or a pair of positive ints, got {value!r}")
-    return pair  # type: ignore[return-value]
+    pair = (value, value) if isinstance(value, int) else value
+    if not (isinstance(pair, Sequence) and len(pair) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair)):
+        raise ConfigError(f"{name} must be a positive int or a pair of positive ints, "
+                          f"got {value!r}")
+    return int(pair[0]), int(pair[1])
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -195,17 +197,22 @@ class MuLayer(nn.Module):
 class PolyBlock(nn.Module):
     """Poly-Block of MONet: two Mu-Layers, a norm between, a shortcut over the first.
 
-    ``Z = X + Mu_1(X)``, ``Y = Mu_2(N(Z))`` where ``Mu_1`` has hidden size ``dim`` and the spatial
-    shift, ``Mu_2`` has hidden size ``dim * expansion``; both have rank ``hidden // shrinkage``.
-    With ``norm="none"`` and no biases ``Y`` is a polynomial of degree 4 in ``X`` with terms of
-    degrees 1 to 4. Shape: ``(B, H, W, dim) -> (B, H, W, dim)`` (``(..., dim)`` when
-    ``spatial_shift=False``).
+    ``Z = X + Mu_1(X)``, ``Y = Z + Mu_2(N(Z))`` where ``Mu_1`` has hidden size ``dim`` and the
+    spatial shift, ``Mu_2`` has hidden size ``dim * expansion``; both have rank
+    ``hidden // shrinkage``. The paper's text describes only the shortcut over ``Mu_1``
+    (``Y = Mu_2(N(Z))``, ``second_shortcut=False``); the default also keeps the shortcut over
+    ``Mu_2``, as the authors' implementation does, because without it the gradient grows by
+    about 10^12 through a 32-block MONet at initialisation. With ``norm="none"`` and no biases
+    ``Y`` is a polynomial of degree 4 in ``X`` with terms of degrees 1 to 4 either way.
+    Shape: ``(B, H, W, dim) -> (B, H, W, dim)`` (``(..., dim)`` when ``spatial_shift=False``).
     """
 
     def __init__(self, dim: int, *, expansion: int = 3, shrinkage: int = 4, norm: str = "batch",
-                 spatial_shift: bool = True, bias: bool = True) -> None:
+                 spatial_shift: bool = True, second_shortcut: bool = True,
+                 bias: bool = True) -> None:
         super().__init__()
         self.dim = _positive_int(dim, "PolyBlock dim")
+        self.second_shortcut = bool(second_shortcut)
         expansion = _positive_int(expansion, "PolyBlock expansion")
         self.spatial_shift = bool(spatial_shift)
         self.mu1 = MuLayer(dim, dim, hidden=dim, shrinkage=shrinkage,
@@ -219,7 +226,9 @@ class PolyBlock(nn.Module):
             check_shape("PolyBlock", x, ("B", "H", "W", self.dim))
         else:
             check_shape("PolyBlock", x, (self.dim,), any_leading=True)
-        return self.mu2(self.norm(x + self.mu1(x)))
+        z = x + self.mu1(x)
+        y = self.mu2(self.norm(z))
+        return z + y if self.second_shortcut else y
 
 
 class PatchEmbed(nn.Module):

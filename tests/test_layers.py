@@ -178,20 +178,24 @@ def test_spatial_shift_rejects_wrong_rank_and_config() -> None:
 # ---------------------------------------------------------------- Poly-Block
 
 
-def test_polyblock_equals_two_mu_layers_with_norm_between_and_shortcut_over_first() -> None:
+@pytest.mark.parametrize("second_shortcut", [True, False])
+def test_polyblock_equals_two_mu_layers_with_norm_between_and_shortcut_over_first(
+        second_shortcut: bool) -> None:
     torch.manual_seed(4)
-    block = pn.PolyBlock(8, norm="layer").double()
+    block = pn.PolyBlock(8, norm="layer", second_shortcut=second_shortcut).double()
     x = torch.randn(2, 3, 3, 8, dtype=torch.float64)
-    expected = block.mu2(block.norm(x + block.mu1(x)))
+    z = x + block.mu1(x)
+    expected = block.mu2(block.norm(z)) + (z if second_shortcut else 0.0)
     torch.testing.assert_close(block(x), expected)
     assert block.mu1.spatial_shift and not block.mu2.spatial_shift
     assert block.mu1.hidden == 8 and block.mu2.hidden == 24
     assert block.mu1.rank == 2 and block.mu2.rank == 6
 
 
-def test_polyblock_is_a_degree_four_polynomial_of_its_input() -> None:
+@pytest.mark.parametrize("second_shortcut", [True, False])
+def test_polyblock_is_a_degree_four_polynomial_of_its_input(second_shortcut: bool) -> None:
     torch.manual_seed(5)
-    block = pn.PolyBlock(8, norm="none", bias=False).double()
+    block = pn.PolyBlock(8, norm="none", bias=False, second_shortcut=second_shortcut).double()
     x = torch.randn(2, 3, 3, 8, dtype=torch.float64)
     scales = [1.0, 2.0, 3.0, 4.0]
     values = torch.stack([block(s * x) for s in scales])  # (4, ...)

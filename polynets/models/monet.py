@@ -77,12 +77,13 @@ class MONetStage(nn.Module):
     """
 
     def __init__(self, in_dim: int, dim: int, depth: int, *, downsample: bool, expansion: int,
-                 shrinkage: int, norm: str, spatial_shift: bool, bias: bool) -> None:
+                 shrinkage: int, norm: str, spatial_shift: bool, second_shortcut: bool,
+                 bias: bool) -> None:
         super().__init__()
         self.downsample = StageDownsample(in_dim, dim, bias=bias) if downsample else nn.Identity()
         self.blocks = nn.Sequential(*(
             PolyBlock(dim, expansion=expansion, shrinkage=shrinkage, norm=norm,
-                      spatial_shift=spatial_shift, bias=bias)
+                      spatial_shift=spatial_shift, second_shortcut=second_shortcut, bias=bias)
             for _ in range(depth)))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -118,7 +119,8 @@ class MONet(nn.Module):
                  embed_dim: int | Sequence[int] = 192, depth: int | Sequence[int] = 32,
                  expansion: int = 3, shrinkage: int = 4, norm: str = "batch",
                  embed: str = "pyramid", merges: int = 1, fuse_levels: bool = True,
-                 spatial_shift: bool = True, global_pool: str = "avg", drop_rate: float = 0.0,
+                 spatial_shift: bool = True, second_shortcut: bool = True,
+                 global_pool: str = "avg", drop_rate: float = 0.0,
                  init: str = "xavier_normal", bias: bool = True) -> None:
         super().__init__()
         dims = _as_tuple(embed_dim, "embed_dim")
@@ -156,7 +158,8 @@ class MONet(nn.Module):
         for i, (dim, n) in enumerate(zip(dims, depths)):
             stages.append(MONetStage(dims[max(i - 1, 0)], dim, n, downsample=i > 0,
                                      expansion=expansion, shrinkage=shrinkage, norm=norm,
-                                     spatial_shift=spatial_shift, bias=bias))
+                                     spatial_shift=spatial_shift,
+                                     second_shortcut=second_shortcut, bias=bias))
             reduction = reduction * 2 if i > 0 else reduction
             self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f"stages.{i}"))
         self.stages = nn.Sequential(*stages)
