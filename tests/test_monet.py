@@ -103,6 +103,14 @@ def test_multi_stage_halves_the_grid_and_changes_width_per_stage() -> None:
     assert model.stages[1].blocks[0].mu1.rank == 2  # 16 // 8
 
 
+def test_features_only_returns_channels_last_tokens_of_every_stage() -> None:
+    model = timm.create_model("monet_ms_t", img_size=32, features_only=True)
+    feats = model(torch.randn(4, 3, 32, 32))
+    assert [tuple(f.shape) for f in feats] == [(4, 8, 8, 64), (4, 4, 4, 128), (4, 2, 2, 192),
+                                               (4, 1, 1, 192)]
+    assert model.feature_info.channels() == [64, 128, 192, 192]
+
+
 def test_forward_head_pre_logits_returns_pooled_features() -> None:
     model = _tiny(embed_dim=(8, 12), depth=(1, 1))
     x = torch.randn(3, 1, 8, 8)

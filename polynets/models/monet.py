@@ -231,11 +231,16 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> MONet:
+def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
     if pretrained:
         raise ConfigError(f"no pretrained weights are published for {variant}; "
                           f"use pretrained=False")
-    model = build_model_with_cfg(MONet, variant, pretrained, **kwargs)
+    stages = 1 if isinstance(kwargs["depth"], int) else len(kwargs["depth"])
+    feature_cfg = dict(flatten_sequential=True, out_indices=tuple(range(stages)),
+                       output_fmt="NHWC")
+    model = build_model_with_cfg(MONet, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+    if not isinstance(model, MONet):  # features_only: a timm feature extractor around MONet
+        return model
     cfg = {**model.pretrained_cfg, "num_classes": model.num_classes,
            "input_size": (model.in_chans, *model.img_size)}
     model.pretrained_cfg = model.default_cfg = cfg
@@ -243,21 +248,21 @@ def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> MONe
 
 
 @register_model
-def monet_t(pretrained: bool = False, **kwargs: Any) -> MONet:
+def monet_t(pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """MONet-Tiny (Table 1): 32 Poly-Blocks of width 192, 16x16 tokens at 224."""
     args = dict(patch_size=7, embed_dim=192, depth=32, expansion=3, shrinkage=4)
     return _create_monet("monet_t", pretrained, **{**args, **kwargs})
 
 
 @register_model
-def monet_s(pretrained: bool = False, **kwargs: Any) -> MONet:
+def monet_s(pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """MONet-Small (Table 1): 45 Poly-Blocks of width 320, 14x14 tokens at 224."""
     args = dict(patch_size=8, embed_dim=320, depth=45, expansion=3, shrinkage=4)
     return _create_monet("monet_s", pretrained, **{**args, **kwargs})
 
 
 @register_model
-def monet_ms_t(pretrained: bool = False, **kwargs: Any) -> MONet:
+def monet_ms_t(pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """Multi-stage MONet-Tiny (Table 1, Appendix B): widths 64-128-192-192, 4-8-12-10 blocks."""
     args = dict(patch_size=2, embed_dim=(64, 128, 192, 192), depth=(4, 8, 12, 10),
                 expansion=3, shrinkage=8)
@@ -265,7 +270,7 @@ def monet_ms_t(pretrained: bool = False, **kwargs: Any) -> MONet:
 
 
 @register_model
-def monet_ms_s(pretrained: bool = False, **kwargs: Any) -> MONet:
+def monet_ms_s(pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """Multi-stage MONet-Small (Table 1, Appendix B): widths 128-192-256-384, 4-6-12-14 blocks."""
     args = dict(patch_size=2, embed_dim=(128, 192, 256, 384), depth=(4, 6, 12, 14),
                 expansion=3, shrinkage=8)
