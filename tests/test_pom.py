@@ -384,3 +384,24 @@ def test_polymorpher_learns_digit_pairs_task_that_token_wise_model_cannot() -> N
     assert pom["test_accuracy"] > 0.85
     assert token["test_accuracy"] < 0.65
     assert pom["test_accuracy"] - token["test_accuracy"] > 0.25
+
+
+@pytest.mark.slow
+def test_benchmark_script_writes_json_plot_and_ratios(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pom_vs_attention.py"
+    subprocess.run([sys.executable, str(script), "--min-len", "32", "--max-len", "64",
+                    "--budget", "0.01", "--out", str(tmp_path)], check=True, capture_output=True)
+    saved = json.loads((tmp_path / "pom_vs_attention.json").read_text())
+    assert (tmp_path / "pom_vs_attention.png").stat().st_size > 0
+    rows = saved["runs"][0]["rows"]
+    assert [r["n"] for r in rows] == [32, 64] and saved["runs"][0]["device"] == "cpu"
+    for r in rows:
+        assert r["speedup_forward"] == pytest.approx(
+            r["sdpa"]["forward"]["median_s"] / r["pom"]["forward"]["median_s"])
+        assert r["pom"]["memory"]["forward_backward_bytes"] >= 0
+    assert saved["theoretical_crossover"] == pytest.approx((512 * 771 - 4 * 256 ** 2) / 512)
