@@ -111,6 +111,13 @@ class MONet(nn.Module):
     ``forward_head(x, pre_logits=False)`` pools (``global_pool="avg"``, or ``""`` for none) and
     classifies, ``reset_classifier`` keeps the pooling unless told otherwise.
 
+    ``norm``: ``"batch"`` (default; folds into the affine maps at inference, so the eval-mode
+    model is a polynomial and can be encrypted), ``"layer"`` (the paper's training setup, not a
+    polynomial) or ``"none"``. ``second_shortcut``: see :class:`~polynets.layers.PolyBlock`.
+    ``init``: weight initialiser, one of :data:`INITS` (default ``"xavier_normal"``, Appendix M),
+    applied once to every linear and conv layer. ``expansion`` and ``shrinkage`` are the
+    Poly-Block's ratios; ``drop_rate`` is dropout before the classifier.
+
     Shape: ``(B, in_chans, H, W) -> (B, num_classes)`` with ``(H, W) == img_size``.
     """
 
