@@ -224,9 +224,9 @@ class PoM(nn.Module):
 
     # --- building blocks -------------------------------------------------------------------
 
-    def _check_tokens(self, x: Tensor, what: str, rank: int) -> None:
-        if x.dim() != rank or x.shape[-1] != self.dim:
-            expected = "(B, N, dim)" if rank == 3 else "(B, dim)"
+    def _check_tokens(self, x: Tensor, what: str, ranks: tuple[int, ...]) -> None:
+        if x.dim() not in ranks or x.shape[-1] != self.dim:
+            expected = " or ".join({2: "(B, dim)", 3: "(B, N, dim)"}[r] for r in ranks)
             raise ShapeError(f"PoM {what} must have shape {expected} with dim={self.dim}, "
                              f"got {tuple(x.shape)}")
 
@@ -290,7 +290,7 @@ class PoM(nn.Module):
 
     def shared_state(self, x: Tensor) -> Tensor:
         """The shared state H(X): (B, N, d) -> (B, 1, S) without a mask, else (B, N, S)."""
-        self._check_tokens(x, "input", 3)
+        self._check_tokens(x, "input", (3,))
         n = x.shape[1]
         self._check_length(n)
         feats = self.features(x)
@@ -343,8 +343,8 @@ class PoM(nn.Module):
         by chunk) gives exactly ``forward`` of the whole sequence.
         """
         self._check_recurrent()
+        self._check_tokens(x, "step input", (2, 3))
         single = x.dim() == 2
-        self._check_tokens(x, "step input", 2 if single else 3)
         chunk = x.unsqueeze(1) if single else x
         if state.total.shape != (chunk.shape[0], self.state_dim):
             raise ShapeError(f"state.total must have shape ({chunk.shape[0]}, {self.state_dim}), "
