@@ -38,7 +38,7 @@ def optimize(program: PolyProgram, *, max_rounds: int = 100) -> PolyProgram:
     rules: list[Rule] = [
         _identity, _compose_gathers, _merge_consts, _fold_after_linear, _fold_before_linear,
         _push_through_gather, _push_into_product, _fuse_linears, _sink_reshape,
-        _distribute_over_add, _fuse_across_axes,
+        _DistributeOverAdd(), _fuse_across_axes,
     ]
     nodes, output = _run(nodes, output, rules, max_rounds)
     # dense collapsing last: structured maps first get every fold and fusion they can
@@ -58,28 +58,55 @@ def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
         changed = False
         for rule in rules:
             users = _users(nodes)
-            alias: dict[int, int] = {}
+            dead: set[int] = set()
+            version = _VERSION[0]
             for i in range(len(nodes)):
-                if i in alias or nodes[i].op == "input":
+                if i in dead or nodes[i].op == "input":
                     continue
-                nodes[i].inputs = tuple(alias.get(j, j) for j in nodes[i].inputs)
+                before = list(nodes)
                 result = rule(nodes, i, users)
                 if result is None:
                     continue
                 changed = True
+                _VERSION[0] += 1
+                _update_users(users, before, nodes)
                 if result != _CHANGED:
-                    alias[i] = result
-                    for node in nodes:
-                        node.inputs = tuple(alias.get(j, j) for j in node.inputs)
-                users = _users(nodes)
-            if alias:
-                output = alias.get(output, output)
-                for node in nodes:
-                    node.inputs = tuple(alias.get(j, j) for j in node.inputs)
-            nodes, output = _compact(nodes, output)
+                    dead.add(i)
+                    output = result if output == i else output
+                    _redirect(nodes, users, i, result)
+            if _VERSION[0] != version:
+                nodes, output = _compact(nodes, output)
         if not changed:
             break
     return nodes, output
+
+
+_VERSION = [0]  # bumped on every rewrite, so rules can cache analyses of the current program
+
+
+def _update_users(users: list[list[int]], before: list[Node], nodes: list[Node]) -> None:
+    """Bring the reader lists up to date after a rule replaced or appended nodes."""
+    users.extend([] for _ in range(len(nodes) - len(before)))
+    for k in range(len(before)):
+        if nodes[k] is not before[k]:
+            for j in before[k].inputs:
+                users[j].remove(k)
+            for j in nodes[k].inputs:
+                users[j].append(k)
+    for k in range(len(before), len(nodes)):
+        for j in nodes[k].inputs:
+            users[j].append(k)
+
+
+def _redirect(nodes: list[Node], users: list[list[int]], old: int, new: int) -> None:
+    """Make every reader of ``old`` read ``new``; ``old`` is dead afterwards."""
+    for j in nodes[old].inputs:
+        while old in users[j]:
+            users[j].remove(old)
+    for u in sorted(set(users[old])):
+        nodes[u].inputs = tuple(new if j == old else j for j in nodes[u].inputs)
+        users[new].extend([u] * nodes[u].inputs.count(new))
+    users[old] = []
 
 
 # --------------------------------------------------------------------------------- utilities
@@ -91,11 +118,10 @@ def _users(nodes: list[Node]) -> list[list[int]]:
     return users
 
 
-def _compact(nodes: list[Node], output: int) -> tuple[list[Node], int]:
-    """Keep the input and the nodes that reach the output, in a topological order."""
+def _topological(nodes: list[Node], roots: list[int]) -> list[int]:
+    """The nodes that ``roots`` depend on (and the roots), inputs before readers."""
     order: list[int] = []
     state = [0] * len(nodes)  # 0 new, 1 on the stack, 2 done
-    roots = [i for i, n in enumerate(nodes) if n.op == "input"] + [output]
     for root in roots:
         stack = [root]
         while stack:
@@ -111,6 +137,12 @@ def _compact(nodes: list[Node], output: int) -> tuple[list[Node], int]:
                 state[i] = 2
                 order.append(i)
                 stack.pop()
+    return order
+
+
+def _compact(nodes: list[Node], output: int) -> tuple[list[Node], int]:
+    """Keep the input and the nodes that reach the output, in a topological order."""
+    order = _topological(nodes, [i for i, n in enumerate(nodes) if n.op == "input"] + [output])
     new_id = {old: new for new, old in enumerate(order)}
     kept = []
     for old in order:
@@ -425,37 +457,70 @@ def _fuse_across_axes(nodes: list[Node], i: int, users: list[list[int]]) -> int 
     return _CHANGED
 
 
-def _distribute_over_add(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+def _levels_and_slack(nodes: list[Node], users: list[list[int]]) -> tuple[list[int], list[int]]:
+    """CKKS levels of every node, and how many levels each could grow without delaying a user."""
+    def cost(node: Node) -> int:
+        if node.op in ("linear", "mul"):
+            return 1
+        return int(node.op == "mul_const" and not np.all(np.abs(node.attrs["value"]) == 1.0))
+
+    order = _topological(nodes, list(range(len(nodes))))
+    level = [0] * len(nodes)
+    for i in order:
+        node = nodes[i]
+        if node.inputs:
+            level[i] = max(level[j] for j in node.inputs) + cost(node)
+    latest = [max(level)] * len(nodes)
+    for i in reversed(order):
+        if users[i]:
+            latest[i] = min(latest[k] - cost(nodes[k]) for k in users[i])
+    return level, [latest[i] - level[i] for i in range(len(nodes))]
+
+
+class _DistributeOverAdd:
     """L(a + b) with a = linear(u) on L's axis -> (L o a)(u) + L(b): one level less on u's path.
 
     Residual connections (y = x + C(u), then the next layer's maps read y) are the common case.
+    Applied only where it shortens a critical path (no slack, and u's path is the longer one),
+    so residual streams are not unrolled.
     """
-    n = nodes[i]
-    if n.op != "linear":
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._level: list[int] = []
+        self._slack: list[int] = []
+
+    def __call__(self, nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+        n = nodes[i]
+        if n.op != "linear":
+            return None
+        j = n.inputs[0]
+        s = nodes[j]
+        if s.op != "add" or s.inputs[0] == s.inputs[1]:
+            return None
+        if self._version != _VERSION[0] or len(self._slack) != len(nodes):
+            self._level, self._slack = _levels_and_slack(nodes, users)
+            self._version = _VERSION[0]
+        if i >= len(self._slack) or self._slack[i] != 0:
+            return None
+        axis = n.attrs["axis"]
+        for k, other in ((s.inputs[0], s.inputs[1]), (s.inputs[1], s.inputs[0])):
+            a = nodes[k]
+            if a.op != "linear" or a.attrs["axis"] != axis or len(set(users[k])) != 1:
+                continue
+            if self._level[a.inputs[0]] < self._level[other]:
+                continue
+            w, b = n.attrs["weight"], n.attrs.get("bias")
+            wa, ba = a.attrs["weight"], a.attrs.get("bias")
+            fused_bias = None if ba is None else ba @ w
+            nodes.append(Node("linear", a.inputs, n.shape,
+                              {"axis": axis, "weight": wa @ w, "bias": fused_bias}, a.path))
+            left = len(nodes) - 1
+            nodes.append(Node("linear", (other,), n.shape,
+                              {"axis": axis, "weight": w, "bias": b}, n.path))
+            nodes[i] = Node("add", (left, len(nodes) - 1), n.shape, {}, s.path)
+            return _CHANGED
         return None
-    j = n.inputs[0]
-    s = nodes[j]
-    if s.op != "add" or s.inputs[0] == s.inputs[1]:
-        return None
-    axis = n.attrs["axis"]
-    for k, other in ((s.inputs[0], s.inputs[1]), (s.inputs[1], s.inputs[0])):
-        a = nodes[k]
-        if a.op != "linear" or a.attrs["axis"] != axis or len(set(users[k])) != 1:
-            continue
-        if a.attrs["weight"].size * n.attrs["weight"].shape[1] > \
-                _DENSE_LIMIT * max(1, a.attrs["weight"].shape[1]):
-            continue
-        w, b = n.attrs["weight"], n.attrs.get("bias")
-        wa, ba = a.attrs["weight"], a.attrs.get("bias")
-        fused_bias = None if ba is None else ba @ w
-        nodes.append(Node("linear", a.inputs, n.shape,
-                          {"axis": axis, "weight": wa @ w, "bias": fused_bias}, a.path))
-        left = len(nodes) - 1
-        nodes.append(Node("linear", (other,), n.shape, {"axis": axis, "weight": w, "bias": b},
-                          n.path))
-        nodes[i] = Node("add", (left, len(nodes) - 1), n.shape, {}, s.path)
-        return _CHANGED
-    return None
 
 
 def _sink_reshape(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
