@@ -47,6 +47,9 @@ def _program_digest(program: PolyProgram) -> str:
 def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float]:
     """Linearised output error per unit of input (encryption) noise and of rescale noise.
 
+    Independent noise adds in quadrature through a linear map, so a map's gain is the largest
+    column 2-norm of its weight; products propagate worst-case through the calibrated ranges.
+
     Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
     """
     e: list[tuple[float, float]] = []
@@ -56,7 +59,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
         if node.op == "input":
             g = (1.0, 0.0)
         elif node.op == "linear":
-            w = float(np.abs(np.asarray(a["weight"], dtype=np.float64)).sum(axis=0).max(
+            w = float(np.sqrt((np.asarray(a["weight"], dtype=np.float64) ** 2).sum(axis=0)).max(
                 initial=0.0))
             g = (w * ins[0][0], w * ins[0][1] + 1.0)
         elif node.op == "mul":
