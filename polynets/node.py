@@ -157,15 +157,31 @@ def train_node(model: PolyNODE, t: Any, X: Any, *, steps: int = 300, window: int
                batch_size: int = 64, lr: float = 1e-2, method: str = "dopri5",
                rtol: float = 1e-5, atol: float = 1e-7, adjoint: bool = False,
                min_step: float | None = None, clip_grad: float = 1.0, seed: int = 0,
-               progress: bool = True) -> NODEHistory:
+               num_threads: int | None = 1, progress: bool = True) -> NODEHistory:
     """Fit ``model`` to trajectories by integrating it over short windows.
 
     ``t``: (n,) and ``X``: (n, dim), or lists of them for several trajectories. Each step
     integrates a random batch of windows of ``window`` consecutive samples from their observed
     first state (multiple shooting) and minimises the mean squared error, per variable scaled by
     the data's standard deviation, with Adam (cosine-decayed ``lr``). Runs in the model's dtype
-    (use ``model.double()`` for float64). Returns the :class:`NODEHistory`.
+    (use ``model.double()`` for float64). ``num_threads``: torch threads while training (small
+    ODE batches run fastest on one; None keeps torch's setting). Returns the
+    :class:`NODEHistory`.
     """
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(int(num_threads))
+    try:
+        return _train(model, t, X, steps=steps, window=window, batch_size=batch_size, lr=lr,
+                      method=method, rtol=rtol, atol=atol, adjoint=adjoint, min_step=min_step,
+                      clip_grad=clip_grad, seed=seed, progress=progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(model: PolyNODE, t: Any, X: Any, *, steps: int, window: int, batch_size: int,
+           lr: float, method: str, rtol: float, atol: float, adjoint: bool,
+           min_step: float | None, clip_grad: float, seed: int, progress: bool) -> NODEHistory:
     if not isinstance(model, PolyNODE):
         raise ConfigError(f"train_node expects a PolyNODE, got {type(model).__name__}")
     pairs = list(zip(t, X)) if isinstance(t, (list, tuple)) else [(t, X)]
