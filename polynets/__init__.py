@@ -4,6 +4,7 @@ from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynom
                              PolynetsError, ProgramFormatError, ShapeError, TraceError,
                              TrainingDivergedError, UnsupportedOpError)
 from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, SpatialShift
+from polynets.node import PolyNODE
 from polynets.models import MONet
 from polynets.certify import Certificate, certify
 from polynets.passes import optimize
