@@ -10,7 +10,9 @@ Peak memory. CPU: every (mixer, length) runs in a fresh process (forked from a s
 imported torch once) that first warms up on 16 tokens, reads its peak resident set size
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), runs one forward, reads it again, then one
 forward+backward and reads it again; the figures are the growth of that high-water mark over
-the warmed-up baseline (tracemalloc cannot see torch's allocations). GPU: ``torch.cuda.max_memory_allocated`` over the allocation before the run.
+the warmed-up baseline (tracemalloc cannot see torch's allocations). Blocks of 64 KiB and more
+are served by mmap in those processes (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the
+resident set and the high-water mark follows the live tensors, not heap fragmentation. GPU: ``torch.cuda.max_memory_allocated`` over the allocation before the run.
 
 Usage: ``python benchmarks/pom_vs_attention.py [--threads 1] [--max-len 16384] [--out DIR]``.
 Writes ``DIR/pom_vs_attention.json`` and ``DIR/pom_vs_attention.png`` (log-log) and prints the
@@ -138,6 +140,9 @@ def measure_cpu_memory(pool: ProcessPoolExecutor, mixer: str, n: int, threads: i
 
 def memory_pool() -> ProcessPoolExecutor:
     """Children forked from a server that imported torch once: each task gets its own process."""
+    # Large blocks come from mmap and go back to the OS when freed, so the peak RSS is the peak of
+    # live tensors rather than of a fragmented heap (read by glibc when the server starts).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "polynets.pom", "__main__"])
     return ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
@@ -316,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "lengths": lengths, "timing": "median wall time of 3-15 runs after one warm-up run "
                              "(kept as a sample when longer than 1 s)",
                    "memory_method": {"cpu": "ru_maxrss growth in a fresh forked process per "
-                                            "(mixer, length), after a 16-token warm-up",
+                                            "(mixer, length), after a 16-token warm-up, glibc "
+                                            "MALLOC_MMAP_THRESHOLD_=65536",
                                      "cuda": "torch.cuda.max_memory_allocated minus the "
                                              "allocation before the run"}},
         "machine": machine_info(args.threads),
