@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import random
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
@@ -241,10 +242,16 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        foreign = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if foreign is None:
+            raise CheckpointError(
+                f"{path} ({path.stat().st_size} bytes) is corrupted or truncated, or not a torch checkpoint; "
+                "re-save it or use another copy"
+            ) from exc
         raise CheckpointError(
-            f"{path} holds Python objects other than tensors and plain data; refusing to unpickle "
-            f"them (loading is weights_only). Only files written by polynets.save_checkpoint load "
-            f"here. Detail: {str(exc).splitlines()[0]}"
+            f"{path} holds a Python object ({foreign.group(1)}) besides tensors and plain data; refusing to "
+            "unpickle it (checkpoints load with weights_only=True, so files cannot run code). Only files written "
+            "by polynets.save_checkpoint load here"
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as exc:
         size = path.stat().st_size

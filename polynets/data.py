@@ -202,7 +202,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise DataError(
             f"{path} is truncated or corrupted: dims {dims} need {expected} data bytes, found {len(raw) - header}"
         )
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims).copy()
 
 
 def _find_file(dirs: Sequence[Path], stem: str) -> Path | None:
@@ -251,9 +251,8 @@ def _load_idx_set(name: str, data_dir: str | os.PathLike | None, seed: int, test
         x, y = next(iter(found.values()))
         tr, te = _stratified_split(y, test_size, seed)
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
-    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    return _image_sets(name, as_t(xtr)[:, None], as_t(ytr).long(), as_t(xte)[:, None], as_t(yte).long(),
-                       1.0 / 255.0, 10)
+    return _image_sets(name, torch.from_numpy(xtr)[:, None], torch.from_numpy(ytr).long(),
+                       torch.from_numpy(xte)[:, None], torch.from_numpy(yte).long(), 1.0 / 255.0, 10)
 
 
 def _read_cifar_bin(paths: Sequence[Path], label_bytes: int) -> tuple[np.ndarray, np.ndarray]:

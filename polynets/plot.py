@@ -40,6 +40,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("kind") == "step"]
@@ -59,6 +60,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
         if pts:
             ax_acc.plot(*zip(*pts), style, label=key.replace("_", " "))
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     lr_pts = [(r["step"], r["lr"]) for r in steps + epochs if "lr" in r]
     if lr_pts:
         ax_lr.plot(*zip(*sorted(lr_pts)), lw=1)

@@ -404,6 +404,9 @@ class Trainer:
             record = self._train_epoch(net, train_dataset, sampler, epoch, start_batch, steps_per_epoch, progress,
                                        loss_fn, mixup_fn, scaler, log, interrupted)
             start_batch, progress = 0, {}
+            if self.dist.enabled:  # running statistics (BatchNorm) follow rank 0, as DDP's next forward would
+                for buffer in self.model.buffers():
+                    dist.broadcast(buffer, src=0)
             if val_dataset is not None:
                 record.update({f"val_{k}": v for k, v in self.evaluate(val_dataset).items()})
                 if self.ema is not None:

@@ -14,10 +14,20 @@ from torch.utils.data import Subset
 
 import polynets as pn
 from polynets.data import load_dataset
+from polynets.device import autocast_dtype, select_device
 from polynets.errors import ConfigError, TrainingDivergedError
 from polynets.train import TrainConfig, Trainer, warmup_cosine
 
 MONET_KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small models train far faster on one thread when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +169,42 @@ def test_warmup_cosine_schedule_shape():
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
     assert math.isclose(warmup_cosine(20, warmup_steps=4, total_steps=20, min_ratio=0.1), 0.1)
+
+
+def test_auto_device_is_cpu_without_accelerators():
+    if not torch.cuda.is_available() and not torch.backends.mps.is_available():
+        assert select_device("auto") == torch.device("cpu")
+    assert select_device("cpu") == torch.device("cpu")
+    assert select_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_auto_prefers_cuda_then_mps(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert select_device("auto") == torch.device("cuda")
+    assert select_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert select_device("auto") == torch.device("cpu")
+
+
+def test_unavailable_or_unknown_devices_raise_config_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for name in ("cuda", "cuda:1", "mps"):
+        with pytest.raises(ConfigError, match="not available"):
+            select_device(name)
+    with pytest.raises(ConfigError, match="unknown device"):
+        select_device("tpu-ish")
+
+
+def test_autocast_only_on_cuda():
+    cpu = torch.device("cpu")
+    assert autocast_dtype(cpu, "auto") is None and autocast_dtype(cpu, "off") is None
+    assert autocast_dtype(torch.device("cuda"), "fp16") == torch.float16
+    assert autocast_dtype(torch.device("cuda"), "bf16") == torch.bfloat16
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        autocast_dtype(cpu, "bf16")
+    with pytest.raises(ConfigError, match="unknown amp"):
+        autocast_dtype(cpu, "fp8")

@@ -1,0 +1,148 @@
+"""Checkpoints: round trip, atomic writes, safe loading, clear errors for corrupted and foreign files."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import polynets as pn
+from polynets.checkpoint import (capture_rng_state, load_checkpoint, load_model, register_model, restore_rng_state,
+                                 save_checkpoint)
+from polynets.errors import CheckpointError, ConfigError
+
+KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@register_model("test_tiny_classifier")
+def tiny_classifier(in_features: int = 4, num_classes: int = 3) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_features, 8), nn.Linear(8, num_classes))
+
+
+@pytest.fixture
+def monet_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = pn.MONet(**KWARGS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    optimizer.step()
+    path = save_checkpoint(tmp_path / "ckpt.pt", model=model, model_name="monet", model_kwargs=KWARGS,
+                           optimizer=optimizer, epoch=3, step=42, extra={"note": "hello", "t": torch.arange(3)})
+    return model, path
+
+
+def test_load_model_rebuilds_monet_with_identical_outputs(monet_checkpoint):
+    model, path = monet_checkpoint
+    rebuilt = load_model(path)
+    x = torch.randn(2, 1, 8, 8)
+    assert torch.equal(model.eval()(x), rebuilt(x))
+    ckpt = load_checkpoint(path)
+    assert (ckpt["epoch"], ckpt["step"], ckpt["extra"]["note"]) == (3, 42, "hello")
+    assert torch.equal(ckpt["extra"]["t"], torch.arange(3))
+    assert ckpt["optimizer"]["state"], "optimizer moments are stored"
+
+
+def test_registered_builder_and_timm_names_rebuild(tmp_path):
+    model = tiny_classifier(in_features=5)
+    save_checkpoint(tmp_path / "a.pt", model=model, model_name="test_tiny_classifier",
+                    model_kwargs={"in_features": 5})
+    assert torch.equal(load_model(tmp_path / "a.pt")[0].weight, model[0].weight)
+    import timm
+
+    timm_model = timm.create_model("monet_t", num_classes=7, img_size=28, in_chans=3)
+    save_checkpoint(tmp_path / "b.pt", model=timm_model, model_name="monet_t",
+                    model_kwargs={"num_classes": 7, "img_size": 28, "in_chans": 3})
+    assert load_model(tmp_path / "b.pt").head.out_features == 7
+
+
+def test_ddp_style_wrappers_are_unwrapped_when_saving(tmp_path):
+    inner = tiny_classifier()
+    wrapped = nn.DataParallel(inner)
+    save_checkpoint(tmp_path / "w.pt", model=wrapped, model_name="test_tiny_classifier")
+    assert set(load_checkpoint(tmp_path / "w.pt")["model"]) == set(inner.state_dict())
+
+
+def test_truncated_checkpoint_is_reported_as_corrupted(monet_checkpoint, tmp_path):
+    _, path = monet_checkpoint
+    data = path.read_bytes()
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(broken)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all" * 10)
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_model(garbage)
+
+
+def test_foreign_checkpoints_are_rejected_with_a_hint(tmp_path):
+    state = tmp_path / "state_dict.pt"
+    torch.save(tiny_classifier().state_dict(), state)
+    with pytest.raises(CheckpointError, match="not a polynets checkpoint.*bare state_dict"):
+        load_checkpoint(state)
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_pickled_objects_are_refused_without_running_them(tmp_path, capsys):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "polynets-checkpoint", "payload": Payload()}, evil)
+    with pytest.raises(CheckpointError, match="Python object .*print.*refusing to unpickle"):
+        load_checkpoint(evil)
+    raw = tmp_path / "raw.pkl"
+    raw.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(raw)
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_missing_file_and_mismatched_weights_messages(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope.pt")
+    save_checkpoint(tmp_path / "m.pt", model=tiny_classifier(in_features=4), model_name="test_tiny_classifier",
+                    model_kwargs={"in_features": 6})
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_model(tmp_path / "m.pt")
+
+
+def test_non_json_model_kwargs_and_objects_in_extra_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="JSON-able"):
+        save_checkpoint(tmp_path / "k.pt", model=tiny_classifier(), model_name="x", model_kwargs={"f": object()})
+    with pytest.raises(ConfigError, match="only tensors and JSON-able"):
+        save_checkpoint(tmp_path / "e.pt", model=tiny_classifier(), model_name="x", extra={"f": {1, 2}})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwriting_is_atomic_and_leaves_no_temporary_files(tmp_path):
+    path = tmp_path / "last.pt"
+    for step in range(3):
+        save_checkpoint(path, model=tiny_classifier(), model_name="test_tiny_classifier", step=step)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    assert load_checkpoint(path)["step"] == 2
+
+
+def test_rng_state_round_trip_reproduces_all_generators():
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    state = capture_rng_state()
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(7), random.random()
+    restore_rng_state(state)
+    second = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(first[0], second[0])
+    assert np.array_equal(first[1], second[1]) and first[2] == second[2]
