@@ -12,5 +12,10 @@ from polynets.program import Node, PolyProgram
 from polynets.trace import trace
 from polynets.pom import PoM, PoMState
 from polynets.models.polymorpher import Polymorpher, PolymorpherClassifier
+from polynets.device import select_device
+from polynets.data import DatasetInfo, load_dataset
+from polynets.checkpoint import load_checkpoint, load_model, save_checkpoint
+from polynets.train import TrainConfig, Trainer
+from polynets.plot import plot_run
 
 __version__ = "0.1.0"
