@@ -297,6 +297,35 @@ def test_linear_polymorpher_classifier_certifies_with_composed_degree() -> None:
         assert cert.is_polynomial and cert.degree == degree
 
 
+def test_causal_pom_expands_to_polynomials_that_read_only_past_tokens() -> None:
+    import sympy
+    import symbolic
+
+    torch.manual_seed(0)
+    pom = PoM(1, degree=2, expand=1, aggregation="sum", mask="causal").eval()
+    exprs = symbolic.to_sympy(pom, variables=["a", "b", "c"], example_input=torch.randn(1, 3, 1))
+    a, b, c = sympy.symbols("a b c")
+    assert [e.free_symbols for e in exprs] == [{a}, {a, b}, {a, b, c}]
+    assert all(sympy.Poly(e, a, b, c).total_degree() == 3 for e in exprs)
+    x = torch.tensor([[[0.3], [-0.7], [1.1]]], dtype=torch.float64)
+    values = [float(e.subs({a: 0.3, b: -0.7, c: 1.1})) for e in exprs]
+    torch.testing.assert_close(torch.tensor(values, dtype=torch.float64),
+                               pom.double()(x).flatten().detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_linear_pom_runs_encrypted_and_matches_plaintext() -> None:
+    import he
+
+    torch.manual_seed(0)
+    pom = PoM(4, degree=2, expand=1).eval()
+    x = 0.5 * torch.randn(1, 4, 4)
+    program = he.compile(pom, x)
+    client = he.Client(program)
+    server = he.Server(program, client.public_context())
+    out = client.decrypt(server.run(client.encrypt(x.numpy())))
+    assert abs(out - pom(x).detach().numpy()).max() < 1e-3
+
+
 # --- Polymorpher ----------------------------------------------------------------------------
 
 
