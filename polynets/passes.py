@@ -17,7 +17,7 @@ critical path, so these passes directly shrink the encryption parameters.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -57,19 +57,19 @@ def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
     for _ in range(max_rounds):
         changed = False
         for rule in rules:
+            nodes = _NodeList(nodes)
             users = _users(nodes)
             dead: set[int] = set()
             version = _VERSION[0]
             for i in range(len(nodes)):
                 if i in dead or nodes[i].op == "input":
                     continue
-                before = list(nodes)
                 result = rule(nodes, i, users)
                 if result is None:
                     continue
                 changed = True
                 _VERSION[0] += 1
-                _update_users(users, before, nodes)
+                _update_users(users, nodes)
                 if result != _CHANGED:
                     dead.add(i)
                     output = result if output == i else output
@@ -84,18 +84,31 @@ def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
 _VERSION = [0]  # bumped on every rewrite, so rules can cache analyses of the current program
 
 
-def _update_users(users: list[list[int]], before: list[Node], nodes: list[Node]) -> None:
+class _NodeList(list):
+    """A list of nodes that remembers which entries rules replaced or appended."""
+
+    def __init__(self, nodes: Iterable[Node]):
+        super().__init__(nodes)
+        self.touched: dict[int, tuple[int, ...] | None] = {}
+
+    def __setitem__(self, k, node) -> None:  # type: ignore[override]
+        self.touched.setdefault(k, self[k].inputs)
+        super().__setitem__(k, node)
+
+    def append(self, node: Node) -> None:
+        self.touched.setdefault(len(self), None)
+        super().append(node)
+
+
+def _update_users(users: list[list[int]], nodes: _NodeList) -> None:
     """Bring the reader lists up to date after a rule replaced or appended nodes."""
-    users.extend([] for _ in range(len(nodes) - len(before)))
-    for k in range(len(before)):
-        if nodes[k] is not before[k]:
-            for j in before[k].inputs:
-                users[j].remove(k)
-            for j in nodes[k].inputs:
-                users[j].append(k)
-    for k in range(len(before), len(nodes)):
+    users.extend([] for _ in range(len(nodes) - len(users)))
+    for k, old in nodes.touched.items():
+        for j in old or ():
+            users[j].remove(k)
         for j in nodes[k].inputs:
             users[j].append(k)
+    nodes.touched.clear()
 
 
 def _redirect(nodes: list[Node], users: list[list[int]], old: int, new: int) -> None:
