@@ -11,9 +11,11 @@ Each 8x8 digit is a sequence of 8 row tokens (8 pixels each). Two tasks:
 
 Both models use the polynomial configuration (linear PoM, Mu-Layer feed-forward, BatchNorm), have
 about the same number of parameters and are trained with the same recipe. Train/test digits are
-disjoint; test pairs are drawn from test digits only.
+disjoint; test pairs are drawn from test digits only. ``--variants`` adds the papers' original
+non-polynomial PoM (GELU, sigmoid gate, GELU MLP, LayerNorm) for reference.
 
-Usage: ``python examples/pom_sequence.py [--task pairs|rows] [--epochs 15] [--threads 1]``.
+Usage: ``python examples/pom_sequence.py [--task pairs|rows] [--epochs 15] [--threads 1]
+[--variants pom,token,original]``.
 """
 
 from __future__ import annotations
@@ -57,11 +59,26 @@ def sample_pairs(x: torch.Tensor, y: torch.Tensor, n: int,
     return torch.cat([x[first], x[partner]], dim=1), (y[first] == y[partner]).long()
 
 
-def make_model(task: str, mixer: str, dim: int = 64, depth: int = 2) -> PolymorpherClassifier:
+VARIANTS = {
+    # The polynomial configuration: linear PoM, Mu-Layer feed-forward, BatchNorm.
+    "pom": {"mixer": "pom", "activation": "linear", "gate": "linear", "ff": "mu", "norm": "batch"},
+    # The same blocks with the mixer replaced by a token-wise Mu-Layer of the same size.
+    "token": {"mixer": "token", "ff": "mu", "norm": "batch"},
+    # The papers' original: GELU PoM with a sigmoid gate, GELU MLP, LayerNorm (not polynomial).
+    "original": {"mixer": "pom", "activation": "gelu", "gate": "sigmoid", "ff": "mlp",
+                 "norm": "layer"},
+}
+LABELS = {"pom": "Polymorpher (linear PoM)", "token": "token-wise (no mixing)",
+          "original": "original PoM (GELU/sigmoid)"}
+
+
+def make_model(task: str, variant: str, dim: int = 64, depth: int = 2) -> PolymorpherClassifier:
+    """A 2-block, width-64 classifier of the given variant (see ``VARIANTS``) for ``task``."""
+    if variant not in VARIANTS:
+        raise ConfigError(f"unknown variant {variant!r}; expected one of {sorted(VARIANTS)}")
     seq_len, classes = (16, 2) if task == "pairs" else (8, 10)
-    return PolymorpherClassifier(seq_len, 8, classes, dim=dim, depth=depth, mixer=mixer,
-                                 degree=2, expand=2, activation="linear", gate="linear",
-                                 ff="mu", norm="batch")
+    return PolymorpherClassifier(seq_len, 8, classes, dim=dim, depth=depth, degree=2, expand=2,
+                                 **VARIANTS[variant])
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -70,7 +87,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def train_and_evaluate(task: str, mixer: str, epochs: int, *, seed: int = 0,
+def train_and_evaluate(task: str, variant: str, epochs: int, *, seed: int = 0,
                        pairs_per_epoch: int = 6000, batch: int = 64, lr: float = 2e-3,
                        progress: bool = True) -> dict:
     """Train one model on ``task`` and return its test accuracy, parameter count and time."""
@@ -81,12 +98,12 @@ def train_and_evaluate(task: str, mixer: str, epochs: int, *, seed: int = 0,
     if task == "pairs":
         xte, yte = sample_pairs(xte, yte, 2000, gen)
     torch.manual_seed(seed)
-    model = make_model(task, mixer)
+    model = make_model(task, variant)
     steps_per_epoch = (pairs_per_epoch if task == "pairs" else len(xtr)) // batch
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * steps_per_epoch)
     start = time.perf_counter()
-    bar = tqdm(range(epochs), desc=f"{task}/{mixer}", disable=not progress)
+    bar = tqdm(range(epochs), desc=f"{task}/{variant}", disable=not progress)
     for _ in bar:
         model.train()
         xa, ya = sample_pairs(xtr, ytr, pairs_per_epoch, gen) if task == "pairs" else (xtr, ytr)
@@ -100,7 +117,7 @@ def train_and_evaluate(task: str, mixer: str, epochs: int, *, seed: int = 0,
             sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     seconds = time.perf_counter() - start
-    return {"task": task, "mixer": mixer, "epochs": epochs,
+    return {"task": task, "variant": variant, "epochs": epochs,
             "test_accuracy": accuracy(model, xte, yte), "train_seconds": seconds,
             "parameters": sum(p.numel() for p in model.parameters()),
             "majority_baseline": torch.bincount(yte).max().item() / len(yte)}
@@ -112,15 +129,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default="pom,token",
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default pom,token)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = [train_and_evaluate(args.task, mixer, args.epochs, seed=args.seed)
-               for mixer in ("pom", "token")]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            parser.error(f"unknown variant {v!r}; expected some of {sorted(VARIANTS)}")
+    results = [train_and_evaluate(args.task, v, args.epochs, seed=args.seed) for v in variants]
     print(f"\ntask={args.task}, epochs={args.epochs}, majority-class accuracy "
           f"{results[0]['majority_baseline']:.3f}")
     for r in results:
-        label = "Polymorpher (linear PoM)" if r["mixer"] == "pom" else "token-wise (no mixing)"
-        print(f"{label:<26} params {r['parameters']:>6}  test accuracy {r['test_accuracy']:.3f}  "
+        print(f"{LABELS[r['variant']]:<28} params {r['parameters']:>6}  test accuracy {r['test_accuracy']:.3f}  "
               f"train {r['train_seconds']:.0f} s")
     return results
 
