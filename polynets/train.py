@@ -312,7 +312,7 @@ class Trainer:
         """Load ``out_dir/last.pt``; returns (epoch, batch in epoch, partial-epoch sums, rng state)."""
         assert self.out_dir is not None
         path = self.out_dir / "last.pt"
-        ckpt = load_checkpoint(path, map_location=self.device)
+        ckpt = load_checkpoint(path, map_location="cpu")
         if ckpt["model_name"] != self.model_name:
             raise CheckpointError(f"{path} holds model {ckpt['model_name']!r}, but this run trains {self.model_name!r}")
         try:
@@ -325,6 +325,10 @@ class Trainer:
         if ckpt["scheduler"] is not None:
             self.scheduler.load_state_dict(ckpt["scheduler"])
         extra = ckpt["extra"]
+        saved_batch = (extra.get("config") or {}).get("batch_size", self.config.batch_size)
+        if extra.get("batch_in_epoch", 0) and saved_batch != self.config.batch_size:
+            raise ConfigError(f"{path} was saved part-way through an epoch with batch_size={saved_batch}; resume "
+                              f"with the same batch size (got {self.config.batch_size})")
         if self.ema is not None and extra.get("ema") is not None:
             self.ema.module.load_state_dict(extra["ema"])
         if extra.get("scaler") is not None:
