@@ -172,7 +172,7 @@ def test_products_form_state_concatenates_running_products() -> None:
     assert pom.state_dim == 3 * pom.hidden
 
 
-def test_linear_variant_is_a_homogeneous_check_of_its_degree() -> None:
+def test_bias_free_top_term_pom_is_homogeneous_of_its_degree() -> None:
     """Scaling the input of a bias-free linear PoM scales the output by c**(degree + 1)."""
     for degree, gate, total in ((2, "linear", 3), (3, "linear", 4), (2, "poly2", 4)):
         pom = _pom(degree=degree, gate=gate, bias=False)
