@@ -122,7 +122,7 @@ def register(subparsers: Any) -> None:
                    help="known noise level, fraction of each variable's std (e.g. 0.05)")
     p.add_argument("--window", type=int, default=50,
                    help="samples per multiple-shooting window (0: whole trajectories)")
-    p.add_argument("--steps", type=int, default=150, help="Poly-NODE training steps")
+    p.add_argument("--steps", type=int, default=100, help="Poly-NODE training steps")
     p.add_argument("--snap", type=float, default=None,
                    help="snap coefficients within this relative distance of round numbers")
     p.add_argument("--format", choices=FORMATS, default="text", help="output format")

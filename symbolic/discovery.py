@@ -54,6 +54,10 @@ class EquationDiscovery:
             given it floors the residual variance used for z-scores.
         window: samples per multiple-shooting window of the trajectory refits (None: whole
             trajectories).
+        polish: once the support is fixed, refit once more on windows ``polish`` times longer
+            (more samples per fitted initial state: lower variance under noise); the longer fit
+            is kept only if it converges to a residual level no worse than 1.5x per sample.
+            ``1`` skips it.
         hidden, node_steps, node_window, lr: Poly-NODE width, training steps, training window
             (samples) and learning rate.
         snap_tol: if set, coefficients within this relative distance of a number with at most
@@ -65,8 +69,9 @@ class EquationDiscovery:
 
     def __init__(self, degree: int = 2, *, variables: Sequence[str] | None = None,
                  threshold: float = 1e-3, significance: float = 4.0, noise: float | None = None,
-                 window: int | None = 50, hidden: int = 16, node_steps: int = 150,
-                 node_window: int = 6, lr: float = 2e-2, snap_tol: float | None = None,
+                 window: int | None = 50, polish: int = 2, hidden: int = 16,
+                 node_steps: int = 100, node_window: int = 6, lr: float = 2e-2,
+                 snap_tol: float | None = None,
                  rtol: float = 1e-10, atol: float = 1e-12, progress: bool = True,
                  seed: int = 0) -> None:
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
@@ -82,6 +87,7 @@ class EquationDiscovery:
         self.significance = float(significance)
         self.noise = noise
         self.window = window
+        self.polish = polish
         self.hidden = hidden
         self.node_steps = node_steps
         self.node_window = node_window
@@ -127,9 +133,11 @@ class EquationDiscovery:
                 coef[k] = full.coef[rows[tuple(int(v) for v in e)]]
         return coef
 
-    def _refit(self, coef: np.ndarray, active: np.ndarray, x0: np.ndarray | None) -> ShootingResult:
+    def _refit(self, coef: np.ndarray, active: np.ndarray, x0: np.ndarray | None,
+               window: int | None = None) -> ShootingResult:
         return fit_trajectories(self.library_, coef, active, self.trajectories_,
-                                window=self.window, x0=x0, rtol=self.rtol, atol=self.atol)
+                                window=window or self.window, x0=x0, rtol=self.rtol,
+                                atol=self.atol)
 
     def fit(self, t: Any, X: Any, noise: float | None = None) -> "EquationDiscovery":
         """Discover ``dx/dt = f(x)`` from ``t`` (n,) and ``X`` (n, dim), or lists of them.
@@ -184,6 +192,16 @@ class EquationDiscovery:
             active &= ~drop
             res = self._refit(res.coef, active, res.x0)
             rounds.append({"terms": int(active.sum()), "rss": res.rss})
+        self.fit_window_ = self.window
+        if self.window is not None and self.polish > 1:
+            try:
+                longer = self._refit(res.coef, active, None, window=self.window * self.polish)
+                if longer.converged and longer.rss / longer.n_residuals <= \
+                        1.5 * res.rss / res.n_residuals:
+                    res = longer
+                    self.fit_window_ = self.window * self.polish
+            except FitError:
+                pass
         coef = res.coef
         if self.snap_tol is not None:
             from symbolic.prune import _snap_value
@@ -245,15 +263,15 @@ class EquationDiscovery:
     def score(self, t: Any, X: Any) -> float:
         """Coefficient of determination of simulated windows against ``X``.
 
-        Every window (``window`` samples) is simulated from its first observed state; returns
-        ``1 - SS_res / SS_tot`` over all samples (``-inf`` if a simulation blows up).
+        Every window (of the final fit's length) is simulated from its first observed state;
+        returns ``1 - SS_res / SS_tot`` over all samples (``-inf`` if a simulation blows up).
         """
         self._check()
         trajectories = as_trajectories(t, X, dim=self.field_.dim)
         res, tot = 0.0, 0.0
         stacked = np.concatenate([Xi for _, Xi in trajectories])
         mean = stacked.mean(axis=0)
-        for tw, Xw in make_windows(trajectories, self.window):
+        for tw, Xw in make_windows(trajectories, self.fit_window_):
             sim = self.simulate(Xw[0], tw)
             if not np.all(np.isfinite(sim)):
                 return -math.inf

@@ -4,10 +4,11 @@ Model: ``dx/dt = phi(x) @ C`` where only the entries of ``C`` (p, dim) marked ``
 free. The samples of every trajectory are cut into windows of at most ``window`` samples; each
 window starts from its own free initial state (multiple shooting), so chaotic systems fit too.
 The residual is ``(x_model(t_j) - X_j) / scale`` over all samples; its Jacobian comes from the
-forward sensitivity equations ``dS/dt = J_f S + df/dtheta`` integrated with SciPy's DOP853 together
-with the state (float64, tight tolerances; at rtol 1e-10 this is one to two orders of magnitude
-faster than a torch right-hand side for these small systems), and Levenberg-Marquardt steps minimise it. The
-result carries the Gauss-Newton covariance of the coefficients, from which z-scores follow.
+forward sensitivity equations ``dS/dt = J_f S + df/dtheta``, integrated together with the state
+by SciPy's DOP853 in float64 at tight tolerances (for these small systems at rtol 1e-10 this is
+one to two orders of magnitude faster than a torch right-hand side under torchdiffeq), and
+Levenberg-Marquardt steps minimise it. The result carries the Gauss-Newton covariance of the
+coefficients, from which z-scores follow.
 """
 
 from __future__ import annotations
@@ -125,11 +126,13 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
 
 def _evaluate(exps: np.ndarray, coef: np.ndarray, x0: np.ndarray, active: np.ndarray,
               windows: list[tuple[np.ndarray, np.ndarray]], groups: list[list[int]],
-              scale: np.ndarray, rtol: float, atol: float,
-              method: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """Residuals (N,) and Jacobian (N, q + W * d) at (coef, x0); None if integration fails."""
+              scale: np.ndarray, rtol: float, atol: float, method: str,
+              budget: int = 200_000) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Residuals (N,), Jacobian (N, q + W * d) and right-hand-side evaluations used at
+    (coef, x0); None if integration fails or needs more than ``budget`` evaluations."""
     d, nw = exps.shape[1], len(windows)
     res_parts, jac_parts = [], []
+    used = 0
     for group in groups:
         rhs = _Sensitivity(exps, coef, active, len(group))
         q = rhs.q
@@ -137,7 +140,8 @@ def _evaluate(exps: np.ndarray, coef: np.ndarray, x0: np.ndarray, active: np.nda
         s0 = np.zeros(rhs.shape)
         s0[:, :, 0] = x0[group]
         s0[:, :, 1 + q:] = np.eye(d)
-        sol = _integrate(rhs, s0, t_rel, rtol, atol, method)
+        sol = _integrate(rhs, s0, t_rel, rtol, atol, method, max(budget - used, 1))
+        used += rhs.evaluations
         if sol is None:
             return None                                     # sol: (T, G, d, 1 + q + d)
         for g, wi in enumerate(group):
@@ -148,7 +152,7 @@ def _evaluate(exps: np.ndarray, coef: np.ndarray, x0: np.ndarray, active: np.nda
             block[:, q + wi * d:q + (wi + 1) * d] = \
                 (sol[:, g, :, 1 + q:] / scale[None, :, None]).reshape(-1, d)
             jac_parts.append(block)
-    return np.concatenate(res_parts), np.concatenate(jac_parts, axis=0)
+    return np.concatenate(res_parts), np.concatenate(jac_parts, axis=0), used
 
 
 def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
@@ -192,7 +196,7 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
         if current is None:
             raise FitError("the initial polynomial model blows up on the data's time span; "
                            "start from smaller coefficients or use shorter windows")
-    r, jac = current
+    r, jac, used = current
     cost = float(r @ r)
     lam = 1e-3
     converged = False
@@ -211,12 +215,12 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                 continue
             trial = theta + step
             out = _evaluate(exps, *unpack(trial), active, windows, groups, scale, rtol, atol,
-                            method)
+                            method, budget=max(5000, 20 * used))
             if out is not None and float(out[0] @ out[0]) < cost:
                 new_cost = float(out[0] @ out[0])
                 rel_change = (cost - new_cost) / max(cost, 1e-300)
                 small_step = np.linalg.norm(step) <= 1e-10 * (np.linalg.norm(theta) + 1e-10)
-                theta, (r, jac), cost = trial, out, new_cost
+                theta, (r, jac, used), cost = trial, out, new_cost
                 lam = max(lam / 10.0, 1e-12)
                 improved = True
                 if rel_change < tol or small_step:
