@@ -257,6 +257,28 @@ def test_eval_forward_with_batch_norm_uses_only_polynomial_ops(name: str) -> Non
 
 
 # Measured: 98.3 / 98.3 / 99.2 % test accuracy for seeds 0 / 1 / 2, about 12 s of one CPU core.
+def test_batch_norm_monet_traces_to_a_degree_4_to_the_depth_polynomial_program() -> None:
+    torch.manual_seed(0)
+    model = _tiny(depth=2, norm="batch")
+    model(torch.randn(64, 1, 8, 8))  # running statistics away from the identity
+    model.eval()
+    x = torch.randn(3, 1, 8, 8)
+    program = pn.trace(model, x[:1])
+    with torch.no_grad():
+        expected = model(x).numpy()
+    assert abs(program.simulate(x.double().numpy()) - expected).max() < 1e-4
+    certificate = pn.certify(model, x[:1])
+    assert certificate.is_polynomial and certificate.degree == 4 ** 2
+
+
+def test_layer_norm_monet_is_reported_as_not_polynomial_at_its_norms() -> None:
+    model = _tiny(depth=1, norm="layer").eval()
+    certificate = pn.certify(model, torch.randn(1, 1, 8, 8))
+    assert not certificate.is_polynomial
+    assert {o.path for o in certificate.offending} >= {"stages.0.blocks.0.mu1.norm_a",
+                                                       "stages.0.blocks.0.norm"}
+
+
 DIGITS_EPOCHS = 30
 DIGITS_CONFIG = dict(img_size=8, in_chans=1, num_classes=10, patch_size=1, merges=1,
                      embed_dim=32, depth=2, norm="batch")
