@@ -34,7 +34,7 @@ from symbolic.errors import ExpressionError, FitError, NotFittedError, SymbolicD
 from symbolic.expand import default_variables, to_sympy
 from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
-from symbolic.prune import lstsq_integral, term_scales
+from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import ShootingResult, fit_trajectories, make_windows
 
 __all__ = ["EquationDiscovery"]
@@ -65,6 +65,13 @@ class EquationDiscovery:
         rtol, atol: tolerances of the refit integrations.
         progress: show progress bars.
         seed: seed of the Poly-NODE initialisation and batches.
+
+    Fitted attributes: ``coef_`` (p, dim) over the monomials ``library_`` (p, dim exponents),
+    ``model_`` the trained Poly-NODE, ``node_exprs_`` its exact expansion in the data's units,
+    ``start_`` which dense fit seeded the elimination (``"node"``, or ``"lstsq"`` when the
+    Poly-NODE's field could not be integrated over the data), ``rounds_`` the terms and
+    residual per elimination round, ``x0_`` the fitted window starts, ``fit_window_`` the final
+    window length, ``timings_`` seconds spent.
     """
 
     def __init__(self, degree: int = 2, *, variables: Sequence[str] | None = None,
@@ -204,9 +211,7 @@ class EquationDiscovery:
                 pass
         coef = res.coef
         if self.snap_tol is not None:
-            from symbolic.prune import _snap_value
-
-            coef = np.vectorize(lambda c: _snap_value(float(c), self.snap_tol, 6))(coef)
+            coef = snap_coefficients(coef, self.snap_tol)
         self.coef_ = coef
         self.x0_ = res.x0
         self.result_ = res

@@ -20,7 +20,7 @@ from symbolic.errors import ExpressionError, SymbolicDataError
 from symbolic.field import PolyField, as_trajectories
 from symbolic.shooting import fit_trajectories
 
-__all__ = ["prune", "refit", "snap", "term_scales"]
+__all__ = ["prune", "refit", "snap", "snap_coefficients", "term_scales"]
 
 
 def _stack_data(data: Any, dim: int) -> np.ndarray:
@@ -48,12 +48,17 @@ def term_scales(field: PolyField, X: np.ndarray) -> np.ndarray:
     return np.abs(field.coef) * rms_m[:, None] / np.where(rms_f > 0, rms_f, np.inf)[None, :]
 
 
-def _snap_value(c: float, tol: float, digits: int) -> float:
-    for d in range(digits + 1):
-        r = round(c, d)
-        if r != 0.0 and abs(r - c) <= tol * abs(c):
-            return r
-    return c
+def snap_coefficients(coef: np.ndarray, tol: float = 1e-6, digits: int = 6) -> np.ndarray:
+    """Round each entry to the fewest decimals (<= ``digits``) within relative ``tol`` of it."""
+
+    def one(c: float) -> float:
+        for d in range(digits + 1):
+            r = round(c, d)
+            if r != 0.0 and abs(r - c) <= tol * abs(c):
+                return r
+        return c
+
+    return np.array([one(float(c)) for c in np.ravel(coef)]).reshape(np.shape(coef))
 
 
 def snap(exprs: Sequence[Any], tol: float = 1e-6, *, digits: int = 6,
@@ -63,9 +68,7 @@ def snap(exprs: Sequence[Any], tol: float = 1e-6, *, digits: int = 6,
     E.g. ``1.5600000003 -> 1.56`` at ``tol=1e-6``; other coefficients are left as they are.
     """
     field = PolyField.from_exprs(exprs, variables)
-    coef = np.vectorize(lambda c: _snap_value(float(c), tol, digits))(field.coef) \
-        if field.coef.size else field.coef
-    return field.to_exprs(coef)
+    return field.to_exprs(snap_coefficients(field.coef, tol, digits))
 
 
 def prune(exprs: Sequence[Any], threshold: float = 1e-3, *, data: Any = None,

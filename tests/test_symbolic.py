@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import sympy
@@ -81,6 +83,18 @@ def test_non_polynomial_model_raises_with_the_offending_module():
     with pytest.raises(NotPolynomialError, match="Tanh") as info:
         to_sympy(model, ["x", "y"], example_input=torch.zeros(1, 2))
     assert isinstance(info.value, SymbolicError) and isinstance(info.value, PolynetsError)
+
+
+def test_time_dependent_polynode_expands_in_state_and_time():
+    torch.manual_seed(1)
+    model = PolyNODE(2, hidden=3, time_input=True, init_scale=1.0).double()
+    exprs = to_sympy(model)
+    t = sympy.Symbol("t")
+    assert any(t in e.free_symbols for e in exprs)
+    point = np.array([[0.3, -0.7, 1.5]])
+    expected = model(torch.tensor(1.5, dtype=torch.float64),
+                     torch.as_tensor(point[:, :2])).detach().numpy()
+    np.testing.assert_allclose(_numeric(exprs, (x, y, t), point), expected, rtol=1e-9, atol=1e-9)
 
 
 def test_wrong_number_of_variable_names_is_rejected():
@@ -172,6 +186,20 @@ def test_read_csv_reports_missing_time_column(tmp_path):
         read_csv(str(path))
     t, X, names = read_csv(str(path), time_column="time")
     assert names == ["x"] and X.shape == (2, 1) and t.tolist() == [0.0, 1.0]
+
+
+def test_discover_command_prints_json_equations_from_a_csv(tmp_path, capsys):
+    from polynets.cli import main
+
+    traj = generate("lotka_volterra", n=40, t_end=4.0)
+    path = tmp_path / "lv.csv"
+    rows = "\n".join(",".join(f"{v:.17g}" for v in (ti, *xi)) for ti, xi in zip(traj.t, traj.X))
+    path.write_text("t,x,y\n" + rows + "\n")
+    assert main(["discover", str(path), "--quiet", "--format", "json", "--steps", "30"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["variables"] == ["x", "y"]
+    assert [sorted(c) for c in out["coefficients"]] == [["x", "x*y"], ["x*y", "y"]]
+    assert abs(out["coefficients"][0]["x"] - 1.56) < 1e-6
 
 
 def test_discover_subcommand_is_registered_in_polynets_cli():
