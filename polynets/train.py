@@ -442,12 +442,15 @@ class Trainer:
                             pin_memory=self.device.type == "cuda", drop_last=mixup_fn is not None,
                             generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
         net.train()
-        sums = torch.tensor([progress.get("loss_sum", 0.0), progress.get("correct", 0.0), progress.get("seen", 0.0)],
-                            dtype=torch.float64, device=self.device)
+        # loss sum and correct count on the device (no per-step sync), sample counts on the host; the sums
+        # of steps done before an interruption are all-reduced totals, carried by rank 0 only
+        restored = [progress.get(k, 0.0) if self.dist.is_main else 0.0 for k in ("loss_sum", "correct", "seen")]
+        sums = torch.tensor(restored[:2], dtype=torch.float64, device=self.device)
+        seen, restored_total = restored[2], float(progress.get("seen", 0.0))
         check_every = cfg.log_every if self.device.type == "cuda" else 1
         pending: list[tuple[int, int, torch.Tensor]] = []
-        window = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, samples since last log
-        t0, t_log, seen_at_start = time.perf_counter(), time.perf_counter(), float(sums[2])
+        window_loss, window_seen = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        t0 = t_log = time.perf_counter()
         bar = tqdm(total=steps_per_epoch, initial=start_batch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                    disable=not (cfg.progress and self.dist.is_main), leave=False, dynamic_ncols=True, file=sys.stderr)
         try:
@@ -474,9 +477,9 @@ class Trainer:
                     self.ema.update(self.model, step=self.global_step)
                 n = y.shape[0]
                 lv = loss.detach().double()
-                sums += torch.stack([lv * n, (logits.detach().argmax(-1) == y).sum().double(),
-                                     torch.tensor(float(n), dtype=torch.float64, device=self.device)])
-                window += torch.stack([lv * n, torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+                sums += torch.stack([lv * n, (logits.detach().argmax(-1) == y).sum().double()])
+                window_loss += lv * n
+                seen, window_seen = seen + n, window_seen + n
                 pending.append((self.global_step, batch, lv))
                 bar.update(1)
                 if len(pending) >= check_every or batch + 1 == steps_per_epoch:
@@ -487,20 +490,20 @@ class Trainer:
                         raise self._diverged(float(values[int(bad[0])]), step, epoch, bad_batch)
                     pending.clear()
                 if self.global_step % cfg.log_every == 0:
-                    w = window.tolist()
                     now = time.perf_counter()
-                    rate = w[1] * self.dist.world_size / max(now - t_log, 1e-9)
-                    s = sums.tolist()
-                    bar.set_postfix(loss=f"{w[0] / w[1]:.4f}", acc=f"{s[1] / s[2]:.3f}", samples_s=f"{rate:.0f}")
+                    rate = window_seen * self.dist.world_size / max(now - t_log, 1e-9)
+                    mean_loss, correct = window_loss.item() / window_seen, sums[1].item()
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{correct / max(seen, 1.0):.3f}",
+                                    samples_s=f"{rate:.0f}")
                     if log is not None:
-                        log.write({"kind": "step", "epoch": epoch + 1, "step": self.global_step, "loss": w[0] / w[1],
+                        log.write({"kind": "step", "epoch": epoch + 1, "step": self.global_step, "loss": mean_loss,
                                    "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate})
-                    window.zero_()
-                    t_log = now
+                    window_loss.zero_()
+                    window_seen, t_log = 0, now
                 if self._stop_requested(interrupted):
-                    s = sums.tolist()
+                    total = self._reduced(sums, seen)
                     saved = self._checkpoint("last.pt", epoch=epoch, batch=batch + 1, scaler=scaler,
-                                             progress={"loss_sum": s[0], "correct": s[1], "seen": s[2]})
+                                             progress={"loss_sum": total[0], "correct": total[1], "seen": total[2]})
                     where = f"saved {saved}" if saved is not None else "no out_dir, nothing saved"
                     tqdm.write(f"interrupted after step {self.global_step}: {where}; continue with resume=True",
                                file=sys.stderr)
@@ -508,14 +511,18 @@ class Trainer:
         finally:
             bar.close()
         elapsed = time.perf_counter() - t0
-        if self.dist.enabled:
-            dist.all_reduce(sums)
-        s = sums.tolist()
+        loss_sum, correct, total_seen = self._reduced(sums, seen)
         return {"kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
-                "lr": self.optimizer.param_groups[0]["lr"], "train_loss": s[0] / max(s[2], 1.0),
-                "train_accuracy": s[1] / max(s[2], 1.0),
-                "samples_per_s": (s[2] - seen_at_start * self.dist.world_size) / max(elapsed, 1e-9),
-                "time_s": elapsed}
+                "lr": self.optimizer.param_groups[0]["lr"], "train_loss": loss_sum / max(total_seen, 1.0),
+                "train_accuracy": correct / max(total_seen, 1.0),
+                "samples_per_s": (total_seen - restored_total) / max(elapsed, 1e-9), "time_s": elapsed}
+
+    def _reduced(self, sums: torch.Tensor, seen: float) -> list[float]:
+        """[loss sum, correct, seen] summed over all ranks."""
+        total = torch.cat([sums, torch.tensor([seen], dtype=torch.float64).to(self.device)])
+        if self.dist.enabled:
+            dist.all_reduce(total)
+        return total.tolist()
 
     def _stop_requested(self, interrupted: Callable[[], bool]) -> bool:
         """True once Ctrl-C was pressed on any rank (ranks agree every log_every steps under DDP)."""
