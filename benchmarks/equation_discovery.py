@@ -78,13 +78,14 @@ def run_sindy(t: np.ndarray, X: np.ndarray, degree: int, names: list[str],
         start = time.perf_counter()
         fits = []
         for threshold in THRESHOLDS:
+            differentiation = diff()
             model = ps.SINDy(optimizer=ps.STLSQ(threshold=threshold),
                              feature_library=ps.PolynomialLibrary(degree=degree),
-                             differentiation_method=diff())
+                             differentiation_method=differentiation)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model.fit(X, t=t, feature_names=names)
-                x_dot = model.differentiate(X, t=t)
+                x_dot = differentiation(X, t)
                 resid = model.predict(X) - x_dot
             rss = float(np.sum(resid**2))
             k = int(np.count_nonzero(model.coefficients()))

@@ -48,6 +48,26 @@ def test_to_sympy_of_mulayer_stack_matches_model_at_random_points():
     np.testing.assert_allclose(_numeric(exprs, (x, y), points), expected, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("block", ["polyblock", "pom"])
+def test_to_sympy_of_monet_block_and_pom_matches_model(block):
+    torch.manual_seed(2)
+    if block == "polyblock":
+        model = pn.PolyBlock(4, norm="batch", spatial_shift=False).double()
+        model.train()
+        model(torch.randn(16, 4, dtype=torch.float64))
+        example = torch.randn(1, 4, dtype=torch.float64)
+    else:
+        model = pn.PoM(2, degree=2, expand=1).double()
+        example = torch.randn(1, 3, 2, dtype=torch.float64)
+    model.eval()
+    names = [f"v{i}" for i in range(example.numel())]
+    exprs = to_sympy(model, names, example_input=example)
+    points = np.random.default_rng(3).normal(size=(5, example.numel()))
+    expected = model(torch.as_tensor(points).reshape((5,) + example.shape[1:]))
+    np.testing.assert_allclose(_numeric(exprs, sympy.symbols(names), points).reshape(5, -1),
+                               expected.detach().numpy().reshape(5, -1), rtol=1e-9, atol=1e-9)
+
+
 def test_hand_set_mulayer_expands_to_hand_computed_polynomial():
     layer = pn.MuLayer(2, 1, hidden=1, rank=1)
     with torch.no_grad():
