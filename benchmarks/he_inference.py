@@ -2,7 +2,8 @@
 
 Baseline (TenSEAL "Encrypted Convolution on MNIST" tutorial, high-level API): conv 7x7 stride 3
 with 4 kernels -> x^2 -> fc 256-64 -> x^2 -> fc 64-10; ring 8192, moduli [31, 26 x 6, 31],
-scale 2^26, ``ts.im2col_encoding`` + ``conv2d_im2col`` + ``square_`` + ``mm``.
+scale 2^26, ``ts.im2col_encoding`` + ``conv2d_im2col`` + ``square_`` + ``mm``; trained with the
+tutorial's recipe (Adam, lr 1e-3, 10 epochs, batch 64).
 
 Ours: a conv 7x7 stride 3 (8 channels) + BatchNorm -> x^2 -> fc 512-32 + BatchNorm -> x^2 ->
 fc 32-10 network, trained on the same images, traced, certified and compiled by ``he.compile``
@@ -77,13 +78,20 @@ def load_mnist(data_dir: str) -> tuple[torch.Tensor, ...]:
 
 
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, *, augment: bool,
-          lr: float, seed: int = 0) -> nn.Module:
-    """AdamW + one-cycle, label smoothing, clipping; random shifts of up to 2 px if augment."""
+          lr: float, seed: int = 0, tutorial: bool = False) -> nn.Module:
+    """AdamW + one-cycle, label smoothing, clipping; random shifts of up to 2 px if augment.
+
+    ``tutorial``: the TenSEAL tutorial's own recipe instead (Adam at a constant lr, plain
+    cross-entropy, no clipping)."""
     torch.manual_seed(seed)
     gen = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
     steps = epochs * (len(x) // 64)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
+    if tutorial:
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
     model.train()
     for _ in tqdm(range(epochs), desc=f"train {type(model).__name__}", leave=False):
         perm = torch.randperm(len(x))
@@ -95,7 +103,8 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, *, au
             loss = F.cross_entropy(model(xb), yb, label_smoothing=0.1 if augment else 0.0)
             opt.zero_grad()
             loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not tutorial:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
     return model.eval()
@@ -172,22 +181,27 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor,
                precision_bits: int) -> dict:
+    """Batch packing: the test images fill the slots of one ciphertext group (repeated up to the
+    slot count, so the figure is the amortised cost of a full group); accuracy uses the first
+    ``len(x)`` slots, i.e. every test image once."""
     prog = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
                       precision_bits=precision_bits)
     client = he.Client(prog)
     public = client.public_context()
     server = he.Server(prog, public)
+    slots = prog.params.slots
+    full = x[torch.arange(slots) % len(x)]
     t0 = time.perf_counter()
-    ct = client.encrypt(x, progress=True).to_bytes()
+    ct = client.encrypt(full, progress=True).to_bytes()
     t1 = time.perf_counter()
     out = server.run(ct, progress=True).to_bytes()
     t2 = time.perf_counter()
     logits = client.decrypt(out)
     t3 = time.perf_counter()
-    return {"logits": logits, "seconds": t3 - t0, "encrypt_s": t1 - t0, "server_s": t2 - t1,
-            "decrypt_s": t3 - t2, "images_per_s": len(x) / (t3 - t0),
-            "ciphertext_bytes": len(ct), "public_context_bytes": len(public),
-            "slots": prog.params.slots, "params": str(prog.params)}
+    return {"logits": logits[:len(x)], "seconds": t3 - t0, "encrypt_s": t1 - t0,
+            "server_s": t2 - t1, "decrypt_s": t3 - t2, "images_per_s": slots / (t3 - t0),
+            "server_images_per_s": slots / (t2 - t1), "ciphertext_bytes": len(ct),
+            "public_context_bytes": len(public), "slots": slots, "params": str(prog.params)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -210,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     ynp = yte.numpy()
 
     t0 = time.perf_counter()
-    base_model = train(TutorialConvNet(), xtr, ytr, epochs, augment=False, lr=1e-3)
+    base_model = train(TutorialConvNet(), xtr, ytr, min(epochs, 10), augment=False, lr=1e-3,
+                       tutorial=True)
     our_model = train(polynets_net(), xtr, ytr, epochs, augment=True, lr=3e-3)
     train_s = time.perf_counter() - t0
     with torch.no_grad():
@@ -249,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
             "encrypted_accuracy": accuracy(bat["logits"], ynp),
             "argmax_agreement": float(np.mean(bat["logits"].argmax(1) == our_plain.argmax(1))),
             "max_abs_error": float(np.max(np.abs(bat["logits"] - our_plain))),
-            "images_per_s": bat["images_per_s"], "seconds": bat["seconds"],
+            "images_per_s": bat["images_per_s"],
+            "server_images_per_s": bat["server_images_per_s"], "seconds": bat["seconds"],
             "encrypt_s": bat["encrypt_s"], "server_s": bat["server_s"],
             "decrypt_s": bat["decrypt_s"], "slots": bat["slots"],
             "ciphertext_bytes": bat["ciphertext_bytes"],
@@ -265,7 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'argmax agreement (2000, batch)':34s}{'':>18s}{100 * t['argmax_agreement']:13.2f}%")
     print(f"{f'median latency ({n} images)':34s}{b['median_latency_s'] * 1e3:15.0f} ms"
           f"{v['median_latency_s'] * 1e3:11.0f} ms   ({res['latency_speedup_vs_baseline']:.1f}x)")
-    print(f"{'throughput (batch packing)':34s}{'':>18s}{t['images_per_s']:10.0f} img/s")
+    label = f"throughput (batch, {t['slots']} per group)"
+    print(f"{label:34s}{'':>18s}"
+          f"{t['images_per_s']:10.0f} img/s (server alone {t['server_images_per_s']:.0f} img/s)")
     print(f"wrote {args.output}")
     return res
 

@@ -36,11 +36,14 @@ _MARGIN_BITS = 2
 _ROTATION_BITS = 10
 
 
-def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float]) -> float:
-    """Expected max output error: encryption noise ``~N`` and rescale noise ``~4 sqrt(N)``
-    (in units of the scale), weighted by the program's gains ``(g_in, g_rs)``."""
+def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
+               rotation: float = 0.0) -> float:
+    """Expected max output error: encryption noise ``~2N``, rescale noise ``~8 sqrt(N)`` plus
+    ``rotation`` (key-switching noise per rotated value), all in units of the scale, weighted by
+    the program's gains ``(g_in, g_rs)``."""
     g_in, g_rs = gain
-    return (g_in * ring_degree + g_rs * 4.0 * math.sqrt(ring_degree)) / 2.0 ** scale_bits
+    return (g_in * 2.0 * ring_degree + g_rs * (8.0 * math.sqrt(ring_degree) + rotation)) / \
+        2.0 ** scale_bits
 
 
 @dataclass(frozen=True)
@@ -136,8 +139,9 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
         output_abs: largest |output| on the calibration data.
         slots_needed: slots one ciphertext must hold (vector packing's widest value).
         ring_degree, scale_bits: overrides (tests); the set must still be 128-bit secure.
-        rotations: the program rotates ciphertexts; the special prime then gets extra bits,
-            since key-switching noise scales with (largest prime / special prime).
+        rotations: the program rotates ciphertexts; the special prime then gets up to 10 extra
+            bits (as many as the smallest ring allows), since key-switching noise scales with
+            (largest prime / special prime).
 
     Returns:
         :class:`CKKSParams`. Raises :class:`TooDeepError` when no secure set has enough levels.
@@ -148,38 +152,46 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
     if ring_degree is not None and ring_degree not in MAX_MODULUS_BITS:
         raise ParameterError(f"ring degree {ring_degree} is not one of {sorted(MAX_MODULUS_BITS)}")
     best_supported = 0
+    sb = _MIN_SCALE_BITS
     reasons: list[str] = []
+    err_target = max(output_abs, 1e-3) * 2.0 ** -precision_bits
+    boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
     for ring in rings:
         if ring // 2 < slots_needed:
             reasons.append(f"N={ring}: {ring // 2} slots < {slots_needed} needed")
             continue
-        err_target = max(output_abs, 1e-3) * 2.0 ** -precision_bits
-        if scale_bits is None:
-            want = math.log2(max(noise_unit(ring, 0, gain), 1.0) / err_target)
-            sb = max(_MIN_SCALE_BITS, math.ceil(want))
+        for boost in boosts:
+            # key switching adds ~N * 2^-boost (in units of the scale) per rotated value
+            rot = ring * 2.0 ** -boost if rotations else 0.0
+            if scale_bits is None:
+                want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
+                sb = max(_MIN_SCALE_BITS, math.ceil(want))
+            else:
+                sb = int(scale_bits)
+            first = sb + mag_bits + _MARGIN_BITS
+            if first > _MAX_PRIME_BITS:
+                sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
+                first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
+            special = min(_MAX_PRIME_BITS, max(first, sb) + boost)
+            supported = _budget_levels(ring, first, special, sb)
+            best_supported = max(best_supported, supported)
+            if levels <= supported:
+                break
         else:
-            sb = int(scale_bits)
-        first = sb + mag_bits + _MARGIN_BITS
-        if first > _MAX_PRIME_BITS:
-            sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
-            first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
-        special = min(_MAX_PRIME_BITS, max(first, sb) + (_ROTATION_BITS if rotations else 0))
-        supported = _budget_levels(ring, first, special, sb)
-        best_supported = max(best_supported, supported)
-        if levels > supported:
             reasons.append(f"N={ring}: {first}+{levels}x{sb}+{special} bits > "
                            f"{MAX_MODULUS_BITS[ring]}")
             continue
         chain = (first,) + (sb,) * levels + (special,)
-        expected = noise_unit(ring, sb, gain)
+        expected = noise_unit(ring, sb, gain, rot)
         why = (f"{levels} rescaling levels on the longest path -> {levels} primes of {sb} bits; "
                f"scale 2^{sb} so encryption/rounding noise (gains {gain[0]:.3g}/{gain[1]:.3g} to "
-               f"the output) stays near "
-               f"2^-{precision_bits} of the output range {output_abs:.3g}; first prime {first} "
-               f"bits = scale + {mag_bits} bits for the largest calibrated value "
-               f"{max_abs:.3g} + {_MARGIN_BITS} bits margin; special prime {special} bits"
-               f"{' (+' + str(_ROTATION_BITS) + ' against rotation noise)' if rotations else ''}; N={ring} is the smallest ring whose "
-               f"128-bit budget ({MAX_MODULUS_BITS[ring]} bits) holds {sum(chain)} bits")
+               f"the output) stays near 2^-{precision_bits} of the output range "
+               f"{output_abs:.3g}; first prime {first} bits = scale + {mag_bits} bits for the "
+               f"largest calibrated value {max_abs:.3g} + {_MARGIN_BITS} bits margin; special "
+               f"prime {special} bits" +
+               (f" (+{boost} against rotation noise)" if rotations else "") +
+               f"; N={ring} is the smallest ring whose 128-bit budget "
+               f"({MAX_MODULUS_BITS[ring]} bits) holds {sum(chain)} bits")
         if reasons:
             why += " (" + "; ".join(reasons) + ")"
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
