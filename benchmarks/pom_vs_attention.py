@@ -231,6 +231,8 @@ def machine_info(threads: int) -> dict:
             "note": ("CPU cores may be shared with other jobs while this runs, so absolute times "
                      "are noisy; PoM and SDPA are measured alternately in the same run and the "
                      "ratios are the result.")}
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = os.getloadavg()
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["runs"] = [run_device(d, lengths, args.threads, args.budget, pool)
                           for d in devices]
     result["total_seconds"] = time.time() - start
+    if hasattr(os, "getloadavg"):
+        result["machine"]["load_average_end"] = os.getloadavg()
     out_json = args.out / "pom_vs_attention.json"
     _atomic_write(out_json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
     plot(result, args.out / "pom_vs_attention.png")
