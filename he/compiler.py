@@ -48,7 +48,9 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
     """Linearised output error per unit of input (encryption) noise and of rescale noise.
 
     Independent noise adds in quadrature through a linear map, so a map's gain is the largest
-    column 2-norm of its weight; products propagate worst-case through the calibrated ranges.
+    column 2-norm of its weight; each plaintext multiplication adds one unit for its rescale and
+    one per unit of input magnitude for the rounding of its encoded weights; products propagate
+    worst-case through the calibrated ranges.
 
     Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
     """
@@ -61,7 +63,10 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
         elif node.op == "linear":
             w = float(np.sqrt((np.asarray(a["weight"], dtype=np.float64) ** 2).sum(axis=0)).max(
                 initial=0.0))
-            g = (w * ins[0][0], w * ins[0][1] + 1.0)
+            # + rescale rounding + rounding of the encoded weights times the input's magnitude
+            k = np.asarray(a["weight"]).shape[0]
+            m_in = maxabs[node.inputs[0]]
+            g = (w * ins[0][0], w * ins[0][1] + 1.0 + m_in * np.sqrt(k))
         elif node.op == "mul":
             ma, mb = (maxabs[j] for j in node.inputs)
             g = (ma * ins[1][0] + mb * ins[0][0], ma * ins[1][1] + mb * ins[0][1] + 1.0)
@@ -70,7 +75,9 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
         elif node.op == "mul_const":
             v = np.asarray(a["value"], dtype=np.float64)
             c = float(np.abs(v).max(initial=0.0))
-            g = (c * ins[0][0], c * ins[0][1] + (0.0 if np.all(v == np.round(v)) else 1.0))
+            exact = bool(np.all(v == np.round(v)))
+            g = (c * ins[0][0],
+                 c * ins[0][1] + (0.0 if exact else 1.0 + maxabs[node.inputs[0]]))
         else:
             g = (max(i[0] for i in ins), max(i[1] for i in ins))
         e.append(g)

@@ -38,12 +38,13 @@ _ROTATION_BITS = 10
 
 def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
                rotation: float = 0.0) -> float:
-    """Expected max output error: encryption noise ``~2N``, rescale noise ``~8 sqrt(N)`` plus
+    """Expected max output error: (secret-key) encryption noise ``~16 sqrt(N)``, rescale noise
+    ``~8 sqrt(N)`` plus
     ``rotation`` (key-switching noise per rotated value), all in units of the scale, weighted by
     the program's gains ``(g_in, g_rs)``."""
     g_in, g_rs = gain
-    return (g_in * 2.0 * ring_degree + g_rs * (8.0 * math.sqrt(ring_degree) + rotation)) / \
-        2.0 ** scale_bits
+    root = math.sqrt(ring_degree)
+    return (g_in * 16.0 * root + g_rs * (8.0 * root + rotation)) / 2.0 ** scale_bits
 
 
 @dataclass(frozen=True)
