@@ -182,6 +182,9 @@ class EquationDiscovery:
         res = results[self.start_]
         field = PolyField(syms, self.library_, res.coef)
         rounds = [{"terms": int(active.sum()), "rss": res.rss}]
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc="sparsify", unit="round", disable=not self.progress, leave=False)
         while True:
             field.coef = res.coef
             scales = term_scales(field, stacked)
@@ -199,6 +202,9 @@ class EquationDiscovery:
             active &= ~drop
             res = self._refit(res.coef, active, res.x0)
             rounds.append({"terms": int(active.sum()), "rss": res.rss})
+            bar.update(1)
+            bar.set_postfix(terms=int(active.sum()))
+        bar.close()
         self.fit_window_ = self.window
         if self.window is not None and self.polish > 1:
             try:

@@ -10,6 +10,9 @@ from symbolic.errors import ExpressionError
 
 __all__ = ["derivative_symbol", "to_string", "to_latex", "to_python"]
 
+ORDER = "rev-grlex"
+"""Term order of printed equations: by increasing degree (``1.56*x - 1.12*x*y``)."""
+
 
 def derivative_symbol(var: sympy.Symbol) -> sympy.Symbol:
     """The symbol ``dx/dt`` standing for the derivative of ``var``."""
@@ -31,7 +34,7 @@ def to_string(exprs: Sequence[sympy.Expr], variables: Sequence[sympy.Symbol], *,
               digits: int = 6) -> str:
     """Lines ``dx/dt = 1.56*x - 1.12*x*y`` with coefficients to ``digits`` significant digits."""
     _check(exprs, variables)
-    return "\n".join(f"d{v.name}/dt = {sympy.sstr(_round(e, digits), full_prec=False)}"
+    return "\n".join(f"d{v.name}/dt = {sympy.sstr(_round(e, digits), full_prec=False, order=ORDER)}"
                      for v, e in zip(variables, exprs))
 
 
@@ -40,7 +43,7 @@ def to_latex(exprs: Sequence[sympy.Expr], variables: Sequence[sympy.Symbol], *,
     """An ``aligned`` LaTeX block, one ``\\frac{dx}{dt} &= ...`` row per equation."""
     _check(exprs, variables)
     rows = [rf"\frac{{d{sympy.latex(v)}}}{{dt}} &= "
-            f"{sympy.latex(_round(e, digits), full_prec=False)}"
+            f"{sympy.latex(_round(e, digits), full_prec=False, order=ORDER)}"
             for v, e in zip(variables, exprs)]
     return "\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}"
 

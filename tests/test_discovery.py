@@ -88,7 +88,6 @@ def test_results_before_fit_raise_not_fitted():
         EquationDiscovery().coefficients()
 
 
-@pytest.mark.slow
 def test_lotka_volterra_with_5_percent_noise_is_within_2_percent():
     traj = generate("lotka_volterra", noise=0.05, seed=0)
     model = EquationDiscovery(degree=2, progress=False).fit(traj.t, traj.X)
