@@ -51,9 +51,10 @@ def main() -> None:
     for j, (name, color) in enumerate(zip(("x (prey)", "y (predator)"), ("C0", "C3"))):
         ax.plot(data.t, data.X[:, j], "o", ms=3, color=color, label=f"data {name}")
         ax.plot(fine, sim[:, j], "-", lw=1.2, color=color, label=f"recovered model {name}")
+    ax.set_ylim(top=1.3 * float(np.nanmax(data.X)))
     ax.set_xlabel("t")
     ax.set_title("Lotka-Volterra: data vs recovered equations")
-    ax.legend(ncol=2, fontsize=8)
+    ax.legend(ncol=2, fontsize=8, loc="upper center")
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(args.out))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)

@@ -34,19 +34,22 @@ def _positive_int(value: Any, name: str) -> int:
 class PolyNODE(nn.Module):
     """Polynomial vector field ``dx/dt = f(t, x)``, ``f = Mu_depth o ... o Mu_1``.
 
-    Each Mu-Layer is ``Y = C[(AX) * (BDX) + AX]`` (degree 2), so ``f`` has degree ``2**depth``.
-    Layer widths: ``dim (+1 with time_input) -> width -> ... -> width -> dim``, each Mu-Layer with
+    Each Mu-Layer is ``Y = C[(AX) * (BDX) + AX]`` (degree 2), so ``f`` has degree ``2**depth``;
+    ``degree=k`` instead picks the smallest depth with ``2**depth >= k``. Layer widths: ``dim (+1 with time_input) -> width -> ... -> width -> dim``, each Mu-Layer with
     hidden size ``hidden`` and rank ``rank`` (default ``hidden``). The last projection starts at
     ``init_scale`` times its default initialisation so the initial field is gentle.
     Shapes: ``t`` scalar or broadcastable to ``x[..., :1]``, ``x`` ``(..., dim) -> (..., dim)``.
     """
 
-    def __init__(self, dim: int, *, hidden: int = 32, depth: int = 1, width: int | None = None,
-                 rank: int | None = None, time_input: bool = False, bias: bool = True,
-                 init_scale: float = 0.1, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, *, hidden: int = 32, depth: int = 1, degree: int | None = None,
+                 width: int | None = None, rank: int | None = None, time_input: bool = False,
+                 bias: bool = True, init_scale: float = 0.1,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.dim = _positive_int(dim, "PolyNODE dim")
         self.hidden = _positive_int(hidden, "PolyNODE hidden")
+        if degree is not None:
+            depth = max(1, math.ceil(math.log2(_positive_int(degree, "PolyNODE degree"))))
         self.depth = _positive_int(depth, "PolyNODE depth")
         self.width = _positive_int(width if width is not None else hidden, "PolyNODE width")
         self.rank = _positive_int(rank if rank is not None else hidden, "PolyNODE rank")

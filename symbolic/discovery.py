@@ -119,8 +119,7 @@ class EquationDiscovery:
         rate = float(np.sqrt(np.mean(rates**2))) or 1.0
         d = len(syms)
         torch.manual_seed(self.seed)
-        model = PolyNODE(d, hidden=self.hidden, depth=max(1, math.ceil(math.log2(self.degree))),
-                         dtype=torch.float64)
+        model = PolyNODE(d, hidden=self.hidden, degree=self.degree, dtype=torch.float64)
         self.node_history_ = train_node(
             model, [(t - t[0]) * rate for t, _ in trajectories],
             [(X - mu) / sd for _, X in trajectories], steps=self.node_steps,

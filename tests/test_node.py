@@ -13,6 +13,7 @@ from polynets.node import PolyNODE, odeint_safe, train_node
 def test_polynode_maps_state_batches_and_reports_degree():
     model = PolyNODE(3, hidden=8, depth=2)
     assert model.degree == 4
+    assert PolyNODE(3, degree=3).degree == 4 and PolyNODE(3, degree=2).depth == 1
     out = model(torch.tensor(0.5), torch.randn(5, 7, 3))
     assert out.shape == (5, 7, 3)
     with pytest.raises(ShapeError, match=r"\(\.\.\., 3\)"):
