@@ -52,15 +52,21 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
     builder names them (timm builders get num_classes, in_chans, img_size). ``monet`` on small
     images (<= 32 px) also gets a small default width, depth and patch size.
     """
+    import timm
+
     from polynets.checkpoint import model_builder
 
     builder = model_builder(name)
     params = inspect.signature(builder).parameters
-    data_kwargs = info.model_kwargs()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in data_kwargs.items() if k in TIMM_SIZE_KEYS}
-    else:
-        kwargs = {k: v for k, v in data_kwargs.items() if k in params}
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    takes_images = "img_size" in params or "in_chans" in params or timm.is_model(name)
+    if info.kind != "image" and takes_images:
+        raise ConfigError(
+            f"model {name!r} takes images (B, C, H, W), but dataset {info.name!r} is {info.kind} data with samples "
+            f"of shape {info.input_shape}; for sequences use --model polymorpher_classifier, for tabular data a "
+            "model that takes in_features (Python API)")
+    kwargs = {k: v for k, v in info.model_kwargs().items()
+              if k in params or (open_kwargs and k in TIMM_SIZE_KEYS)}
     if name.lower() == "monet" and info.kind == "image" and info.img_size <= 32:
         kwargs.update(patch_size=2 if info.img_size <= 16 else 4, embed_dim=64, depth=4)
     kwargs.update(user)

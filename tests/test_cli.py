@@ -106,3 +106,18 @@ def test_train_eval_certify_plot_tour(tmp_path, capsys):
 
     assert cli.main(["plot", str(run), "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_image_model_on_tabular_data_is_refused_with_a_hint(capsys):
+    assert cli.main(["train", "--dataset", "wine", "--epochs", "1"]) == 2
+    assert "takes images" in capsys.readouterr().err
+
+
+def test_sequence_model_gets_the_sequence_geometry():
+    from polynets.data import load_dataset
+
+    _, _, info = load_dataset("digits_rows")
+    kwargs = cli.model_kwargs_for("polymorpher_classifier", info, {"dim": 16})
+    assert kwargs == {"seq_len": 8, "in_features": 8, "num_classes": 10, "dim": 16}
+    _, _, images = load_dataset("digits")
+    assert cli.model_kwargs_for("monet_t", images, {}) == {"num_classes": 10, "in_chans": 1, "img_size": 8}
