@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 import sympy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -37,6 +39,20 @@ def test_to_sympy_of_random_polynode_matches_model_at_random_points(depth):
     points = np.random.default_rng(0).normal(size=(20, 3))
     expected = model(0.0, torch.as_tensor(points)).detach().numpy()
     np.testing.assert_allclose(_numeric(exprs, (x, y, z), points), expected, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), width=st.integers(1, 3), hidden=st.integers(1, 4),
+       shortcut=st.booleans())
+def test_to_sympy_equals_mulayer_for_any_weights(seed, width, hidden, shortcut):
+    torch.manual_seed(seed)
+    layer = pn.MuLayer(width, 2, hidden=hidden, rank=1, shortcut=shortcut).double()
+    names = [f"u{i}" for i in range(width)]
+    exprs = to_sympy(layer, names)
+    points = np.random.default_rng(seed).normal(size=(4, width))
+    np.testing.assert_allclose(_numeric(exprs, sympy.symbols(names), points).reshape(4, 2),
+                               layer(torch.as_tensor(points)).detach().numpy(),
+                               rtol=1e-9, atol=1e-9)
 
 
 def test_to_sympy_of_mulayer_stack_matches_model_at_random_points():
