@@ -10,12 +10,12 @@ small registry here (:func:`register_model`) or ``timm.create_model`` for timm-r
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import pickle
 import random
 import re
-import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from polynets.errors import CheckpointError, ConfigError
+from polynets.program import atomic_write_bytes
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -214,19 +215,10 @@ def save_checkpoint(
         "rng": capture_rng_state() if rng else None,
     }
     _check_plain(payload, "checkpoint")
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, buffer.getbuffer())
     return path
 
 

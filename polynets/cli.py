@@ -173,9 +173,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = trainer.evaluate(train_ds if args.split == "train" else test_ds)
     result = {"checkpoint": str(args.checkpoint), "dataset": info.name, "split": args.split,
               "samples": info.num_train if args.split == "train" else info.num_test, **metrics}
-    print(json.dumps(result) if args.json else
-          f"{info.name} {args.split} ({result['samples']} samples): accuracy {metrics['accuracy']:.4f}, "
-          f"loss {metrics['loss']:.4f}")
+    _finish_distributed()
+    if trainer.dist.is_main:
+        print(json.dumps(result) if args.json else
+              f"{info.name} {args.split} ({result['samples']} samples): accuracy {metrics['accuracy']:.4f}, "
+              f"loss {metrics['loss']:.4f}")
     return 0
 
 

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import json
+import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from polynets.errors import DataError
+from polynets.program import atomic_write_bytes
 
 __all__ = ["plot_run", "read_metrics"]
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of ``run_dir/metrics.jsonl`` (or of the given .jsonl file), skipping malformed lines."""
+    from polynets.train import read_metrics_log
+
     path = Path(run_dir)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"no metrics log at {path}; expected a run directory written by `polynets train --out DIR`")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
+    records = read_metrics_log(path)
     if not records:
         raise DataError(f"{path} holds no metrics records yet")
     return records
@@ -70,9 +65,7 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
             ax.legend(fontsize=8)
     fig.suptitle(f"run {Path(run_dir).resolve().name}")
     out = Path(out_png) if out_png is not None else (Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent) / "curves.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=110)
-    os.replace(tmp, out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    atomic_write_bytes(out, png.getbuffer())
     return out

@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -40,8 +39,11 @@ from tqdm.auto import tqdm
 from polynets.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
 from polynets.device import autocast_dtype, init_distributed
 from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
+from polynets.program import atomic_write_bytes
 
-__all__ = ["ResumableDistributedSampler", "TrainConfig", "Trainer", "seed_everything", "warmup_cosine"]
+__all__ = [
+    "ResumableDistributedSampler", "TrainConfig", "Trainer", "read_metrics_log", "seed_everything", "warmup_cosine",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -173,11 +175,17 @@ def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(data if isinstance(data, str) else json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+def read_metrics_log(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines metrics log, skipping lines that do not parse (a torn last line)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 class _MetricsLog:
@@ -188,15 +196,8 @@ class _MetricsLog:
         if keep_until_step is None or not path.exists():
             path.write_text("")
             return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("step", 0) <= keep_until_step:
-                kept.append(line + "\n")
-        _write_json_atomic(path, "".join(kept))
+        kept = [json.dumps(r) + "\n" for r in read_metrics_log(path) if r.get("step", 0) <= keep_until_step]
+        atomic_write_bytes(path, "".join(kept).encode())
 
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a") as fh:
@@ -385,10 +386,10 @@ class Trainer:
         log = None
         if self.out_dir is not None and self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            _write_json_atomic(self.out_dir / "run.json", {
-                "model_name": self.model_name, "model_kwargs": self.model_kwargs, "config": dataclasses.asdict(cfg),
-                "run_info": self.run_info, "device": str(self.device), "world_size": self.dist.world_size,
-                "amp": str(self.amp_dtype) if self.amp_dtype else None})
+            run = {"model_name": self.model_name, "model_kwargs": self.model_kwargs, "config": dataclasses.asdict(cfg),
+                   "run_info": self.run_info, "device": str(self.device), "world_size": self.dist.world_size,
+                   "amp": str(self.amp_dtype) if self.amp_dtype else None}
+            atomic_write_bytes(self.out_dir / "run.json", (json.dumps(run, indent=2) + "\n").encode())
             log = _MetricsLog(self.out_dir / "metrics.jsonl",
                               keep_until_step=self.global_step if start_epoch or start_batch else None)
         net: nn.Module = self.model

@@ -18,14 +18,6 @@ from polynets.errors import CheckpointError, ConfigError
 KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @register_model("test_tiny_classifier")
 def tiny_classifier(in_features: int = 4, num_classes: int = 3) -> nn.Module:
     return nn.Sequential(nn.Linear(in_features, 8), nn.Linear(8, num_classes))
