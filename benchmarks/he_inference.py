@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
                                               "data" / "mnist"))
     ap.add_argument("--n-latency", type=int, default=20, help="images timed one by one")
     ap.add_argument("--epochs", type=int, default=25)
-    ap.add_argument("--precision-bits", type=int, default=10)
+    ap.add_argument("--precision-bits", type=int, default=8,
+                    help="output precision asked of the compiler (argmax needs few bits)")
     ap.add_argument("--quick", action="store_true", help="1 epoch, 200 test images, 3 timed")
     ap.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" /
                                             "he_inference.json"))

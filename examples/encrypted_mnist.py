@@ -41,7 +41,7 @@ def main() -> None:
     model = train(polynets_net(), xtr, ytr, args.epochs, augment=True, lr=3e-3)
     print(pn.certify(model, xte[:1]))
 
-    prog = he.compile(model, xtr[:1], calibration=xtr, packing=args.packing, precision_bits=10)
+    prog = he.compile(model, xtr[:1], calibration=xtr, packing=args.packing, precision_bits=8)
     print(prog.summary())
     client = he.Client(prog)
     server = he.Server(he.CompiledProgram.from_bytes(prog.to_bytes()), client.public_context())

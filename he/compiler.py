@@ -44,16 +44,20 @@ def _program_digest(program: PolyProgram) -> str:
     return h.hexdigest()
 
 
-def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float]:
+def _noise_gain(program: PolyProgram, maxabs: list[float], packing: str) -> tuple[float, float]:
     """Linearised output error per unit of input (encryption) noise and of rescale noise.
 
     Independent noise adds in quadrature through a linear map, so a map's gain is the largest
     column 2-norm of its weight; each plaintext multiplication adds one unit for its rescale and
-    one per unit of input magnitude for the rounding of its encoded weights; products propagate
+    the rounding of its encoded weights (per unit of input magnitude, summed in quadrature over
+    the k inputs); products propagate
     worst-case through the calibrated ranges.
 
     Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
     """
+    # encoded weights round to 1/scale: a scalar (batch) exactly, a slot vector (vector packing)
+    # through the canonical embedding, about sqrt(N) times more
+    rounding = 1.0 / 12.0 if packing == "batch" else 1.0
     e: list[tuple[float, float]] = []
     for node in program.nodes:
         ins = [e[j] for j in node.inputs]
@@ -66,7 +70,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
             # + rescale rounding + rounding of the encoded weights times the input's magnitude
             k = np.asarray(a["weight"]).shape[0]
             m_in = maxabs[node.inputs[0]]
-            g = (w * ins[0][0], w * ins[0][1] + 1.0 + m_in * np.sqrt(k))
+            g = (w * ins[0][0], w * ins[0][1] + 1.0 + m_in * np.sqrt(k) * rounding)
         elif node.op == "mul":
             ma, mb = (maxabs[j] for j in node.inputs)
             g = (ma * ins[1][0] + mb * ins[0][0], ma * ins[1][1] + mb * ins[0][1] + 1.0)
@@ -77,7 +81,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float]) -> tuple[float, float
             c = float(np.abs(v).max(initial=0.0))
             exact = bool(np.all(v == np.round(v)))
             g = (c * ins[0][0],
-                 c * ins[0][1] + (0.0 if exact else 1.0 + maxabs[node.inputs[0]]))
+                 c * ins[0][1] + (0.0 if exact else 1.0 + maxabs[node.inputs[0]] * rounding))
         else:
             g = (max(i[0] for i in ins), max(i[1] for i in ins))
         e.append(g)
@@ -266,7 +270,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     maxabs = [float(np.max(np.abs(v), initial=0.0)) for v in values]
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
-    gain = _noise_gain(program, maxabs)
+    gain = _noise_gain(program, maxabs, packing)
     out_abs = maxabs[program.output]
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts)}

@@ -38,13 +38,12 @@ _ROTATION_BITS = 10
 
 def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
                rotation: float = 0.0) -> float:
-    """Expected max output error: (secret-key) encryption noise ``~16 sqrt(N)``, rescale noise
-    ``~8 sqrt(N)`` plus
-    ``rotation`` (key-switching noise per rotated value), all in units of the scale, weighted by
-    the program's gains ``(g_in, g_rs)``."""
+    """Expected max output error: (secret-key) encryption noise ``~48 sqrt(N)``, rescale noise
+    ``~24 sqrt(N)`` plus ``rotation`` (key-switching noise per rotated value), in units of the
+    scale, weighted by the program's gains ``(g_in, g_rs)``; measured maxima are 3-6x lower."""
     g_in, g_rs = gain
     root = math.sqrt(ring_degree)
-    return (g_in * 16.0 * root + g_rs * (8.0 * root + rotation)) / 2.0 ** scale_bits
+    return (g_in * 48.0 * root + g_rs * (24.0 * root + rotation)) / 2.0 ** scale_bits
 
 
 @dataclass(frozen=True)
