@@ -29,6 +29,7 @@ import numpy as np
 import sympy
 import torch
 from scipy.integrate import solve_ivp
+from tqdm.auto import tqdm
 
 from symbolic.errors import ExpressionError, FitError, NotFittedError, SymbolicDataError
 from symbolic.expand import default_variables, to_sympy
@@ -68,8 +69,9 @@ class EquationDiscovery:
 
     Fitted attributes: ``coef_`` (p, dim) over the monomials ``library_`` (p, dim exponents),
     ``model_`` the trained Poly-NODE, ``node_exprs_`` its exact expansion in the data's units,
-    ``start_`` which dense fit seeded the elimination (``"node"``, or ``"lstsq"`` when the
-    Poly-NODE's field could not be integrated over the data), ``rounds_`` the terms and
+    ``start_`` which dense fit seeded the elimination (``"node"``, or ``"lstsq"``, the
+    integral-form least squares, when the fit started from the Poly-NODE failed or did not
+    converge and the other did better), ``rounds_`` the terms and
     residual per elimination round, ``x0_`` the fitted window starts, ``fit_window_`` the final
     window length, ``timings_`` seconds spent.
     """
@@ -165,24 +167,20 @@ class EquationDiscovery:
         stacked = np.concatenate([Xi for _, Xi in trajectories])
         p = len(self.library_)
         active = np.ones((p, dim), dtype=bool)
-        starts = {"node": self._train_node(trajectories, syms)}
+        node_coef = self._train_node(trajectories, syms)
         node_time = time.perf_counter() - start
-        results: dict[str, ShootingResult] = {}
-        for name, coef in starts.items():
-            try:
-                results[name] = self._refit(coef, active, None)
-            except FitError:
-                continue
-        if not results:
+        self.start_ = "node"
+        try:
+            res = self._refit(node_coef, active, None)
+        except FitError:
+            res = None
+        if res is None or not res.converged:
             field = PolyField(syms, self.library_, np.zeros((p, dim)))
-            starts["lstsq"] = lstsq_integral(field, active, trajectories)
-            results["lstsq"] = self._refit(starts["lstsq"], active, None)
-        self.start_ = min(results, key=lambda k: results[k].rss)
-        res = results[self.start_]
+            fallback = self._refit(lstsq_integral(field, active, trajectories), active, None)
+            if res is None or fallback.rss < res.rss:
+                res, self.start_ = fallback, "lstsq"
         field = PolyField(syms, self.library_, res.coef)
         rounds = [{"terms": int(active.sum()), "rss": res.rss}]
-        from tqdm.auto import tqdm
-
         bar = tqdm(desc="sparsify", unit="round", disable=not self.progress, leave=False)
         while True:
             field.coef = res.coef

@@ -159,7 +159,7 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                      trajectories: list[tuple[np.ndarray, np.ndarray]], *,
                      window: int | None = None, x0: np.ndarray | None = None,
                      rtol: float = 1e-10, atol: float = 1e-12, method: str = "DOP853",
-                     max_iter: int = 60, tol: float = 1e-13) -> ShootingResult:
+                     max_iter: int = 60, tol: float = 1e-10) -> ShootingResult:
     """Fit the active coefficients of ``dx/dt = phi(x) @ coef`` to trajectories.
 
     ``exps`` (p, d) monomial exponents, ``coef`` (p, d) initial coefficients, ``active`` (p, d)
