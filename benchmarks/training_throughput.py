@@ -2,7 +2,8 @@
 
 Every model runs in the same process on the same random batch; timing rounds are interleaved
 (each round times every model once), so load from other processes hits all models alike, and
-the median over rounds is reported. Each MONet is compared with the baseline Mixer closest to it
+the median over rounds is reported, both per wall-clock second and per CPU second of this
+process (on a shared CPU the second is the steadier figure; CPU runs default to one thread). Each MONet is compared with the baseline Mixer closest to it
 in parameter count (``mixer_s16_224`` for MONet-T). On CUDA the step runs under bf16 autocast
 with channels-last memory; on CPU in float32. Prints a table and writes
 ``benchmarks/results/training_throughput.json``.
@@ -43,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (CPU default 3; GPU 5)")
     p.add_argument("--steps", type=int, default=None, help="steps per model per round (CPU default 1; GPU 10)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (CPU default 1)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args()
 
@@ -64,6 +65,7 @@ class Runner:
         self.y = torch.randint(0, 1000, (batch,), device=device)
         self.device, self.amp = device, amp
         self.rates: list[float] = []
+        self.cpu_rates: list[float] = []
 
     def step(self) -> None:
         with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
@@ -72,16 +74,18 @@ class Runner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def timed(self, steps: int) -> float:
-        """Run ``steps`` steps; returns images/s."""
+    def timed(self, steps: int) -> None:
+        """Run ``steps`` steps; records images per wall-clock second and per CPU second."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return steps * self.x.shape[0] / (time.perf_counter() - start)
+        images = steps * self.x.shape[0]
+        self.rates.append(images / (time.perf_counter() - start))
+        self.cpu_rates.append(images / (time.process_time() - cpu_start))
 
 
 def measure(names: list[str], img_size: int, batch: int, rounds: int, steps: int, device: torch.device,
@@ -91,9 +95,10 @@ def measure(names: list[str], img_size: int, batch: int, rounds: int, steps: int
         r.step()
     for _ in tqdm(range(rounds), desc=f"rounds {img_size}px", leave=False):
         for r in runners:
-            r.rates.append(r.timed(steps))
-    return {r.name: {"params": r.params, "images_per_s": statistics.median(r.rates), "rounds": r.rates}
-            for r in runners}
+            r.timed(steps)
+    return {r.name: {"params": r.params, "images_per_s": statistics.median(r.rates),
+                     "images_per_cpu_s": statistics.median(r.cpu_rates), "rounds": r.rates,
+                     "cpu_rounds": r.cpu_rates} for r in runners}
 
 
 def nearest_baseline(params: int, results: dict[str, dict[str, Any]], baselines: list[str]) -> str:
@@ -104,8 +109,8 @@ def main() -> None:
     args = parse_args()
     device = select_device(args.device)
     cuda = device.type == "cuda"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads or not cuda:
+        torch.set_num_threads(args.threads or 1)
     amp = autocast_dtype(device, "auto")
     sizes = [int(s) for s in (args.img_size or ("224" if cuda else "224,112")).split(",")]
     batches = [int(b) for b in (args.batch_size or ("64" if cuda else "2,4")).split(",")]
@@ -125,19 +130,24 @@ def main() -> None:
             rows.append({"model": name, **results[name], "baseline": base,
                          "baseline_params": results[base]["params"],
                          "baseline_images_per_s": results[base]["images_per_s"],
-                         "ratio_vs_baseline": results[name]["images_per_s"] / results[base]["images_per_s"]})
+                         "ratio_vs_baseline": results[name]["images_per_s"] / results[base]["images_per_s"],
+                         "cpu_ratio_vs_baseline":
+                             results[name]["images_per_cpu_s"] / results[base]["images_per_cpu_s"]})
         for name in baselines:
             rows.append({"model": name, **results[name], "baseline": None})
         settings.append({"img_size": img_size, "batch_size": batch, "rows": rows})
         print(f"\n{img_size}x{img_size}, batch {batch}, {rounds} rounds x {steps} steps on {device}"
               f"{f' ({amp})' if amp else ''}")
-        print(f"{'model':<16}{'params (M)':>11}{'images/s':>11}  vs baseline")
+        print(f"{'model':<16}{'params (M)':>11}{'images/s':>10}{'images/cpu-s':>14}  vs baseline (wall, cpu)")
         for row in rows:
-            vs = (f"{row['ratio_vs_baseline']:.2f}x {row['baseline']}" if row["baseline"] else "baseline")
-            print(f"{row['model']:<16}{row['params'] / 1e6:>11.1f}{row['images_per_s']:>11.2f}  {vs}")
+            vs = (f"{row['ratio_vs_baseline']:.2f}x, {row['cpu_ratio_vs_baseline']:.2f}x {row['baseline']}"
+                  if row["baseline"] else "baseline")
+            print(f"{row['model']:<16}{row['params'] / 1e6:>11.1f}{row['images_per_s']:>10.2f}"
+                  f"{row['images_per_cpu_s']:>14.2f}  {vs}")
     report = {
         "benchmark": "training_throughput",
-        "what": "images/s of forward + backward + AdamW step, median over interleaved rounds",
+        "what": "images per wall-clock and per CPU second of forward + backward + AdamW step, median over "
+                "interleaved rounds",
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "timm": timm.__version__, "device": str(device),
                     "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
