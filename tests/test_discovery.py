@@ -55,10 +55,12 @@ def test_results_print_export_and_simulate(lotka_volterra_fit):
     assert model.score(traj.t, traj.X) > 0.999999
 
 
-def test_several_trajectories_fit_together():
+def test_several_whole_trajectories_fit_together():
     a = generate("lotka_volterra", n=40, t_end=4.0)
     b = generate("lotka_volterra", n=40, t_end=4.0, x0=(3.0, 2.0))
-    model = EquationDiscovery(degree=2, node_steps=60, progress=False).fit([a.t, b.t], [a.X, b.X])
+    model = EquationDiscovery(degree=2, node_steps=60, window=None, progress=False)
+    model.fit([a.t, b.t], [a.X, b.X])
+    assert model.fit_window_ is None
     rel, missed, spurious = _errors(model.coefficients(), a.truth)
     assert (missed, spurious) == (0, 0) and rel < 1e-4
 

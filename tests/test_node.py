@@ -56,6 +56,16 @@ def test_train_node_fits_a_linear_system():
     assert np.mean(history.loss[-10:]) < 0.2 * np.mean(history.loss[:5])
 
 
+def test_train_node_runs_with_the_adjoint_method():
+    t = np.linspace(0, 1, 11)
+    X = np.stack([np.exp(-t), np.exp(-2 * t)], axis=1)
+    model = PolyNODE(2, hidden=3).double()
+    before = [p.detach().clone() for p in model.parameters()]
+    history = train_node(model, t, X, steps=3, window=4, adjoint=True, progress=False)
+    assert len(history.loss) == 3 and all(np.isfinite(history.loss))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_train_node_rejects_bad_data():
     model = PolyNODE(2, hidden=4)
     t = np.linspace(0, 1, 10)
