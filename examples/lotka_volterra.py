@@ -11,8 +11,7 @@ Run: ``python examples/lotka_volterra.py [--noise 0.05] [--out lotka_volterra.pn
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
+import io
 
 import matplotlib
 
@@ -20,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from polynets.program import atomic_write_bytes  # noqa: E402
 from symbolic import EquationDiscovery  # noqa: E402
 from symbolic.systems import generate  # noqa: E402
 
@@ -56,11 +56,9 @@ def main() -> None:
     ax.set_title("Lotka-Volterra: data vs recovered equations")
     ax.legend(ncol=2, fontsize=8, loc="upper center")
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(args.out))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, args.out)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    atomic_write_bytes(args.out, buffer.getvalue())
     print(f"saved {args.out}")
 
 

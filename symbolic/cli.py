@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
+from polynets.program import atomic_write_bytes
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["register", "read_csv", "cmd_discover"]
@@ -51,20 +50,6 @@ def read_csv(path: str, *, time_column: str = "t",
     return data[:, 0], data[:, 1:], states
 
 
-def _write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def cmd_discover(args: argparse.Namespace) -> int:
     """Discover a sparse polynomial ODE dx/dt = f(x) from one or more CSV trajectories."""
     from symbolic.discovery import EquationDiscovery
@@ -98,7 +83,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
                                                Xs if len(Xs) > 1 else Xs[0]),
                           "seconds": model.timings_["total"]}, indent=2) + "\n"
     if args.output:
-        _write(args.output, out)
+        atomic_write_bytes(args.output, out.encode())
         if not args.quiet:
             print(str(model))
     else:
