@@ -105,7 +105,7 @@ class PolyField:
         """One sympy expression per output column (float coefficients, zero terms omitted)."""
         coef = self.coef if coef is None else coef
         mons = self.monomials()
-        return [sympy.Add(*[sympy.Float(float(c), 15) * m for c, m in zip(coef[:, i], mons)
+        return [sympy.Add(*[sympy.Float(float(c), 17) * m for c, m in zip(coef[:, i], mons)
                             if c != 0.0]) for i in range(coef.shape[1])]
 
     def theta(self, X: np.ndarray) -> np.ndarray:
