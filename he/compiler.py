@@ -44,13 +44,14 @@ def _program_digest(program: PolyProgram) -> str:
     return h.hexdigest()
 
 
-def _noise_gain(program: PolyProgram, maxabs: list[float], packing: str) -> tuple[float, float]:
+def _noise_gain(program: PolyProgram, maxabs: list[float], rms: list[float],
+                packing: str) -> tuple[float, float]:
     """Linearised output error per unit of input (encryption) noise and of rescale noise.
 
     Independent noise adds in quadrature through a linear map, so a map's gain is the largest
     column 2-norm of its weight; each plaintext multiplication adds one unit for its rescale and
     the rounding of its encoded weights (per unit of input magnitude, summed in quadrature over
-    the k inputs); products propagate
+    the k inputs, so it scales with the calibrated RMS of the input); products propagate
     worst-case through the calibrated ranges.
 
     Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
@@ -69,8 +70,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float], packing: str) -> tupl
                 initial=0.0))
             # + rescale rounding + rounding of the encoded weights times the input's magnitude
             k = np.asarray(a["weight"]).shape[0]
-            m_in = maxabs[node.inputs[0]]
-            g = (w * ins[0][0], w * ins[0][1] + 1.0 + m_in * np.sqrt(k) * rounding)
+            g = (w * ins[0][0], w * ins[0][1] + 1.0 + rms[node.inputs[0]] * np.sqrt(k) * rounding)
         elif node.op == "mul":
             ma, mb = (maxabs[j] for j in node.inputs)
             g = (ma * ins[1][0] + mb * ins[0][0], ma * ins[1][1] + mb * ins[0][1] + 1.0)
@@ -81,7 +81,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float], packing: str) -> tupl
             c = float(np.abs(v).max(initial=0.0))
             exact = bool(np.all(v == np.round(v)))
             g = (c * ins[0][0],
-                 c * ins[0][1] + (0.0 if exact else 1.0 + maxabs[node.inputs[0]] * rounding))
+                 c * ins[0][1] + (0.0 if exact else 1.0 + rms[node.inputs[0]] * rounding))
         else:
             g = (max(i[0] for i in ins), max(i[1] for i in ins))
         e.append(g)
@@ -270,7 +270,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     maxabs = [float(np.max(np.abs(v), initial=0.0)) for v in values]
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
-    gain = _noise_gain(program, maxabs, packing)
+    rms = [float(np.sqrt(np.mean(np.square(v)))) if v.size else 0.0 for v in values]
+    gain = _noise_gain(program, maxabs, rms, packing)
     out_abs = maxabs[program.output]
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts)}
