@@ -292,3 +292,22 @@ def test_demo_quick_runs_end_to_end():
 
     res = run_demo(quick=True, progress=False, echo=lambda *a: None)
     assert abs(res.acc_plain - res.acc_encrypted) <= 0.005 + 1e-9
+
+
+def test_cli_compiles_a_checkpoint_to_a_program_file(tmp_path, capsys):
+    from polynets.checkpoint import save_checkpoint
+    from polynets.cli import main
+
+    kwargs = {"img_size": 4, "in_chans": 1, "num_classes": 3, "patch_size": 2, "embed": "patch",
+              "embed_dim": 4, "depth": 1, "expansion": 1, "shrinkage": 2, "norm": "batch"}
+    model = pn.MONet(**kwargs)
+    save_checkpoint(tmp_path / "m.pt", model=model, model_name="monet", model_kwargs=kwargs)
+    x = np.random.default_rng(0).random((8, 1, 4, 4))
+    np.save(tmp_path / "cal.npy", x)
+    assert main(["compile", str(tmp_path / "m.pt"), "--calibration", str(tmp_path / "cal.npy"),
+                 "--packing", "batch", "-o", str(tmp_path / "m.he")]) == 0
+    prog = he.load_program(tmp_path / "m.he")
+    with torch.no_grad():
+        ref = model.eval()(torch.as_tensor(x, dtype=torch.float32)).double().numpy()
+    assert np.allclose(prog.simulate(x), ref, atol=1e-4)
+    assert "CKKS N=" in capsys.readouterr().out
