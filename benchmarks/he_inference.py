@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'':34s}{'TenSEAL tutorial':>18s}{'polynets':>14s}")
     print(f"{'plaintext accuracy (2000)':34s}{100 * b['plain_accuracy']:17.2f}%"
           f"{100 * t['plain_accuracy']:13.2f}%")
-    print(f"{'encrypted accuracy (2000, batch)':34s}{'':>18s}{100 * t['encrypted_accuracy']:13.2f}%")
+    print(f"{'encrypted accuracy (2000, batch)':34s}{'':>18s}"
+          f"{100 * t['encrypted_accuracy']:13.2f}%")
     print(f"{'argmax agreement (2000, batch)':34s}{'':>18s}{100 * t['argmax_agreement']:13.2f}%")
     print(f"{f'median latency ({n} images)':34s}{b['median_latency_s'] * 1e3:15.0f} ms"
           f"{v['median_latency_s'] * 1e3:11.0f} ms   ({res['latency_speedup_vs_baseline']:.1f}x)")

@@ -149,8 +149,8 @@ class Client:
             steps = program.plan.rotations() if program.plan is not None else []
             if steps:
                 self.galois_keys = seal.GaloisKeys()
-                keygen.create_galois_keys(galois_elements(steps, program.params.poly_modulus_degree),
-                                          self.galois_keys)
+                elements = galois_elements(steps, program.params.poly_modulus_degree)
+                keygen.create_galois_keys(elements, self.galois_keys)
             self.key_id = secrets.token_hex(8)
         else:
             head, blobs = _unpack_context(_secret, ("secret-context",), program)
@@ -192,8 +192,9 @@ class Client:
         x = np.asarray(x, dtype=np.float64)
         want = self.program.input_shape
         if x.ndim != len(want) + 1 or tuple(x.shape[1:]) != want:
-            raise InputShapeError(f"encrypt expects a batch of shape (B, {', '.join(map(str, want))}"
-                                  f"{',' if len(want) == 1 else ''}), got {tuple(x.shape)}")
+            dims = ", ".join(map(str, want)) + ("," if len(want) == 1 else "")
+            raise InputShapeError(f"encrypt expects a batch of shape (B, {dims}), got "
+                                  f"{tuple(x.shape)}")
         if x.shape[0] < 1:
             raise InputShapeError("encrypt needs at least one sample")
         if not np.all(np.isfinite(x)):
@@ -204,12 +205,14 @@ class Client:
             ratio = peak / calibrated
             d = max(1, self.program.degree)
             growth = ratio ** d
+            params = self.program.params
+            headroom = params.coeff_mod_bit_sizes[0] - params.scale_bits - 1
             warnings.warn(CalibrationRangeWarning(
                 f"inputs reach |x| = {peak:.4g}, {ratio:.3g}x the calibrated range "
                 f"{calibrated:.4g}; a degree-{d} program may grow intermediate values up to "
                 f"{growth:.3g}x, losing about {math.log2(growth):.1f} bits of precision (expected "
-                f"output error up to ~{self.program.params.expected_error * growth:.2e}) and "
-                f"overflowing the modulus if values pass 2^{self.program.params.coeff_mod_bit_sizes[0] - self.program.params.scale_bits - 1}; "
+                f"output error up to ~{params.expected_error * growth:.2e}) and overflowing the "
+                f"modulus if values pass 2^{headroom}; "
                 f"recompile with calibration data that covers these inputs"), stacklevel=3)
         return x
 

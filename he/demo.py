@@ -132,8 +132,9 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
         t0 = time.perf_counter()
         vdec = vclient.decrypt(vserver.run(vclient.encrypt(xs).to_bytes()).to_bytes())
         vec_ms = (time.perf_counter() - t0) / len(xs) * 1e3
+        same = bool(np.all(vdec.argmax(1) == plain[:len(xs)].argmax(1)))
         echo(f"   {vec_ms:.0f} ms per image round trip; N={vprog.params.poly_modulus_degree}, "
-             f"argmax agrees with plaintext: {bool(np.all(vdec.argmax(1) == plain[:len(xs)].argmax(1)))}")
+             f"argmax agrees with plaintext: {same}")
 
     echo("== result")
     echo(f"   plaintext accuracy  {100 * acc_plain:.2f}%")
@@ -147,7 +148,7 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="tiny model, 3 epochs, 40 test images, no vector timing (under a minute)")
+                        help="tiny model, 3 epochs, 40 test images, no vector timing")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 30)")
     parser.add_argument("--embed-dim", type=int, default=16, help="MONet width (default 16)")
     parser.add_argument("--vector-samples", type=int, default=1,

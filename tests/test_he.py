@@ -45,9 +45,10 @@ def _check_matches(model: nn.Module, x: torch.Tensor, packing: str, **kw) -> Non
         ref = model(x).double().numpy()
     sim = prog.simulate(x)
     assert y.shape == ref.shape
-    assert np.max(np.abs(sim - ref)) < 1e-4 * max(1.0, np.max(np.abs(ref)))
+    float32_tol = 1e-4 * max(1.0, np.max(np.abs(ref)))
+    assert np.max(np.abs(sim - ref)) < float32_tol
     assert np.max(np.abs(y - sim)) <= prog.params.expected_error
-    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4 * max(1.0, np.max(np.abs(ref)))
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + float32_tol
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,8 @@ def test_small_monet_decrypts_to_model_output_in_vector_packing():
 def test_hand_built_program_compiles_without_a_model():
     w = np.array([[1.0, -2.0], [0.5, 0.25], [3.0, 1.0]])
     nodes = [pn.Node("input", (), (1, 3)),
-             pn.Node("linear", (0,), (1, 2), {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
+             pn.Node("linear", (0,), (1, 2),
+                     {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
              pn.Node("mul", (1, 1), (1, 2)),
              pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
              pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
