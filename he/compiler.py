@@ -88,10 +88,11 @@ def _noise_gain(program: PolyProgram, maxabs: list[float], rms: list[float],
     return e[program.output]
 
 
-def _degree(program: PolyProgram) -> int:
+def _degree_depth(program: PolyProgram) -> tuple[int, int]:
     from polynets.certify import analyse
 
-    return int(analyse(program)[program.output].degree)
+    info = analyse(program)[program.output]
+    return int(info.degree), int(info.depth)
 
 
 class CompiledProgram:
@@ -102,6 +103,7 @@ class CompiledProgram:
         params: the chosen :class:`~he.params.CKKSParams` (``str(params)`` says why).
         packing: ``"vector"`` (one sample per ciphertext) or ``"batch"`` (one per slot).
         calibration: per-node max |value| on the calibration data.
+        degree, depth: total degree and ciphertext-ciphertext multiplicative depth.
         plan: the vector-packing plan (None for batch packing).
     """
 
@@ -113,7 +115,7 @@ class CompiledProgram:
         self.calibration = [float(c) for c in calibration]
         self.options = dict(options)
         self.certificate = certificate
-        self.degree = _degree(program)
+        self.degree, self.depth = _degree_depth(program)
         self.plan: VectorPlan | None = None
         if packing == "vector":
             self.plan = plan_vector(program, params.slots,
@@ -149,7 +151,8 @@ class CompiledProgram:
 
     def summary(self) -> str:
         lines = [f"compiled program {self.fingerprint} ({self.packing} packing, degree "
-                 f"{self.degree}, {len(self.program)} ops)", str(self.params)]
+                 f"{self.degree}, multiplicative depth {self.depth}, {len(self.program)} ops)",
+                 str(self.params)]
         if self.plan is not None:
             s = plan_summary(self.plan)
             lines.append(f"  vector plan: {s['rotations']} rotations ({s['rotation_keys']} Galois "
