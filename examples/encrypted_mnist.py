@@ -1,6 +1,6 @@
 """Encrypted MNIST: train a polynomial CNN, compile it to CKKS, classify encrypted digits.
 
-The network (conv 7x7/3 + BatchNorm -> x^2 -> fc + BatchNorm -> x^2 -> fc) trains on the first
+The network (conv 5x5/3 + BatchNorm -> x^2 -> fc + BatchNorm -> x^2 -> fc) trains on the first
 8,000 images of the MNIST test-set files and is evaluated, encrypted, on the last 2,000 (or
 ``--n``). Only the idx files are needed, in the directory you name; nothing is downloaded.
 
