@@ -125,7 +125,7 @@ def test_overwriting_is_atomic_and_leaves_no_temporary_files(tmp_path):
     path = tmp_path / "last.pt"
     for step in range(3):
         save_checkpoint(path, model=tiny_classifier(), model_name="test_tiny_classifier", step=step)
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"], "no temporary files are left"
     assert load_checkpoint(path)["step"] == 2
 
 

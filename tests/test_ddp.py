@@ -64,5 +64,5 @@ def test_two_gloo_processes_train_in_sync_and_rank0_checkpoints(tmp_path):
     assert sums == ranks[0]["weights"]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in steps if r["kind"] == "epoch"]) == 2, "only rank 0 writes the log"
-    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+    assert not any(p.name.startswith(".tmp") for p in out.iterdir()), "no temporary files are left"
     assert torch.equal(model.head.weight, ckpt["model"]["head.weight"])
