@@ -650,6 +650,9 @@ _HANDLERS: dict[str, Callable] = {
 def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module to trace, got {type(model).__name__}")
+    as_polynomial = getattr(model, "as_polynomial", None)
+    if callable(as_polynomial):  # vector fields f(t, x) expose their one-input polynomial
+        model = as_polynomial()
     if not isinstance(example_input, torch.Tensor):
         example_input = torch.as_tensor(np.asarray(example_input))
     if example_input.dim() < 1 or example_input.shape[0] < 1:
@@ -700,7 +703,8 @@ def trace(model: nn.Module, example_input: Any, *, optimize: bool = True) -> Pol
     """Lower ``model`` (run in eval mode, float64) to a :class:`PolyProgram`.
 
     ``example_input``: a tensor ``(B, ...)``; only its first sample is used, and the program
-    accepts any batch of that per-sample shape. With ``optimize`` (default) BatchNorm and other
+    accepts any batch of that per-sample shape. Models whose forward is not one-input (a
+    Poly-NODE's ``f(t, x)``) are traced through their ``as_polynomial()`` module. With ``optimize`` (default) BatchNorm and other
     affine chains are folded into adjacent linear maps, linear chains fused, layout ops composed.
 
     Raises :class:`NonPolynomialError` naming every offending module, and

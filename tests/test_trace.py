@@ -67,6 +67,10 @@ def _models(seed: int, width: int) -> list[tuple[str, nn.Module, torch.Tensor]]:
                            embed_dim=width, depth=2, norm="batch"), torch.randn(b, 1, 8, 8)),
         ("pom", pn.PoM(width, degree=2), tokens),
         ("pom-causal", pn.PoM(width, degree=3, mask="causal"), tokens),
+        ("polymorpher", pn.PolymorpherClassifier(seq_len=5, in_features=width, num_classes=3,
+                                                 dim=8, depth=1), tokens),
+        ("polynode", pn.PolyNODE(3, hidden=width, depth=2, time_input=True),
+         torch.randn(b, 4)),
         ("mlp-square", nn.Sequential(nn.Linear(width, 7), nn.BatchNorm1d(7), Square(),
                                      nn.Linear(7, 3)), torch.randn(b, width)),
         ("conv-square", nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1),
@@ -81,7 +85,7 @@ def _models(seed: int, width: int) -> list[tuple[str, nn.Module, torch.Tensor]]:
 def test_simulation_equals_model_for_every_shipped_model(seed: int, width: int) -> None:
     for name, model, x in _models(seed, width):
         _randomise_norms(model, seed)
-        ref = _reference(model, x)
+        ref = _reference(model.as_polynomial() if name == "polynode" else model, x)
         raw = pn.trace(model, x, optimize=False)
         opt = pn.optimize(raw)
         _assert_close(raw.simulate(x), ref)
