@@ -8,6 +8,8 @@ import warnings
 import numpy as np
 import pytest
 import tenseal.sealapi as seal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -313,3 +315,13 @@ def test_cli_compiles_a_checkpoint_to_a_program_file(tmp_path, capsys):
         ref = model.eval()(torch.as_tensor(x, dtype=torch.float32)).double().numpy()
     assert np.allclose(prog.simulate(x), ref, atol=1e-4)
     assert "CKKS N=" in capsys.readouterr().out
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.integers(1, 4), hidden=st.integers(1, 4), seed=st.integers(0, 2 ** 16),
+       packing=st.sampled_from(["batch", "vector"]))
+def test_torch_simulation_and_decryption_agree_for_random_square_mlps(width, hidden, seed,
+                                                                       packing):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, hidden), Square(), nn.Linear(hidden, 2)).eval()
+    _check_matches(model, torch.randn(3, width), packing)
