@@ -206,8 +206,14 @@ class CompiledProgram:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CompiledProgram":
-        with open(path, "rb") as f:
-            return cls.from_bytes(f.read())
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise SerializationError(f"cannot read compiled program {os.fspath(path)!r}: "
+                                     f"{exc.strerror}; write one with 'polynets compile' or "
+                                     f"CompiledProgram.save") from exc
+        return cls.from_bytes(data)
 
 
 def load_program(path: str | os.PathLike) -> CompiledProgram:

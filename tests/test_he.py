@@ -325,3 +325,8 @@ def test_torch_simulation_and_decryption_agree_for_random_square_mlps(width, hid
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(width, hidden), Square(), nn.Linear(hidden, 2)).eval()
     _check_matches(model, torch.randn(3, width), packing)
+
+
+def test_missing_program_file_gives_a_clear_error(tmp_path):
+    with pytest.raises(he.SerializationError, match="cannot read compiled program"):
+        he.load_program(tmp_path / "missing.he")
