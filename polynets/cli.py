@@ -50,7 +50,9 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
 
     The data's sizes (num_classes, in_chans/img_size or seq_len/in_features) are passed when the
     builder names them (timm builders get num_classes, in_chans, img_size). ``monet`` on small
-    images (<= 32 px) also gets a small default width, depth and patch size.
+    images (<= 32 px) also gets a small default: width 64, depth 4, 2x2 patches merged once
+    (1x1 when the side is not a multiple of 4), so 8 px digits give 2x2 tokens, 28 px MNIST 7x7,
+    and truncated-normal (std 0.02) init, which keeps the degree-256 output small at the start.
     """
     import timm
 
@@ -68,7 +70,7 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
     kwargs = {k: v for k, v in info.model_kwargs().items()
               if k in params or (open_kwargs and k in TIMM_SIZE_KEYS)}
     if name.lower() == "monet" and info.kind == "image" and info.img_size <= 32:
-        kwargs.update(patch_size=2 if info.img_size <= 16 else 4, embed_dim=64, depth=4)
+        kwargs.update(patch_size=2 if info.img_size % 4 == 0 else 1, embed_dim=64, depth=4, init="trunc_normal")
     kwargs.update(user)
     return kwargs
 
