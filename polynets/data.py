@@ -116,12 +116,21 @@ def _stratified_split(y: np.ndarray, test_size: float, seed: int) -> tuple[np.nd
 
 
 def _channel_stats(x: torch.Tensor, scale: float, channel_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and std of ``x * scale`` per channel (or over everything when channel_dim is None)."""
-    xf = x.double() * scale
-    if channel_dim is None:
-        return xf.mean().float(), xf.std().clamp_min(1e-8).float()
-    dims = [d for d in range(xf.ndim) if d != channel_dim]
-    return xf.mean(dim=dims).float(), xf.std(dim=dims).clamp_min(1e-8).float()
+    """Mean and (unbiased) std of ``x * scale`` per channel, or over everything when channel_dim is None.
+
+    Accumulates float64 sums over chunks of samples, so a uint8 set (e.g. CIFAR) is never copied
+    whole to float64.
+    """
+    dims = [d for d in range(x.ndim) if d != channel_dim]
+    total = square = torch.zeros((), dtype=torch.float64)
+    for chunk in x.split(4096):
+        values = chunk.double() * scale
+        total = total + values.sum(dim=dims)
+        square = square + (values * values).sum(dim=dims)
+    count = x.numel() // (x.shape[channel_dim] if channel_dim is not None else 1)
+    mean = total / count
+    var = (square - count * mean * mean) / max(count - 1, 1)
+    return mean.float(), var.clamp_min(1e-16).sqrt().float()
 
 
 def _image_sets(name: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
