@@ -49,6 +49,9 @@ def plot_run(run_dir: str | os.PathLike, out_png: str | os.PathLike | None = Non
         pts = [(r["step"], r[key]) for r in epochs if key in r]
         if pts:
             ax_loss.plot(*zip(*pts), style, label=key.replace("_", " "))
+    losses = [y for line in ax_loss.get_lines() for y in line.get_ydata()]
+    if losses and min(losses) > 0:  # polynomial nets can spike by orders of magnitude
+        ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     for key, style in (("train_accuracy", "o-"), ("val_accuracy", "s-"), ("val_ema_accuracy", "^--")):
         pts = [(r["epoch"], r[key]) for r in epochs if key in r]
