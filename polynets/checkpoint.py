@@ -67,10 +67,7 @@ def _builtin_builder(name: str) -> Callable[..., nn.Module] | None:
     if name not in _BUILTIN_MODELS:
         return None
     module, attr = _BUILTIN_MODELS[name]
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        return None
+    return getattr(importlib.import_module(module), attr)
 
 
 def registered_models() -> list[str]:
@@ -80,7 +77,7 @@ def registered_models() -> list[str]:
     import polynets.models  # noqa: F401  (registers the MONet family in timm)
 
     names = set(_MODEL_BUILDERS)
-    names.update(n for n in _BUILTIN_MODELS if _builtin_builder(n))
+    names.update(_BUILTIN_MODELS)
     names.update(timm.list_models("monet*"))
     return sorted(names)
 
