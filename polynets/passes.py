@@ -201,6 +201,24 @@ def _regular_fill(value: np.ndarray, read: np.ndarray) -> np.ndarray:
     return value
 
 
+def _after(attrs: dict, op: str, prof: np.ndarray) -> dict:
+    """Attributes of ``const(linear(x))`` as one linear map; ``prof`` lies along the output axis."""
+    w, b = attrs["weight"], attrs.get("bias")
+    if op == "mul_const":
+        return {"axis": attrs["axis"], "weight": w * prof[None, :],
+                "bias": None if b is None else b * prof}
+    return {"axis": attrs["axis"], "weight": w, "bias": prof if b is None else b + prof}
+
+
+def _before(attrs: dict, op: str, prof: np.ndarray) -> dict:
+    """Attributes of ``linear(const(x))`` as one linear map; ``prof`` lies along the input axis."""
+    w, b = attrs["weight"], attrs.get("bias")
+    if op == "mul_const":
+        return {"axis": attrs["axis"], "weight": prof[:, None] * w, "bias": b}
+    shift = prof @ w
+    return {"axis": attrs["axis"], "weight": w, "bias": shift if b is None else b + shift}
+
+
 def _single_user(users: list[list[int]], j: int) -> bool:
     return len(users[j]) == 1
 
@@ -301,13 +319,7 @@ def _fold_after_linear(nodes: list[Node], i: int, users: list[list[int]]) -> int
     prof = _only_along(n.attrs["value"], n.shape, axis)
     if prof is None:
         return None
-    w, b = lin.attrs["weight"], lin.attrs.get("bias")
-    if n.op == "mul_const":
-        attrs = {"axis": axis, "weight": w * prof[None, :],
-                 "bias": None if b is None else b * prof}
-    else:
-        attrs = {"axis": axis, "weight": w, "bias": prof if b is None else b + prof}
-    nodes[j] = Node("linear", lin.inputs, lin.shape, attrs, lin.path)
+    nodes[j] = Node("linear", lin.inputs, lin.shape, _after(lin.attrs, n.op, prof), lin.path)
     return j
 
 
@@ -332,14 +344,8 @@ def _fold_before_linear(nodes: list[Node], i: int, users: list[list[int]]) -> in
         profiles[k] = prof
     for k, prof in profiles.items():
         reader = nodes[k]
-        w, b = reader.attrs["weight"], reader.attrs.get("bias")
-        if c.op == "mul_const":
-            attrs = {"axis": reader.attrs["axis"], "weight": prof[:, None] * w, "bias": b}
-        else:
-            shift = prof @ w
-            attrs = {"axis": reader.attrs["axis"], "weight": w,
-                     "bias": shift if b is None else b + shift}
-        nodes[k] = Node("linear", c.inputs, reader.shape, attrs, reader.path)
+        nodes[k] = Node("linear", c.inputs, reader.shape, _before(reader.attrs, c.op, prof),
+                        reader.path)
     return _CHANGED
 
 
@@ -389,10 +395,8 @@ def _push_into_product(nodes: list[Node], i: int, users: list[list[int]]) -> int
         prof = _only_along(n.attrs["value"], m.shape, lin.attrs["axis"])
         if prof is None:
             continue
-        b = lin.attrs.get("bias")
-        nodes[k] = Node("linear", lin.inputs, lin.shape,
-                        {"axis": lin.attrs["axis"], "weight": lin.attrs["weight"] * prof[None, :],
-                         "bias": None if b is None else b * prof}, lin.path)
+        nodes[k] = Node("linear", lin.inputs, lin.shape, _after(lin.attrs, "mul_const", prof),
+                        lin.path)
         return j
     return None
 

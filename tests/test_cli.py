@@ -12,14 +12,6 @@ import torch
 from polynets import cli
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def subcommands() -> list[str]:
     parser = cli.build_parser()
     action = next(a for a in parser._actions if a.dest == "command")

@@ -21,15 +21,6 @@ SMALL_SIDE = {"monet_t": 14, "monet_s": 16, "monet_ms_t": 32, "monet_ms_s": 32}
 PAPER_PARAMS_M = {"monet_t": 14.0, "monet_s": 56.8, "monet_ms_t": 10.3, "monet_ms_s": 32.9}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Run each test on one intra-op thread (the models are small; threads only contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -289,7 +280,6 @@ def test_small_monet_reaches_97_percent_on_digits() -> None:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    torch.set_num_threads(1)
     images, labels = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.2,
                                                         random_state=0)

@@ -407,7 +407,6 @@ def test_polymorpher_learns_digit_pairs_task_that_token_wise_model_cannot() -> N
     spec = importlib.util.spec_from_file_location("pom_sequence", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    torch.set_num_threads(1)
     pom = example.train_and_evaluate("pairs", "pom", 8, progress=False)
     token = example.train_and_evaluate("pairs", "token", 8, progress=False)
     assert pom["test_accuracy"] > 0.85

@@ -21,15 +21,6 @@ from polynets.train import TrainConfig, Trainer, warmup_cosine
 MONET_KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small models train far faster on one thread when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def digits():
     train, test, info = load_dataset("digits", seed=0)
