@@ -46,9 +46,13 @@ def galois_elements(steps: list[int], ring_degree: int) -> list[int]:
     return sorted({pow(3, int(s) % half, 2 * ring_degree) for s in steps if int(s) % half})
 
 
+# SEAL reads and writes files only; a memory-backed directory, where there is one, saves the disk
+_TMPDIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 def save_object(obj: Any) -> bytes:
     """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format)."""
-    fd, path = tempfile.mkstemp(prefix="polynets-he-")
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_TMPDIR)
     os.close(fd)
     try:
         obj.save(path)
@@ -66,7 +70,7 @@ def load_object(factory: Callable[[], Any], context: Any, data: bytes, what: str
     """
     if len(data) < 16 or data[:2] != b"\x5e\xa1":
         raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
-    fd, path = tempfile.mkstemp(prefix="polynets-he-")
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_TMPDIR)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -157,6 +161,15 @@ class Engine:
         out = seal.Ciphertext()
         self.evaluator.multiply_plain(ct, pt, out)
         return out
+
+    def mul_plain_into(self, ct: Any, pt: Any, out: Any) -> None:
+        """``out <- ct * pt`` without rescale, reusing ``out``'s memory."""
+        self.evaluator.multiply_plain(ct, pt, out)
+
+    @staticmethod
+    def new_ciphertext() -> Any:
+        """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""
+        return seal.Ciphertext()
 
     def mul_scalar(self, ct: Any, value: float) -> Any:
         """``ct * value`` without rescale."""

@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import numpy as np
 import tenseal.sealapi as seal
-from tqdm.auto import tqdm
 
 from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram
 from he.container import pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        SecretKeyError, SerializationError)
+from he.parallel import fork_map, resolve_workers
 from he.runtime import VectorKernels, run_batch, run_vector
 
 __all__ = ["Ciphertext", "Client", "Server"]
@@ -82,15 +82,17 @@ class Ciphertext:
         return ct
 
     def _seal_groups(self, context: Any) -> list[list[Any]]:
-        out = []
-        for gi, g in enumerate(self._groups):
-            out.append([load_object(seal.Ciphertext, context, b, f"ciphertext part {gi}.{k}")
-                        if isinstance(b, bytes) else b for k, b in enumerate(g)])
-        return out
+        return [_load_group(context, self, gi) for gi in range(len(self._groups))]
 
     @property
     def nbytes(self) -> int:
         return len(self.to_bytes())
+
+
+def _load_group(context: Any, ct: Ciphertext, gi: int) -> list[Any]:
+    """SEAL ciphertexts of group ``gi`` of ``ct`` (bytes are loaded and validated)."""
+    return [load_object(seal.Ciphertext, context, b, f"ciphertext part {gi}.{k}")
+            if isinstance(b, bytes) else b for k, b in enumerate(ct._groups[gi])]
 
 
 def _as_ciphertext(ct: Any) -> Ciphertext:
@@ -216,36 +218,51 @@ class Client:
                 f"recompile with calibration data that covers these inputs"), stacklevel=3)
         return x
 
-    def _encrypt_vector(self, values: np.ndarray) -> Any:
+    def _encrypt_vector(self, values: np.ndarray) -> bytes:
+        """One slot vector encrypted with the secret key, serialised in SEAL's seeded form: the
+        random half of the ciphertext is replaced by its seed, so it is half the size and the
+        reader regenerates it when loading."""
         eng = self.engine
         pt = eng.encode_vector(values, 0, eng.scales[0])
-        ct = seal.Ciphertext()
-        self._encryptor.encrypt_symmetric(pt, ct)
-        return ct
+        return save_object(self._encryptor.encrypt_symmetric(pt))
 
-    def encrypt(self, x: Any, progress: bool = False) -> Ciphertext:
+    def encrypt(self, x: Any, progress: bool = False, workers: int = 1) -> Ciphertext:
         """Encrypt a batch ``x`` of shape ``(B, *input_shape)``.
 
-        Batch packing: ``ceil(B / slots)`` groups of ``prod(input_shape)`` ciphertexts; vector
+        Batch packing: ``ceil(B / slots)`` groups of one ciphertext per input element that can
+        reach the output (``program.batch_inputs``, the same for every input); vector
         packing: one group per sample (one ciphertext, or the plan's input planes).
+        ``workers``: processes that encode, encrypt and serialise (``0``: one per CPU core); the
+        ciphertexts decrypt to the same values whatever the number.
         """
         x = self._check_input(x)
         b = x.shape[0]
         flat = x.reshape(b, -1)
-        groups: list[list[Any]] = []
         slots = self.engine.slots
+        columns: list[np.ndarray] = []
+        sizes: list[int] = []
         if self.program.packing == "batch":
-            for start in tqdm(range(0, b, slots), desc="encrypt", disable=not progress,
-                              leave=False):
-                block = flat[start:start + slots]
-                groups.append([self._encrypt_vector(block[:, j]) for j in range(flat.shape[1])])
+            live = self.program.batch_inputs
+            for start in range(0, b, slots):
+                block = np.ascontiguousarray(flat[start:start + slots, live].T)
+                columns.extend(block)
+                sizes.append(block.shape[0])
         else:
             plan = self.program.plan
             assert plan is not None
-            for s in tqdm(range(b), desc="encrypt", disable=not progress, leave=False):
+            for s in range(b):
                 ext = np.append(flat[s], 0.0)
-                groups.append([self._encrypt_vector(ext[np.where(idx < 0, ext.size - 1, idx)])
-                               for idx in plan.input_layout])
+                columns.extend(ext[np.where(idx < 0, ext.size - 1, idx)]
+                               for idx in plan.input_layout)
+                sizes.append(len(plan.input_layout))
+        n_workers = resolve_workers(workers)
+        chunks = np.array_split(np.arange(len(columns)),
+                                max(1, len(columns) if n_workers == 1 else min(len(columns),
+                                                                               8 * n_workers)))
+        parts = fork_map(lambda i: [self._encrypt_vector(columns[j]) for j in chunks[i]],
+                         len(chunks), n_workers, desc="encrypt", progress=progress)
+        blobs = iter([blob for part in parts for blob in part])
+        groups: list[list[Any]] = [[next(blobs) for _ in range(size)] for size in sizes]
         return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
                           key_id=self.key_id, role="input", n_samples=b, groups=groups)
 
@@ -343,35 +360,48 @@ class Server:
         self._encryptor.encrypt(pt, ct)
         return ct
 
-    def run(self, ct: Any, progress: bool = False) -> Ciphertext:
-        """Evaluate the program on encrypted inputs; returns the encrypted outputs."""
+    def _run_group(self, g: list[Any]) -> list[Any]:
+        prog = self.program
+        if prog.packing == "batch":
+            live = prog.batch_inputs
+            if len(g) != live.size:
+                raise SerializationError(f"server: an input group holds {len(g)} ciphertexts, "
+                                         f"expected {live.size}")
+            full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
+            for k, c in zip(live, g):
+                full[k] = c
+            res = _seal_call(lambda: run_batch(self.engine, prog.program, full), "evaluation")
+            return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
+        plan = prog.plan
+        assert plan is not None and self.kernels is not None
+        n_in = len(plan.input_layout)
+        if len(g) != n_in:
+            raise SerializationError(f"server: a sample holds {len(g)} input ciphertexts, "
+                                     f"expected {n_in}")
+        return [_seal_call(lambda: run_vector(self.engine, plan, self.kernels, g), "evaluation")]
+
+    def run(self, ct: Any, progress: bool = False, workers: int = 1) -> Ciphertext:
+        """Evaluate the program on encrypted inputs; returns the encrypted outputs.
+
+        ``workers``: processes that evaluate independent groups (batch packing: groups of
+        ``slots`` samples; vector packing: samples) at the same time (``0``: one per CPU core);
+        results are the same whatever the number.
+        """
         ct = _as_ciphertext(ct)
         _check(ct, self.program, self.key_id, "input", "server")
-        groups = ct._seal_groups(self.engine.context)
-        prog = self.program
-        out_groups: list[list[Any]] = []
-        if prog.packing == "batch":
-            n_in = int(np.prod(prog.input_shape, dtype=np.int64))
-            for g in groups:
-                if len(g) != n_in:
-                    raise SerializationError(f"server: an input group holds {len(g)} "
-                                             f"ciphertexts, expected {n_in}")
-                res = _seal_call(lambda g=g: run_batch(self.engine, prog.program, g, progress),
-                                 "evaluation")
-                out_groups.append([self._encrypt_constant(e) if isinstance(e, float) else e
-                                   for e in res])
+        ctx = self.engine.context
+        n_workers = resolve_workers(workers)
+        if n_workers == 1 or len(ct._groups) == 1:
+            groups = ct._seal_groups(ctx)
+            out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,
+                                  desc="server", progress=progress)
         else:
-            plan = prog.plan
-            assert plan is not None and self.kernels is not None
-            n_in = len(plan.input_layout)
-            for g in tqdm(groups, desc="server", disable=not progress, leave=False):
-                if len(g) != n_in:
-                    raise SerializationError(f"server: a sample holds {len(g)} input "
-                                             f"ciphertexts, expected {n_in}")
-                out_groups.append([_seal_call(
-                    lambda g=g: run_vector(self.engine, plan, self.kernels, g), "evaluation")])
-        return Ciphertext(packing=prog.packing, fingerprint=prog.fingerprint, key_id=self.key_id,
-                          role="output", n_samples=ct.n_samples, groups=out_groups)
+            out_groups = fork_map(
+                lambda i: [save_object(c) for c in self._run_group(_load_group(ctx, ct, i))],
+                len(ct._groups), n_workers, desc="server", progress=progress)
+        return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
+                          key_id=self.key_id, role="output", n_samples=ct.n_samples,
+                          groups=out_groups)
 
     def decrypt(self, *args: Any, **kwargs: Any) -> None:
         """A server holds no secret key, so it cannot decrypt: always raises SecretKeyError."""

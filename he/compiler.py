@@ -9,6 +9,7 @@ back with the same fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from he.container import pack, unpack
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
 from he.plan import VectorPlan, batch_levels, plan_summary, plan_vector
+from he.runtime import live_inputs
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.program import PolyProgram, atomic_write_bytes
 
@@ -137,6 +139,12 @@ class CompiledProgram:
         return tuple(self.program.output_shape[1:]) if self.program.output_shape[:1] == (1,) \
             else tuple(self.program.output_shape)
 
+    @functools.cached_property
+    def batch_inputs(self) -> np.ndarray:
+        """Flat indices of the input elements that batch packing encrypts: those that can reach
+        the output (e.g. not the pixels a strided convolution skips); int64, ascending."""
+        return np.flatnonzero(live_inputs(self.program))
+
     @property
     def input_range(self) -> float:
         return self.calibration[self.program.input_id]
@@ -161,7 +169,9 @@ class CompiledProgram:
                          f"sample")
         else:
             lines.append(f"  batch plan: {self.params.slots} samples per ciphertext, "
-                         f"{int(np.prod(self.input_shape))} input ciphertexts per group")
+                         f"{self.batch_inputs.size} input ciphertexts per group (of "
+                         f"{int(np.prod(self.input_shape))} input elements, the others never "
+                         f"reach the output)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

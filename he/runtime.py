@@ -19,7 +19,7 @@ from he.backend import Engine
 from he.plan import MatVec, VectorPlan
 from polynets.program import PolyProgram
 
-__all__ = ["run_batch", "VectorKernels", "run_vector"]
+__all__ = ["live_inputs", "run_batch", "VectorKernels", "run_vector"]
 
 Elem = Any  # a seal.Ciphertext or a float
 
@@ -69,24 +69,26 @@ def _linear_batch(eng: Engine, x: list[Elem], shape: tuple[int, ...], axis: int,
     xs = xs.reshape(pre, k, post)
     scale = eng.scales[level]
     out = np.empty((pre, n, post), dtype=object)
-    nz = [np.nonzero(weight[:, j])[0] for j in range(n)]
-    for a in range(pre):
-        for j in range(n):
-            b0 = float(bias[j]) if bias is not None else 0.0
+    term = eng.new_ciphertext()
+    for j in range(n):
+        nz = np.nonzero(weight[:, j])[0]
+        # each weight of this output column encoded once, reused at every (pre, post) position
+        plain = {int(i): eng.encode_scalar(float(weight[i, j]), level, scale) for i in nz
+                 if any(_is_ct(e) for e in xs[:, i, :].ravel())}
+        b0 = float(bias[j]) if bias is not None else 0.0
+        for a in range(pre):
             for c in range(post):
                 acc = None
                 const = b0
-                for i in nz[j]:
+                for i in nz:
                     e = xs[a, i, c]
-                    w = float(weight[i, j])
-                    if _is_ct(e):
-                        term = eng.mul_plain(e, eng.encode_scalar(w, level, scale))
-                        if acc is None:
-                            acc = term
-                        else:
-                            eng.add_inplace(acc, term)
+                    if not _is_ct(e):
+                        const += float(weight[i, j]) * e
+                    elif acc is None:
+                        acc = eng.mul_plain(e, plain[i])
                     else:
-                        const += w * e
+                        eng.mul_plain_into(e, plain[i], term)
+                        eng.add_inplace(acc, term)
                 if acc is None:
                     out[a, j, c] = const
                 else:
@@ -102,9 +104,52 @@ def _broadcast(elems: list[Elem], src: tuple[int, ...], dst: tuple[int, ...]) ->
     return [elems[i] for i in idx]
 
 
+def _unbroadcast(live: np.ndarray, src: tuple[int, ...]) -> np.ndarray:
+    """Liveness of an operand of shape ``src`` broadcast to ``live``'s shape (any over copies)."""
+    pad = (1,) * (live.ndim - len(src)) + tuple(src)
+    axes = tuple(d for d, (s, t) in enumerate(zip(pad, live.shape)) if s == 1 and t != 1)
+    return live.any(axis=axes, keepdims=True).reshape(src)
+
+
+def live_inputs(program: PolyProgram) -> np.ndarray:
+    """Mask over the flat input elements that can reach the output (bool, ``prod(input shape)``).
+
+    An element is dead when every path from it meets a zero weight or a gather that drops it
+    (e.g. pixels a strided convolution never covers); batch packing neither encrypts nor sends it.
+    Which elements are dead depends on the public program only, never on the data.
+    """
+    nodes = program.nodes
+    live: list[np.ndarray | None] = [None] * len(nodes)
+    live[program.output] = np.ones(nodes[program.output].shape, dtype=bool)
+    for i in range(len(nodes) - 1, -1, -1):
+        node, out = nodes[i], live[i]
+        if out is None or node.op == "input":
+            continue
+        shapes = [tuple(nodes[j].shape) for j in node.inputs]
+        if node.op == "linear":
+            w = np.asarray(node.attrs["weight"]) != 0
+            axis = node.attrs["axis"]
+            moved = np.moveaxis(out, axis, -1).astype(np.int64)
+            grads = [np.moveaxis((moved @ w.T.astype(np.int64)) > 0, -1, axis)]
+        elif node.op == "gather":
+            flat = np.zeros(sum(int(np.prod(s, dtype=np.int64)) for s in shapes), dtype=bool)
+            idx = np.asarray(node.attrs["index"]).ravel()
+            np.logical_or.at(flat, idx[idx >= 0], out.ravel()[idx >= 0])
+            bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
+            grads = [flat[lo:hi].reshape(s) for lo, hi, s in zip(bounds[:-1], bounds[1:], shapes)]
+        else:
+            grads = [_unbroadcast(out, s) for s in shapes]
+        for j, g in zip(node.inputs, grads):
+            live[j] = g if live[j] is None else live[j] | g
+    mask = live[program.input_id]
+    size = int(np.prod(nodes[program.input_id].shape, dtype=np.int64))
+    return np.zeros(size, dtype=bool) if mask is None else mask.ravel()
+
+
 def run_batch(eng: Engine, program: PolyProgram, inputs: list[Any],
               progress: bool = False) -> list[Elem]:
-    """Evaluate ``program`` on one group of batch-packed input ciphertexts (flat input order)."""
+    """Evaluate ``program`` on one group of batch-packed input ciphertexts (flat input order;
+    dead inputs, see :func:`live_inputs`, may be given as ``0.0``)."""
     users = program.consumers()
     remaining = [len(u) for u in users]
     vals: list[list[Elem] | None] = [None] * len(program.nodes)

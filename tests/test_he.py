@@ -330,3 +330,93 @@ def test_torch_simulation_and_decryption_agree_for_random_square_mlps(width, hid
 def test_missing_program_file_gives_a_clear_error(tmp_path):
     with pytest.raises(he.SerializationError, match="cannot read compiled program"):
         he.load_program(tmp_path / "missing.he")
+
+
+def test_fork_map_runs_tasks_in_worker_processes_in_order():
+    import os
+
+    from he.parallel import fork_map
+    out = fork_map(lambda i: (i * i, os.getpid()), 6, 2)
+    assert [r[0] for r in out] == [i * i for i in range(6)]
+    assert os.getpid() not in {r[1] for r in out}
+    assert fork_map(lambda i: os.getpid(), 3, 1) == [os.getpid()] * 3
+
+
+def test_seeded_input_ciphertexts_are_about_half_a_full_one(mlp_setup):
+    prog, client, _, x = mlp_setup
+    blob = client.encrypt(x)._groups[0][0]
+    pt = client.engine.encode_vector(np.zeros(client.engine.slots), 0, client.engine.scales[0])
+    full = seal.Ciphertext()
+    client._encryptor.encrypt_symmetric(pt, full)
+    assert len(blob) < 0.6 * len(he.backend.save_object(full))
+
+
+def test_parallel_server_decrypts_to_the_serial_results(mlp, mlp_setup):
+    model, _ = mlp
+    prog, client, server, _ = mlp_setup
+    x = torch.rand(prog.params.slots + 7, 6) * 1.8 - 0.9
+    ct = client.encrypt(x)
+    assert len(ct._groups) == 2
+    serial = client.decrypt(server.run(ct))
+    parallel = client.decrypt(server.run(ct.to_bytes(), workers=2))
+    assert np.array_equal(serial, parallel)
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.max(np.abs(parallel - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_parallel_encryption_decrypts_to_the_same_values(mlp_setup):
+    prog, client, server, _ = mlp_setup
+    x = torch.rand(prog.params.slots + 3, 6) * 1.8 - 0.9
+    serial, parallel = client.encrypt(x), client.encrypt(x, workers=2)
+    assert [len(g) for g in parallel._groups] == [len(g) for g in serial._groups]
+    y1 = client.decrypt(server.run(serial))
+    y2 = client.decrypt(server.run(parallel, workers=2))
+    assert np.max(np.abs(y1 - y2)) <= 2 * prog.params.expected_error
+
+
+def test_parallel_vector_packing_matches_serial(mlp):
+    model, x = mlp
+    prog = he.compile(model, x, calibration=x, packing="vector")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x, workers=2)
+    assert np.array_equal(client.decrypt(server.run(ct)), client.decrypt(server.run(ct,
+                                                                                     workers=2)))
+
+
+def test_a_corrupt_group_fails_the_same_way_in_a_worker(mlp_setup):
+    prog, client, server, _ = mlp_setup
+    ct = client.encrypt(np.zeros((prog.params.slots + 1, 6)))
+    ct._groups[1][2] = ct._groups[1][2][:40] + bytes(len(ct._groups[1][2]) - 40)
+    with pytest.raises(he.SerializationError, match="ciphertext part 1.2"):
+        server.run(ct, workers=2)
+
+
+def test_batch_packing_sends_only_the_inputs_that_reach_the_output():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 2, 2, stride=3), Square(), nn.Flatten(),
+                          nn.Linear(8, 3)).eval()
+    x = torch.rand(4, 1, 7, 7)
+    prog = he.compile(model, x, calibration=x, packing="batch")
+    jac = torch.autograd.functional.jacobian(lambda v: model(v).square().sum(), x[:1])
+    assert np.array_equal(prog.batch_inputs, np.flatnonzero(jac.abs().numpy() > 0))
+    assert prog.batch_inputs.size == 16
+    client = he.Client(prog)
+    ct = client.encrypt(x)
+    assert [len(g) for g in ct._groups] == [16]
+    y = client.decrypt(he.Server(prog, client.public_context()).run(ct.to_bytes()))
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_an_input_with_only_zero_weights_is_not_encrypted(mlp):
+    _, x = mlp
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
+    with torch.no_grad():
+        model[0].weight[:, 4] = 0.0
+    prog = he.compile(model, x, calibration=x, packing="batch")
+    assert prog.batch_inputs.tolist() == [0, 1, 2, 3, 5]
+    _check_matches(model, x, "batch")

@@ -1,0 +1,63 @@
+"""Process-level parallelism for independent HE work (SEAL calls through ``tenseal.sealapi`` hold
+the GIL, so threads do not run them concurrently; forked processes do).
+
+:func:`fork_map` runs ``fn(0), ..., fn(n - 1)`` in ``workers`` forked processes. The work function
+and everything it reads (keys, compiled program, input ciphertexts) reach the workers through the
+fork itself, never as messages; only task indices go out and the results (bytes, arrays) come back
+over the pool's pipes. Where ``fork`` is unavailable, or with one worker or one task, it runs in
+this process with the same results (as does a call made from inside a worker).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable
+
+from tqdm.auto import tqdm
+
+__all__ = ["fork_map", "resolve_workers"]
+
+_JOB: list[Callable[[int], Any]] = []
+
+
+def resolve_workers(workers: int | None) -> int:
+    """``None`` or ``0`` -> one worker per CPU core; otherwise ``workers`` (at least 1)."""
+    if not workers:
+        return max(1, os.cpu_count() or 1)
+    return max(1, int(workers))
+
+
+def _run_task(i: int) -> Any:
+    return _JOB[0](i)
+
+
+def fork_map(fn: Callable[[int], Any], n: int, workers: int, *, desc: str = "",
+             progress: bool = False) -> list[Any]:
+    """``[fn(i) for i in range(n)]``, computed by up to ``workers`` forked processes.
+
+    Results come back in task order. An exception raised by ``fn`` in a worker is raised here.
+    """
+    bar = tqdm(total=n, desc=desc, disable=not progress, leave=False)
+    try:
+        if (workers <= 1 or n <= 1 or _JOB
+                or "fork" not in multiprocessing.get_all_start_methods()):
+            out = []
+            for i in range(n):
+                out.append(fn(i))
+                bar.update()
+            return out
+        _JOB.append(fn)
+        try:
+            ctx = multiprocessing.get_context("fork")
+            with ProcessPoolExecutor(max_workers=min(workers, n), mp_context=ctx) as pool:
+                out = []
+                for r in pool.map(_run_task, range(n)):
+                    out.append(r)
+                    bar.update()
+                return out
+        finally:
+            _JOB.clear()
+    finally:
+        bar.close()
