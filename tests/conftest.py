@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (set HYPOTHESIS_PROFILE=explore to search
+# new ones): a failure in CI is then reproducible on any machine.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
