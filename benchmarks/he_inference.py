@@ -7,12 +7,16 @@ tutorial's recipe (Adam, lr 1e-3, 10 epochs, batch 64).
 
 Ours: a conv 5x5 stride 3 (8 channels) + BatchNorm -> x^2 -> fc 512-24 + BatchNorm -> x^2 ->
 fc 24-10 network, trained on the same images, traced, certified and compiled by ``he.compile``
-(parameters chosen automatically) in vector packing (latency) and batch packing (throughput).
+(parameters chosen automatically) in vector packing (latency, one process) and batch packing
+(throughput: ``--workers`` groups of 4096 images, encrypted by the client and evaluated by the
+server with ``--workers`` processes, one group each; the same keys also run one group in one
+process for the single-core figure).
 
 Data: the MNIST test-set files (idx); train on the first 8,000 images, evaluate on the last 2,000.
 Both models are measured in the same run; the JSON has the machine, the figures and the ratios.
 
-    python benchmarks/he_inference.py --data-dir ../shared/data/mnist [--n-latency 20] [--quick]
+    python benchmarks/he_inference.py --data-dir ../shared/data/mnist [--n-latency 20] [--workers 2]
+        [--quick]
 """
 
 from __future__ import annotations

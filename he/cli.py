@@ -114,7 +114,7 @@ def cmd_encrypt(args: argparse.Namespace) -> int:
     x = _load_array(args.input)
     if x.ndim == 2 and len(prog.input_shape) > 1:
         x = x.reshape((x.shape[0],) + prog.input_shape)
-    ct = client.encrypt(x, progress=True)
+    ct = client.encrypt(x, progress=True, workers=args.workers)
     atomic_write_bytes(args.output, ct.to_bytes())
     print(f"encrypted {len(ct)} samples -> {args.output}; public context: "
           f"{Path(args.keys) / _PUBLIC}")
@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prog = he.load_program(args.program)
     server = he.Server(prog, _read(args.context, "public context"))
-    out = server.run(_read(args.ciphertext, "ciphertext"), progress=True)
+    out = server.run(_read(args.ciphertext, "ciphertext"), progress=True, workers=args.workers)
     atomic_write_bytes(args.output, out.to_bytes())
     print(f"evaluated {len(out)} samples -> {args.output}")
     return 0
@@ -185,6 +185,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("input", help=".npy or .csv data, shape (B, *input_shape)")
     p.add_argument("--keys", required=True, help="key directory (created if missing)")
     p.add_argument("-o", "--output", required=True, help="ciphertext file to write")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that encrypt (0: one per CPU core)")
     p.set_defaults(func=cmd_encrypt)
 
     p = subparsers.add_parser("run", help="server: evaluate a program on a ciphertext",
@@ -193,6 +195,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("ciphertext", help="ciphertext file from 'polynets encrypt'")
     p.add_argument("--context", required=True, help="public context file (keys/public.ctx)")
     p.add_argument("-o", "--output", required=True, help="result ciphertext file to write")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that evaluate independent groups/samples (0: one per core)")
     p.set_defaults(func=cmd_run)
 
     p = subparsers.add_parser("decrypt", help="client: decrypt a result, print predictions",

@@ -154,7 +154,9 @@ def run_batch(eng: Engine, program: PolyProgram, inputs: list[Any],
     remaining = [len(u) for u in users]
     vals: list[list[Elem] | None] = [None] * len(program.nodes)
     nodes = program.nodes
-    for i, node in enumerate(tqdm(nodes, desc="batch nodes", disable=not progress, leave=False)):
+    # no bar object at all without progress: this also runs in forked workers
+    steps = tqdm(nodes, desc="batch nodes", leave=False) if progress else nodes
+    for i, node in enumerate(steps):
         a = node.attrs
         shape = tuple(node.shape)
         ins = [vals[j] for j in node.inputs]

@@ -278,9 +278,9 @@ def test_cli_client_and_server_talk_through_files(mlp_setup, tmp_path, capsys):
     np.save(tmp_path / "x.npy", x.numpy())
     keys = str(tmp_path / "keys")
     assert main(["encrypt", str(tmp_path / "m.he"), str(tmp_path / "x.npy"), "--keys", keys,
-                 "-o", str(tmp_path / "x.ct")]) == 0
+                 "-o", str(tmp_path / "x.ct"), "--workers", "2"]) == 0
     assert main(["run", str(tmp_path / "m.he"), str(tmp_path / "x.ct"), "--context",
-                 f"{keys}/public.ctx", "-o", str(tmp_path / "y.ct")]) == 0
+                 f"{keys}/public.ctx", "-o", str(tmp_path / "y.ct"), "--workers", "2"]) == 0
     assert main(["decrypt", str(tmp_path / "m.he"), str(tmp_path / "y.ct"), "--keys", keys,
                  "-o", str(tmp_path / "y.npy")]) == 0
     y = np.load(tmp_path / "y.npy", allow_pickle=False)
