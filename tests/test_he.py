@@ -290,7 +290,6 @@ def test_cli_client_and_server_talk_through_files(mlp_setup, tmp_path, capsys):
                  f"{keys}/secret.ctx", "-o", str(tmp_path / "z.ct")]) == 2
 
 
-@pytest.mark.slow
 def test_demo_quick_runs_end_to_end():
     from he.demo import run_demo
 
