@@ -90,7 +90,7 @@ def _gather(values: Sequence[np.ndarray], index: np.ndarray, batch: int) -> np.n
     flat.append(np.zeros((batch, 1), dtype=dtype))
     src = np.concatenate(flat, axis=1)
     idx = np.where(index < 0, src.shape[1] - 1, index)
-    return src[:, idx]
+    return src[:, idx]  # (batch, *index.shape)
 
 
 class PolyProgram:
@@ -230,38 +230,48 @@ class PolyProgram:
         with ``keep=True``, the list of every node's value with shape ``(B, *node.shape)``.
         """
         xb = self._as_batch(x)
+        return self.evaluate(xb, attr=lambda i, key: self.nodes[i].attrs.get(key),
+                             linear=_linear, gather=_gather,
+                             expand=lambda v, shape: np.broadcast_to(v, shape), keep=keep)
+
+    def evaluate(self, xb: Any, *, attr: Any, linear: Any, gather: Any, expand: Any,
+                 keep: bool = False) -> Any:
+        """The interpreter loop shared by the NumPy and torch back ends.
+
+        ``xb``: the input batch, shape ``(B, *input_shape)``. The back end supplies ``attr(i,
+        key)`` (node ``i``'s attribute as one of its arrays, or None), ``linear(v, axis, weight,
+        bias)``, ``gather(values, index, batch)`` and ``expand(v, shape)``; products and sums use
+        the arrays' own operators. Returns what :meth:`run` returns.
+        """
         batch = xb.shape[0]
-        values: list[np.ndarray | None] = [None] * len(self.nodes)
-        users = self.consumers()
-        remaining = [len(u) for u in users]
+        values: list[Any] = [None] * len(self.nodes)
+        remaining = [len(u) for u in self.consumers()]
         for i, node in enumerate(self.nodes):
             ins = [values[j] for j in node.inputs]
-            a = node.attrs
             if node.op == "input":
                 out = xb
             elif node.op == "linear":
-                out = _linear(ins[0], a["axis"], a["weight"], a.get("bias"))
+                out = linear(ins[0], node.attrs["axis"], attr(i, "weight"), attr(i, "bias"))
             elif node.op == "mul":
                 out = ins[0] * ins[1]
             elif node.op == "add":
                 out = ins[0] + ins[1]
             elif node.op == "mul_const":
-                out = ins[0] * a["value"]
+                out = ins[0] * attr(i, "value")
             elif node.op == "add_const":
-                out = ins[0] + a["value"]
+                out = ins[0] + attr(i, "value")
             else:
-                out = _gather(ins, a["index"], batch)
-            values[i] = np.broadcast_to(out, (batch,) + tuple(node.shape)) \
-                if out.shape[1:] != tuple(node.shape) else out
+                out = gather(ins, attr(i, "index"), batch)
+            shape = (batch,) + tuple(node.shape)
+            values[i] = out if tuple(out.shape) == shape else expand(out, shape)
             if not keep:
                 for j in node.inputs:
                     remaining[j] -= 1
                     if remaining[j] == 0 and j != self.output:
                         values[j] = None
         if keep:
-            return values  # type: ignore[return-value]
+            return values
         out = values[self.output]
-        assert out is not None
         if self.output_shape[:1] == (1,):
             return out.reshape((batch,) + tuple(self.output_shape[1:]))
         return out
