@@ -72,7 +72,7 @@ _NONPOLY = {
     "native_layer_norm", "native_group_norm", "gelu", "relu", "silu", "tanh", "sigmoid",
     "_softmax", "_log_softmax", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "clamp",
     "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "erf", "sin", "cos", "sign",
-    "maximum", "minimum", "max", "min", "amax", "amin", "where", "eq", "ne", "gt", "ge", "lt",
+    "maximum", "minimum", "max", "min", "amax", "amin", "eq", "ne", "gt", "ge", "lt",
     "le", "softplus", "hardswish", "hardsigmoid", "mish", "log1p", "expm1", "linalg_vector_norm",
     "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "_log_softmax",
     "logsumexp", "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean",
@@ -182,6 +182,8 @@ class _Recorder(TorchDispatchMode):
             return out
         module_type = self.stack[-1][1]
         if name in _NONPOLY or (name in ("div", "true_divide") and self.traced(args[1])) \
+                or (name == "where" and self.traced(args[0])) \
+                or (name == "masked_fill" and self.traced(args[1])) \
                 or (name == "pow" and not self._integer_pow(args)) \
                 or (name in ("native_batch_norm",) and bool(args[5])):
             op = "pow with a non-integer exponent" if name == "pow" else f"aten.{name}"
@@ -636,13 +638,45 @@ def _h_dropout(r: _Recorder, func, args, kwargs, out) -> None:
     r.bind(out, r.operand(args[0]))
 
 
+def _h_masked_fill(r: _Recorder, func, args, kwargs, out) -> None:
+    """x.masked_fill(mask, value) with a constant mask: a selection plus a constant."""
+    x, mask, value = args[0], args[1], args[2]
+    idx = torch.arange(1, x.numel() + 1, dtype=torch.float64).reshape(x.shape)
+    index = idx.masked_fill(mask, 0).numpy().astype(np.int64) - 1
+    node = r.gather([r.operand(x)], index)
+    fill = torch.zeros(out.shape, dtype=torch.float64).masked_fill(mask, _np(value).item())
+    r.bind(out, r.shift(node, fill, out.shape))
+
+
+def _h_where(r: _Recorder, func, args, kwargs, out) -> None:
+    """torch.where(mask, a, b) with a constant mask: a selection from a and b plus a constant."""
+    cond, operands = args[0], args[1:3]
+    inputs: list[int] = []
+    index_parts, const_parts = [], []
+    offset = 0
+    for v in operands:
+        if r.traced(v):
+            inputs.append(r.operand(v))
+            index_parts.append(torch.arange(offset + 1, offset + v.numel() + 1,
+                                            dtype=torch.float64).reshape(v.shape))
+            const_parts.append(torch.zeros(v.shape, dtype=torch.float64))
+            offset += v.numel()
+        else:
+            index_parts.append(torch.zeros((), dtype=torch.float64))
+            const_parts.append(torch.as_tensor(v, dtype=torch.float64))
+    index = torch.where(cond, *index_parts).expand(out.shape)
+    node = r.gather(inputs, index.numpy().astype(np.int64) - 1)
+    const = torch.where(cond, *const_parts).expand(out.shape)
+    r.bind(out, r.shift(node, const.numpy(), out.shape))
+
+
 _HANDLERS: dict[str, Callable] = {
     "add": _h_add, "sub": _h_add, "rsub": _h_add, "mul": _h_mul, "div": _h_div,
     "true_divide": _h_div, "neg": _h_neg, "pow": _h_pow, "square": _h_square, "mm": _h_mm,
     "addmm": _h_addmm, "bmm": _h_bmm, "baddbmm": _h_baddbmm, "sum": _h_sum, "mean": _h_mean,
     "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
     "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
-    "dropout": _h_dropout,
+    "dropout": _h_dropout, "masked_fill": _h_masked_fill, "where": _h_where,
 }
 
 
@@ -704,8 +738,9 @@ def trace(model: nn.Module, example_input: Any, *, optimize: bool = True) -> Pol
 
     ``example_input``: a tensor ``(B, ...)``; only its first sample is used, and the program
     accepts any batch of that per-sample shape. Models whose forward is not one-input (a
-    Poly-NODE's ``f(t, x)``) are traced through their ``as_polynomial()`` module. With ``optimize`` (default) BatchNorm and other
-    affine chains are folded into adjacent linear maps, linear chains fused, layout ops composed.
+    Poly-NODE's ``f(t, x)``) are traced through their ``as_polynomial()`` module. With
+    ``optimize`` (default) BatchNorm and other affine chains are folded into adjacent linear
+    maps, linear chains fused, layout ops composed.
 
     Raises :class:`NonPolynomialError` naming every offending module, and
     :class:`UnsupportedOpError` for ops the tracer does not know.

@@ -275,3 +275,25 @@ def test_bad_example_input_is_rejected() -> None:
         pn.trace(pn.MuLayer(3), torch.full((1, 3), float("nan")))
     with pytest.raises(pn.TraceError, match="nn.Module"):
         pn.trace(lambda x: x, torch.randn(1, 3))  # type: ignore[arg-type]
+
+
+def test_constant_masks_are_selections_and_data_dependent_masks_are_refused() -> None:
+    mask = torch.tensor([True, False, True, False])
+
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.where(mask, x * x, 2.5) + x.masked_fill(~mask, -1.0)
+            return torch.where(mask, y, x)
+
+    x = torch.randn(3, 4)
+    program = pn.trace(Masked(), x)
+    _assert_close(program.simulate(x), _reference(Masked(), x))
+    assert pn.certify(Masked(), x).degree == 2
+
+    class DataMask(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.where(x > 0, x, 0.0)
+
+    cert = pn.certify(DataMask(), x)
+    assert not cert.is_polynomial
+    assert any(o.op == "aten.gt" for o in cert.offending)
