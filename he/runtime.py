@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -216,26 +216,31 @@ class VectorKernels:
                                                   eng.scales[st.level])
 
 
+def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
+    """Sum ciphertexts in place into the first one."""
+    acc = None
+    for term in terms:
+        if acc is None:
+            acc = term
+        else:
+            eng.add_inplace(acc, term)
+    return acc
+
+
+def _fold(eng: Engine, ct: Any, steps: Sequence[int]) -> Any:
+    """Add rotated copies of ``ct`` onto itself (sums across slot blocks)."""
+    for f in steps:
+        ct = eng.add(ct, eng.rotate(ct, f))
+    return ct
+
+
 def _matvec(eng: Engine, kern: VectorKernels, key: tuple[int, int], mv: MatVec, x: Any) -> Any:
     rots = {b: eng.rotate(x, b) for b in mv.babies}
-    acc = None
-    for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups)):
-        inner = None
-        for b in group:
-            term = eng.mul_plain(rots[b], kern.diag[key + (gi, b)])
-            if inner is None:
-                inner = term
-            else:
-                eng.add_inplace(inner, term)
-        inner = eng.rotate(inner, giant)
-        if acc is None:
-            acc = inner
-        else:
-            eng.add_inplace(acc, inner)
-    out = eng.rescale(acc)
-    for f in mv.folds:
-        out = eng.add(out, eng.rotate(out, f))
-    return out
+    acc = _accumulate(eng, (
+        eng.rotate(_accumulate(eng, (eng.mul_plain(rots[b], kern.diag[key + (gi, b)])
+                                     for b in group)), giant)
+        for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups))))
+    return _fold(eng, eng.rescale(acc), mv.folds)
 
 
 def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
@@ -246,16 +251,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             vals[si] = inputs[0]
             continue
         if st.kind == "planes":
-            acc = None
-            for j, ct in enumerate(inputs):
-                term = eng.mul_plain(ct, kern.planes[si, j])
-                if acc is None:
-                    acc = term
-                else:
-                    eng.add_inplace(acc, term)
-            out = eng.rescale(acc)
-            for f in st.plane_folds:
-                out = eng.add(out, eng.rotate(out, f))
+            acc = _accumulate(eng, (eng.mul_plain(ct, kern.planes[si, j])
+                                    for j, ct in enumerate(inputs)))
+            out = _fold(eng, eng.rescale(acc), st.plane_folds)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
             out = None
