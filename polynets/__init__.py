@@ -1,6 +1,6 @@
 """polynets: activation-free polynomial networks for encrypted inference and equation discovery.
 
-Layers and models (MuLayer, PolyBlock, MONet, PoM, Polymorpher, PolyNODE), the polynomial program
+Layers and models (MuLayer, PolyBlock, MONet, PoM, PADRe, Polymorpher, PolyNODE), the polynomial program
 (trace, optimize, certify, PolyProgram), training (Trainer, datasets, checkpoints). Importing
 polynets registers the MONet models in timm (``timm.create_model("monet_t")``).
 """
@@ -16,6 +16,7 @@ from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, S
 from polynets.models import MONet
 from polynets.models.polymorpher import Polymorpher, PolymorpherClassifier
 from polynets.node import PolyNODE
+from polynets.padre import PADRe
 from polynets.passes import optimize
 from polynets.plot import plot_run
 from polynets.pom import PoM, PoMState
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MuLayer", "SpatialShift", "PatchEmbed", "PyramidPatchEmbed", "PolyBlock", "MONet",
-    "PoM", "PoMState", "Polymorpher", "PolymorpherClassifier", "PolyNODE",
+    "PoM", "PoMState", "Polymorpher", "PolymorpherClassifier", "PolyNODE", "PADRe",
     "trace", "optimize", "certify", "Certificate", "PolyProgram", "Node",
     "Trainer", "TrainConfig", "load_dataset", "DatasetInfo", "select_device",
     "save_checkpoint", "load_checkpoint", "load_model", "plot_run",

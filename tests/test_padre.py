@@ -1,0 +1,191 @@
+"""PADRe mixer: shapes, the algebra of Eq. 1-8, tracing, certificates, encryption and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import polynets as pn
+from polynets.padre import PADRe
+
+
+def _input(m: PADRe, batch: int = 2, side: int = 4, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, side, side, m.dim) if m.spatial_dims == 2 else (batch, side + 2, m.dim)
+    return torch.randn(shape, generator=g)
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return copy.deepcopy(model).double().eval()(x.double()).numpy()
+
+
+def _assert_close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-9) -> None:
+    assert got.shape == ref.shape
+    scale = max(float(np.abs(ref).max()), 1e-12)
+    assert float(np.abs(got - ref).max()) <= rtol * scale
+
+
+def _randomise(m: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Non-trivial per-degree weights and norm statistics, so no term is a no-op."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("w"):
+                p.copy_(torch.randn(p.shape, generator=g))
+        for b in m.modules():
+            if isinstance(b, torch.nn.modules.batchnorm._BatchNorm):
+                b.running_mean.copy_(torch.randn(b.num_features, generator=g))
+                b.running_var.copy_(torch.rand(b.num_features, generator=g) + 0.5)
+    return m.eval()
+
+
+@pytest.mark.parametrize("spatial_dims, shape", [(2, (3, 5, 6, 8)), (1, (3, 7, 8))])
+def test_output_keeps_tokens_and_takes_out_features(spatial_dims, shape):
+    m = PADRe(8, degree=3, kernel_size=3, spatial_dims=spatial_dims, out_features=5)
+    y = m(torch.randn(shape))
+    assert y.shape == shape[:-1] + (5,)
+
+
+def test_paper_instance_is_the_default():
+    m = PADRe(16)
+    assert (m.degree, m.kernel_size, m.spatial_dims) == (2, 11, 2)
+    assert m.token_mixing == "depthwise" and not m.first_order
+    assert m.token_mix.weight.shape == (2 * 16, 1, 11, 11)
+    assert m.w.shape == (1, 16, 1, 1)  # only the degree-2 term; the shortcut gives degree 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(degree=st.integers(1, 4), spatial_dims=st.sampled_from([1, 2]),
+       kernel_size=st.integers(1, 4), dim=st.integers(1, 5), side=st.integers(2, 4),
+       token_mixing=st.sampled_from(["depthwise", "shared"]), z_mixing=st.booleans(),
+       bias=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_program_simulation_equals_forward_and_certificate_gives_the_degree(
+        degree, spatial_dims, kernel_size, dim, side, token_mixing, z_mixing, bias, seed):
+    torch.manual_seed(seed)
+    m = _randomise(PADRe(dim, degree=degree, kernel_size=kernel_size, spatial_dims=spatial_dims,
+                         token_mixing=token_mixing, z_mixing=z_mixing, first_order=degree == 1,
+                         bias=bias), seed)
+    x = _input(m, side=side, seed=seed)
+    _assert_close(pn.trace(m, x).simulate(x), _reference(m, x))
+    cert = pn.certify(m, x)
+    assert cert.is_polynomial and cert.degree == degree
+    assert cert.depth == degree - 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(spatial_dims=1, causal=True),
+    dict(weights="position", token_shape=(4, 4)),
+    dict(norm="batch", degree=3, first_order=True),
+])
+def test_options_trace_to_the_same_function(kwargs):
+    torch.manual_seed(0)
+    m = _randomise(PADRe(3, kernel_size=3, **kwargs), 1)
+    x = _input(m)
+    _assert_close(pn.trace(m, x).simulate(x), _reference(m, x))
+    assert pn.certify(m, x).degree == m.degree
+
+
+def test_without_first_order_the_degree_two_mixer_is_homogeneous():
+    torch.manual_seed(0)
+    m = PADRe(4, kernel_size=3, proj=False).eval()
+    x = torch.randn(2, 4, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(m(3 * x), 9 * m(x))
+
+
+def test_chain_is_the_hadamard_product_of_the_mixed_maps():
+    # Z_2 = (C_1 Y_1 D_1) * Y_2 with Y_i = A_i X B_i, written out with the module's own maps.
+    torch.manual_seed(0)
+    m = PADRe(3, kernel_size=3, spatial_dims=1, proj=False).eval()
+    x = torch.randn(2, 6, 3)
+    with torch.no_grad():
+        w = m.channel_mix.weight[:, :, 0]  # (2 * dim, dim): B_1 and B_2 stacked
+        k = m.token_mix.weight[:, 0]  # (2 * dim, taps)
+        xb = torch.einsum("oc,bnc->bon", w, x)
+        y = torch.nn.functional.conv1d(xb, k[:, None], padding=1, groups=6)
+        y1, y2 = y[:, :3], y[:, 3:]
+        c1 = torch.einsum("oc,bcn->bon", m.z_channel[0].weight[:, :, 0], y1)
+        c1 = torch.nn.functional.conv1d(c1, m.z_token[0].weight, padding=1, groups=3)
+        expected = (m.w[0] * (c1 * y2)).transpose(1, 2)
+        torch.testing.assert_close(m(x), expected)
+
+
+def test_causal_sequence_mixer_ignores_later_tokens():
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 4)
+    later = x.clone()
+    later[:, 5:] += torch.randn(1, 3, 4)
+    causal = PADRe(4, degree=3, kernel_size=3, spatial_dims=1, causal=True).eval()
+    centred = PADRe(4, degree=3, kernel_size=3, spatial_dims=1).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(causal(later)[:, :5], causal(x)[:, :5])
+        assert not torch.allclose(centred(later)[:, :5], centred(x)[:, :5])
+
+
+def test_shared_token_kernels_are_one_per_map():
+    m = PADRe(6, degree=3, kernel_size=5, token_mixing="shared")
+    assert m.token_mix.weight.shape == (3, 1, 5, 5)
+    assert all(t.weight.shape == (1, 1, 5, 5) for t in m.z_token)
+    depthwise = PADRe(6, degree=3, kernel_size=5)
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    assert count(depthwise) - count(m) == (3 * 6 - 3 + 2 * (6 - 1)) * 25
+
+
+def test_backward_reaches_every_parameter():
+    m = PADRe(4, degree=3, kernel_size=3, first_order=True, weights="position",
+              token_shape=(3, 3))
+    m(torch.randn(2, 3, 3, 4)).square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("kwargs, shape, expected", [
+    (dict(), (2, 4, 4), "(B, H, W, 4)"),
+    (dict(), (2, 4, 4, 5), "(B, H, W, 4)"),
+    (dict(spatial_dims=1), (2, 4, 4, 4), "(B, N, 4)"),
+    (dict(weights="position", token_shape=(3, 3)), (2, 4, 4, 4), "(B, 3, 3, 4)"),
+])
+def test_bad_input_shape_names_the_expected_shape(kwargs, shape, expected):
+    m = PADRe(4, kernel_size=3, **kwargs)
+    with pytest.raises(pn.ShapeError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        m(torch.randn(shape))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(degree=0), "degree must be a positive int"),
+    (dict(degree=1), "first_order=True"),
+    (dict(spatial_dims=3), "spatial_dims must be 1"),
+    (dict(causal=True), "causal=True needs spatial_dims=1"),
+    (dict(token_mixing="dense"), "token_mixing must be one of"),
+    (dict(weights="token"), "weights must be one of"),
+    (dict(weights="position"), "needs token_shape"),
+    (dict(weights="position", token_shape=5), r"token_shape must be \(H, W\)"),
+    (dict(token_shape=(4, 4)), 'only used with weights="position"'),
+    (dict(proj=False, out_features=3), "out_features must equal dim"),
+    (dict(norm="layer"), "norm must be 'none' or 'batch'"),
+    (dict(kernel_size=0), "kernel_size must be a positive int"),
+])
+def test_bad_configuration_raises_config_error(kwargs, match):
+    with pytest.raises(pn.ConfigError, match=match):
+        PADRe(4, **kwargs)
+
+
+def test_tiny_padre_decrypts_to_the_model_output_in_batch_packing():
+    he = pytest.importorskip("he")
+    torch.manual_seed(0)
+    m = PADRe(4, kernel_size=3).eval()
+    x = torch.randn(3, 4, 4, 4)
+    prog = he.compile(m, x, calibration=x, packing="batch")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x).to_bytes()))
+    ref = _reference(m, x)
+    assert y.shape == ref.shape
+    _assert_close(prog.simulate(x), ref)
+    assert float(np.abs(y - ref).max()) <= prog.params.expected_error + 1e-9
