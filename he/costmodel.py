@@ -1,0 +1,203 @@
+"""Cost model of SEAL's CKKS primitives, so the compiler can price a plan before running it.
+
+The time of every primitive is a function of the ring degree ``N`` and of the number of RNS
+limbs (primes) the ciphertext still carries, which falls by one at every rescale. A
+:class:`CostModel` holds, for each ring, measured seconds per call at a few limb counts and
+interpolates linearly between them (costs grow about linearly in the limbs; key switching, in
+``rotate`` and ``mul_ct``, about quadratically, which the piecewise-linear table follows).
+
+Primitives: ``rotate`` (one key-switched rotation), ``mul_plain`` (ciphertext x plaintext),
+``mul_ct`` (ciphertext x ciphertext + relinearisation), ``rescale``, ``add`` (ciphertext +
+ciphertext) and ``encode`` (one slot vector to a plaintext).
+
+:func:`measure` times the primitives on this machine (about half a minute);
+:func:`default_model` returns the table cached by :func:`calibrate` on this machine
+(``$XDG_CACHE_HOME/polynets/he-costs.json``) when there is one, else the table shipped with the
+package (measured on a 2-core x86-64 machine). Plans chosen from a model are stored in the
+compiled program, so client and server agree whatever their own tables say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["PRIMITIVES", "CostModel", "measure", "calibrate", "default_model", "cache_path"]
+
+PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode")
+_SHIPPED = Path(__file__).with_name("cost_table.json")
+
+
+@dataclass
+class CostModel:
+    """Seconds per primitive call: ``table[N][op]`` is a list of ``(limbs, seconds)`` points."""
+
+    table: dict[int, dict[str, list[tuple[int, float]]]]
+    source: str = ""
+
+    def seconds(self, op: str, ring: int, limbs: int) -> float:
+        """Predicted seconds of one ``op`` on a ciphertext of ``limbs`` primes in ring ``ring``."""
+        if op not in PRIMITIVES:
+            raise ValueError(f"unknown primitive {op!r}; one of {PRIMITIVES}")
+        rings = sorted(self.table)
+        if ring not in self.table:
+            # scale from the nearest measured ring: costs are about N log N per limb
+            near = min(rings, key=lambda r: abs(np.log2(r) - np.log2(ring)))
+            f = (ring * np.log2(ring)) / (near * np.log2(near))
+            return f * self.seconds(op, near, limbs)
+        pts = self.table[ring][op]
+        xs = np.array([p[0] for p in pts], dtype=np.float64)
+        ys = np.array([p[1] for p in pts], dtype=np.float64)
+        if limbs <= xs[0]:
+            return float(ys[0] * max(limbs, 1) / xs[0])
+        if limbs >= xs[-1] and len(xs) > 1:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return float(ys[-1] + slope * (limbs - xs[-1]))
+        return float(np.interp(limbs, xs, ys))
+
+    def price(self, counts: dict[str, float], ring: int, limbs: int) -> float:
+        """Seconds of ``counts[op]`` calls of each primitive at one ring and limb count."""
+        return sum(n * self.seconds(op, ring, limbs) for op, n in counts.items() if n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source,
+                "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
+                          for r, ops in self.table.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CostModel":
+        table = {int(r): {str(op): [(int(p[0]), float(p[1])) for p in pts]
+                          for op, pts in ops.items()} for r, ops in d["table"].items()}
+        for r, ops in table.items():
+            missing = set(PRIMITIVES) - set(ops)
+            if missing or any(not pts for pts in ops.values()):
+                raise ValueError(f"cost table for N={r} lacks {sorted(missing)}")
+        return cls(table, str(d.get("source", "")))
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "polynets" / "he-costs.json"
+
+
+def _time(fn: Any, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = False) -> CostModel:
+    """Time SEAL's primitives on this machine at several limb counts per ring."""
+    import tenseal.sealapi as seal
+
+    from he.params import MAX_MODULUS_BITS
+
+    table: dict[int, dict[str, list[tuple[int, float]]]] = {}
+    for ring in rings:
+        primes = min(20, (MAX_MODULUS_BITS[ring] - 60) // 40)   # + one 60-bit special prime
+        enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+        enc.set_poly_modulus_degree(ring)
+        enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40] * primes + [60]))
+        ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+        keygen = seal.KeyGenerator(ctx)
+        pk = seal.PublicKey()
+        keygen.create_public_key(pk)
+        rk = seal.RelinKeys()
+        keygen.create_relin_keys(rk)
+        gk = seal.GaloisKeys()
+        keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+        encoder = seal.CKKSEncoder(ctx)
+        ev = seal.Evaluator(ctx)
+        encryptor = seal.Encryptor(ctx, pk)
+        values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
+        reps = max(2, 65536 // ring)
+        ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
+        data = ctx.first_context_data()
+        sampled = sorted({primes, max(1, primes // 2), 2, 1}, reverse=True)
+        while data is not None:
+            limbs = len(data.parms().coeff_modulus())
+            pid = data.parms_id()
+            if limbs in sampled:
+                pt = seal.Plaintext()
+                encoder.encode(values, pid, 2.0 ** 10, pt)
+                ct = seal.Ciphertext()
+                encoder_pt = seal.Plaintext()
+                encoder.encode(values, pid, 2.0 ** 25, encoder_pt)
+                encryptor.encrypt(encoder_pt, ct)
+                out = seal.Ciphertext()
+                timings = {
+                    "encode": lambda: encoder.encode(values, pid, 2.0 ** 25, seal.Plaintext()),
+                    "add": lambda: ev.add(ct, ct, out),
+                    "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
+                    "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
+                }
+                for op, fn in timings.items():
+                    ops[op].append((limbs, _time(fn, reps)))
+
+                def mul_ct() -> None:
+                    ev.multiply(ct, ct, out)
+                    ev.relinearize_inplace(out, rk)
+
+                if limbs > 1:
+                    ops["mul_ct"].append((limbs, _time(mul_ct, reps)))
+                    def square_rescale() -> None:
+                        ev.square(ct, out)
+                        ev.rescale_to_next_inplace(out)
+
+                    square = _time(lambda: ev.square(ct, out), reps)
+                    ops["rescale"].append((limbs, max(_time(square_rescale, reps) - square,
+                                                      1e-7)))
+                if progress:
+                    print(f"  N={ring} limbs={limbs}: " + ", ".join(
+                        f"{op} {pts[-1][1] * 1e3:.3f} ms" for op, pts in ops.items() if pts))
+            data = data.next_context_data()
+        for op in ops:
+            ops[op].sort()
+        if not ops["rescale"]:
+            ops["rescale"] = [(1, ops["mul_plain"][0][1])]
+        table[ring] = ops
+    return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
+                            f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:
+    """Measure this machine's costs and cache them (atomically) where :func:`default_model`
+    looks; returns the model."""
+    from polynets.program import atomic_write_bytes
+
+    model = measure(progress=progress)
+    target = Path(path) if path is not None else cache_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(target, json.dumps(model.to_dict(), indent=1).encode())
+    return model
+
+
+_CACHE: dict[str, CostModel] = {}
+
+
+def default_model() -> CostModel:
+    """This machine's cached table if :func:`calibrate` wrote one, else the shipped table."""
+    path = cache_path()
+    for candidate in (path, _SHIPPED):
+        key = str(candidate)
+        if key in _CACHE:
+            return _CACHE[key]
+        try:
+            model = CostModel.from_dict(json.loads(Path(candidate).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        _CACHE[key] = model
+        return model
+    raise FileNotFoundError(f"no CKKS cost table: the package's {_SHIPPED} is missing")

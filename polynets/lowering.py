@@ -1,0 +1,260 @@
+"""Lowering of a polynomial program to CKKS steps: the one place that decides what costs a level.
+
+Under CKKS every plaintext or ciphertext multiplication by a non-integer is followed by a rescale,
+which consumes one prime of the modulus chain (a *level*). Affine work between two ciphertext
+products can be composed into a single map, so a program is lowered to a short list of steps over
+flat values (row-major order of each node's sample shape):
+
+============  ===============================================================================
+step          meaning
+============  ===============================================================================
+``input``     the encrypted input, level 0
+``affine``    ``y = sum_k M_k x_k + b``: every linear map, layout op (gather), constant scaling
+              and addition between two products composed into one map (scipy CSR ``M_k``)
+``mul``       ``y = x_a * x_b``, element-wise ciphertext product (``a == b``: a square)
+``mul_int``   ``y = k x`` for one integer ``k``: exact, no rescale
+============  ===============================================================================
+
+The rules, each written once here and used by :func:`polynets.certify`, the optimisation passes
+and the CKKS compiler:
+
+* :func:`integer_factor`: a constant multiplication is level-free iff it multiplies by one
+  integer, repeated, of magnitude below ``2**20``;
+* :func:`affine_is_free`: an affine step costs one level unless every term is free for the
+  packing -- the identity in every packing, and in batch packing (one sample per slot) also any
+  selection (each output copies at most one input element with weight 1: shifts, slices,
+  padding), which is a reindexing of ciphertexts;
+* :func:`step_levels`: ``mul`` costs one level above the higher operand, ``mul_int`` none;
+* a value read by several consumers is materialised once as its own step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+from polynets.program import Node, PolyProgram
+
+__all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "step_levels",
+           "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
+
+#: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
+PACKING_KINDS = ("vector", "batch")
+#: Integer factors at or above this magnitude are encoded like any other constant (one level).
+MAX_INTEGER_FACTOR = 2 ** 20
+
+
+def integer_factor(value: np.ndarray | float) -> int | None:
+    """The integer ``k`` if multiplying by ``value`` is multiplying by one integer ``k`` with
+    ``|k| < 2**20`` (exact in CKKS, no rescale, no level); otherwise None."""
+    v = np.asarray(value, dtype=np.float64).ravel()
+    if v.size == 0 or not np.all(v == v[0]):
+        return None
+    k = float(v[0])
+    return int(k) if np.isfinite(k) and k == round(k) and abs(k) < MAX_INTEGER_FACTOR else None
+
+
+@dataclass
+class Step:
+    """One CKKS step over a flat value of ``numel(shape)`` elements (see the module docstring)."""
+
+    kind: str
+    inputs: tuple[int, ...]
+    shape: tuple[int, ...]
+    terms: list[sp.csr_matrix] = field(default_factory=list)   # affine: (n, n_in) per input
+    bias: np.ndarray | None = None
+    factor: int = 1
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass
+class Lowered:
+    """Steps of a program in evaluation order, and which one is the output."""
+
+    steps: list[Step]
+    output: int
+
+    def levels(self, packing: str = "vector") -> list[int]:
+        return step_levels(self.steps, packing)
+
+    def depth_levels(self, packing: str = "vector") -> int:
+        """Levels (rescales) on the longest path: the modulus chain's length."""
+        return max(self.levels(packing), default=0)
+
+
+def _eye(n: int) -> sp.csr_matrix:
+    return sp.identity(n, format="csr", dtype=np.float64)
+
+
+def _is_identity(m: sp.csr_matrix) -> bool:
+    return m.shape[0] == m.shape[1] and (m - _eye(m.shape[0])).count_nonzero() == 0
+
+
+def _is_selection(m: sp.csr_matrix) -> bool:
+    m = m.tocsr()
+    return bool(np.all(np.diff(m.indptr) <= 1) and np.all(m.data == 1.0))
+
+
+def affine_is_free(step: Step, packing: str) -> bool:
+    """True when the affine step needs no plaintext multiplication (so no level) in ``packing``."""
+    if packing not in PACKING_KINDS:
+        raise ValueError(f"packing must be one of {PACKING_KINDS}, got {packing!r}")
+    test = _is_selection if packing == "batch" else _is_identity
+    return all(test(m) for m in step.terms)
+
+
+def step_levels(steps: Sequence[Step], packing: str = "vector") -> list[int]:
+    """Level (rescales so far) of every step's result in ``packing``."""
+    levels: list[int] = []
+    for st in steps:
+        top = max((levels[j] for j in st.inputs), default=0)
+        if st.kind == "mul":
+            top += 1
+        elif st.kind == "affine" and not affine_is_free(st, packing):
+            top += 1
+        levels.append(top)
+    return levels
+
+
+# ----------------------------------------------------------------------------- affine values
+@dataclass
+class _Aff:
+    """A not yet materialised affine function of materialised steps."""
+
+    terms: dict[int, sp.csr_matrix]
+    bias: np.ndarray | None
+    shape: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _linear_matrix(shape: tuple[int, ...], axis: int, weight: np.ndarray) -> sp.csr_matrix:
+    pre = int(np.prod(shape[:axis], dtype=np.int64))
+    post = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    w = sp.csr_matrix(np.asarray(weight, dtype=np.float64).T)
+    return sp.kron(sp.kron(_eye(pre), w), _eye(post), format="csr")
+
+
+def _broadcast_matrix(src: tuple[int, ...], dst: tuple[int, ...]) -> sp.csr_matrix:
+    n_src = int(np.prod(src, dtype=np.int64))
+    idx = np.broadcast_to(np.arange(n_src).reshape(src), dst).ravel()
+    n = idx.size
+    return sp.csr_matrix((np.ones(n), (np.arange(n), idx)), shape=(n, n_src))
+
+
+def _bias_along(shape: tuple[int, ...], axis: int, bias: np.ndarray) -> np.ndarray:
+    view = [1] * len(shape)
+    view[axis] = bias.shape[0]
+    return np.broadcast_to(bias.reshape(view), shape).ravel().astype(np.float64)
+
+
+def _compose(a: sp.csr_matrix, x: _Aff, shape: tuple[int, ...]) -> _Aff:
+    terms = {k: (a @ m).tocsr() for k, m in x.terms.items()}
+    bias = None if x.bias is None else a @ x.bias
+    return _Aff(terms, bias, shape)
+
+
+def _sum(shape: tuple[int, ...], *affs: _Aff) -> _Aff:
+    terms: dict[int, sp.csr_matrix] = {}
+    bias = None
+    for f in affs:
+        for k, m in f.terms.items():
+            terms[k] = (terms[k] + m).tocsr() if k in terms else m
+        if f.bias is not None:
+            bias = f.bias.copy() if bias is None else bias + f.bias
+    return _Aff(terms, bias, shape)
+
+
+def _with_bias(f: _Aff, b: np.ndarray) -> _Aff:
+    return _Aff(dict(f.terms), b.copy() if f.bias is None else f.bias + b, f.shape)
+
+
+def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
+    index = np.asarray(node.attrs["index"]).ravel()
+    sizes = [program.nodes[j].numel for j in node.inputs]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    parts = []
+    for k, f in enumerate(ins):
+        sel = (index >= offsets[k]) & (index < offsets[k + 1])
+        rows = np.nonzero(sel)[0]
+        m = sp.csr_matrix((np.ones(rows.size), (rows, index[sel] - offsets[k])),
+                          shape=(index.size, sizes[k]))
+        parts.append(_compose(m, f, tuple(node.shape)))
+    return _sum(tuple(node.shape), *parts)
+
+
+def lower(program: PolyProgram) -> Lowered:
+    """Lower ``program`` to steps (see the module docstring); float64, exact composition."""
+    steps: list[Step] = []
+    users = program.consumers()
+
+    def add_step(step: Step) -> _Aff:
+        steps.append(step)
+        i = len(steps) - 1
+        return _Aff({i: _eye(step.n)}, None, step.shape)
+
+    def materialise(f: _Aff) -> int:
+        if len(f.terms) == 1 and f.bias is None:
+            (src, m), = f.terms.items()
+            if _is_identity(m) and steps[src].n == f.n:
+                return src
+        add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
+        return len(steps) - 1
+
+    def operand(j: int, shape: tuple[int, ...]) -> _Aff:
+        f = vals[j]
+        src = tuple(program.nodes[j].shape)
+        return f if src == shape else _compose(_broadcast_matrix(src, shape), f, shape)
+
+    vals: list[_Aff] = []
+    for i, node in enumerate(program.nodes):
+        a = node.attrs
+        shape = tuple(node.shape)
+        if node.op == "input":
+            val = add_step(Step("input", (), shape))
+        elif node.op == "linear":
+            src_shape = tuple(program.nodes[node.inputs[0]].shape)
+            val = _compose(_linear_matrix(src_shape, a["axis"], a["weight"]),
+                           vals[node.inputs[0]], shape)
+            if a.get("bias") is not None:
+                val = _with_bias(val, _bias_along(shape, a["axis"],
+                                                  np.asarray(a["bias"], dtype=np.float64)))
+        elif node.op == "gather":
+            val = _gather(node, program, [vals[j] for j in node.inputs])
+        elif node.op == "add_const":
+            f = operand(node.inputs[0], shape)
+            val = _with_bias(f, np.broadcast_to(np.asarray(a["value"], np.float64),
+                                                shape).ravel())
+        elif node.op == "mul_const":
+            f = operand(node.inputs[0], shape)
+            k = integer_factor(a["value"])
+            src = next(iter(f.terms)) if len(f.terms) == 1 else None
+            if k is not None and src is not None and f.bias is None \
+                    and _is_identity(f.terms[src]):
+                val = add_step(Step("mul_int", (src,), shape, factor=k))
+            else:
+                v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
+                val = _compose(sp.diags(v, format="csr"), f, shape)
+        elif node.op == "add":
+            val = _sum(shape, operand(node.inputs[0], shape), operand(node.inputs[1], shape))
+        elif node.op == "mul":
+            xa = materialise(operand(node.inputs[0], shape))
+            xb = xa if node.inputs[0] == node.inputs[1] else \
+                materialise(operand(node.inputs[1], shape))
+            val = add_step(Step("mul", (xa, xb), shape))
+        else:
+            raise ValueError(f"unknown op {node.op!r}")
+        if len(users[i]) > 1:
+            j = materialise(val)
+            val = _Aff({j: _eye(steps[j].n)}, None, shape)
+        vals.append(val)
+    out = materialise(vals[program.output])
+    return Lowered(steps, out)
