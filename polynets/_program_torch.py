@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
+from polynets.errors import ShapeError
+
 if TYPE_CHECKING:
     from polynets.program import PolyProgram
 
@@ -54,7 +56,14 @@ class ProgramModule(nn.Module):
         return None if slot is None else self._consts[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sample = tuple(self.program.input_shape)
-        xb = x.reshape((x.shape[0],) + sample).to(self.dtype)
+        """``x``: ``(B, *input_shape[1:])`` (what the traced model took); any other rank or size
+        raises :class:`~polynets.errors.ShapeError`. Integer and bool inputs are cast to
+        ``self.dtype``; complex ones are refused."""
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"the program module takes a torch.Tensor, got {type(x).__name__}")
+        if x.is_complex():
+            raise ShapeError("program input is complex; a polynomial program evaluates real "
+                             "numbers")
+        xb = x.reshape(self.program.batch_shape(x.shape)).to(self.dtype)
         return self.program.evaluate(xb, attr=self._attr, linear=_linear, gather=_gather,
                                      expand=lambda v, shape: v.expand(shape))

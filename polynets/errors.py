@@ -35,6 +35,11 @@ class ProgramFormatError(PolynetsError, ValueError):
     """Serialized program bytes are malformed, truncated or of an unknown version."""
 
 
+class WriteError(PolynetsError, OSError):
+    """An output file cannot be written (its path names a directory, lies under a file, or the
+    disk refuses); nothing was written and no temporary file is left behind."""
+
+
 class DataError(PolynetsError):
     """A dataset is missing, malformed, or inconsistent."""
 

@@ -31,17 +31,24 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import re
+import stat
 import tempfile
+import time
 import zipfile
+import zlib
+from struct import error as struct_error
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from polynets.errors import ProgramFormatError, ShapeError
+from polynets.errors import ProgramFormatError, ShapeError, WriteError
 
-__all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION"]
+__all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
+           "read_bytes_limited", "loads_json_strict"]
 
 OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const", "gather")
 _ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
@@ -49,6 +56,14 @@ _ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
 _ARRAY_ATTRS = {"weight", "bias", "value", "index"}
 FORMAT_VERSION = 1
 _MAGIC = "polynets-program"
+
+MAX_FILE_BYTES = 1 << 32         # the largest file a loader reads (4 GiB)
+MAX_ARRAY_BYTES = 1 << 31        # decompressed size of all arrays of one program (2 GiB)
+MAX_NODE_ELEMENTS = 1 << 28      # elements of one value of one sample
+MAX_RANK = 32
+MAX_JSON_BYTES = 1 << 26         # a JSON header (64 MiB)
+MAX_JSON_DEPTH = 64
+_ARRAY_KINDS = "biuf"            # bool, signed / unsigned integers, floats: nothing else loads
 
 
 @dataclass
@@ -82,6 +97,25 @@ def _linear(v: np.ndarray, axis: int, weight: np.ndarray, bias: np.ndarray | Non
         shape[axis + 1] = bias.shape[0]
         out = out + bias.reshape(shape)
     return out
+
+
+def _numeric_input(x: Any) -> np.ndarray:
+    """``x`` as an array the interpreter evaluates: float64, or ``object`` for expressions."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"program input must be a numeric array, got {type(x).__name__} "
+                         f"({exc})") from exc
+    if arr.dtype == object:
+        return arr
+    if arr.dtype.kind == "c":
+        raise ShapeError("program input is complex; a polynomial program evaluates real numbers "
+                         "(pass the real part, or the real and imaginary parts as channels)")
+    if arr.dtype.kind not in _ARRAY_KINDS:
+        raise ShapeError(f"program input must hold numbers, got dtype {arr.dtype}")
+    return arr.astype(np.float64, copy=False)
 
 
 def _gather(values: Sequence[np.ndarray], index: np.ndarray, batch: int) -> np.ndarray:
@@ -211,25 +245,34 @@ class PolyProgram:
                         f"{where}: index entries must lie in [-1, {total - 1}]")
 
     # ----------------------------------------------------------------------------- interpreter
-    def _as_batch(self, x: Any) -> np.ndarray:
-        x = np.asarray(x) if not isinstance(x, np.ndarray) else x
-        sample = self.input_shape
-        if x.shape[1:] == sample[1:] and sample[:1] == (1,):
-            return x.reshape((x.shape[0],) + sample)
-        if x.shape == sample:
-            return x.reshape((1,) + sample)
-        expected = ("B",) + tuple(sample[1:])
-        raise ShapeError(
-            f"program input must have shape {expected}, got {tuple(x.shape)}")
+    def batch_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The ``(B, *input_shape)`` an input of ``shape`` is evaluated as, or ShapeError.
+
+        Accepted: ``(B, *input_shape[1:])`` (a batch, as the model takes it) or ``input_shape``
+        itself; any other rank or size is refused, never reinterpreted.
+        """
+        shape = tuple(shape)
+        sample = tuple(self.input_shape)
+        if len(shape) == len(sample) and shape[1:] == sample[1:] and sample[:1] == (1,):
+            return (shape[0],) + sample
+        if shape == sample:
+            return (1,) + sample
+        expected = ("B",) + sample[1:]
+        raise ShapeError(f"program input must have shape {expected}, got {shape}")
+
+    def _as_batch(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(self.batch_shape(x.shape))
 
     def run(self, x: np.ndarray, *, keep: bool = False) -> np.ndarray | list[np.ndarray]:
         """Evaluate the program on a batch ``x`` of shape ``(B, *input_shape[1:])``.
 
-        The dtype of ``x`` is kept (float64 for simulation, ``object`` for sympy expressions).
-        Returns the output, shape ``(B, *output_shape[1:])`` -- the shape ``model(x)`` has -- or,
-        with ``keep=True``, the list of every node's value with shape ``(B, *node.shape)``.
+        Numeric input is computed in float64 whatever its dtype (integers and booleans are cast,
+        the weights never are); ``object`` arrays (sympy expressions) are evaluated as they are.
+        Complex input is refused. Returns the output, shape ``(B, *output_shape[1:])`` -- the
+        shape ``model(x)`` has -- or, with ``keep=True``, the list of every node's value with
+        shape ``(B, *node.shape)``.
         """
-        xb = self._as_batch(x)
+        xb = self._as_batch(_numeric_input(x))
         return self.evaluate(xb, attr=lambda i, key: self.nodes[i].attrs.get(key),
                              linear=_linear, gather=_gather,
                              expand=lambda v, shape: np.broadcast_to(v, shape), keep=keep)
@@ -343,43 +386,42 @@ class PolyProgram:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "PolyProgram":
-        """Load a program written by :meth:`to_bytes`; malformed bytes raise ProgramFormatError."""
+        """Load a program written by :meth:`to_bytes`; malformed bytes raise ProgramFormatError.
+
+        Nothing is decompressed or allocated before its size has been checked: every array's
+        ``.npy`` header is read first and its shape and dtype checked against the archive's
+        sizes and :data:`MAX_ARRAY_BYTES`; object arrays never load.
+        """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ProgramFormatError(f"expected bytes, got {type(data).__name__}")
-        try:
-            with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as z:
-                files = {k: z[k] for k in z.files}
-            header = json.loads(files.pop("__header__").tobytes().decode())
-        except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError,
-                UnicodeDecodeError) as exc:
-            raise ProgramFormatError(
-                f"not a polynets program file (corrupted or truncated): {exc}") from exc
+        files = _read_npz(bytes(data))
+        raw_header = files.pop("__header__", None)
+        if raw_header is None or raw_header.dtype != np.uint8 or raw_header.ndim != 1:
+            raise ProgramFormatError("not a polynets program file (no header)")
+        header = loads_json_strict(raw_header.tobytes(), "polynets program header",
+                                   ProgramFormatError)
         if not isinstance(header, dict) or header.get("format") != _MAGIC:
             raise ProgramFormatError("not a polynets program file (missing format marker)")
-        if header.get("version") != FORMAT_VERSION:
+        if header.get("version") != FORMAT_VERSION or isinstance(header.get("version"), bool):
             raise ProgramFormatError(
                 f"program format version {header.get('version')!r} is not supported; this "
                 f"polynets reads version {FORMAT_VERSION}")
+        specs = header.get("nodes")
+        if not isinstance(specs, list):
+            raise ProgramFormatError("malformed polynets program: 'nodes' must be a list")
+        nodes = [_node_from_spec(i, spec, files) for i, spec in enumerate(specs)]
+        output = header.get("output")
+        if not _is_int(output):
+            raise ProgramFormatError(f"malformed polynets program: 'output' must be an integer, "
+                                     f"got {output!r}")
+        meta = header.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ProgramFormatError("malformed polynets program: 'meta' must be an object")
         try:
-            nodes = []
-            for spec in header["nodes"]:
-                attrs = {}
-                for k, v in spec["attrs"].items():
-                    if isinstance(v, dict):
-                        if k not in _ARRAY_ATTRS:
-                            raise ProgramFormatError(f"unexpected array attribute {k!r}")
-                        attrs[k] = files[v["array"]]
-                    elif isinstance(v, (int, float, str, bool)) or v is None:
-                        attrs[k] = v
-                    else:
-                        raise ProgramFormatError(f"attribute {k!r} has unsupported type")
-                nodes.append(Node(op=str(spec["op"]), inputs=tuple(int(j) for j in spec["inputs"]),
-                                  shape=tuple(int(d) for d in spec["shape"]), attrs=attrs,
-                                  path=str(spec.get("path", ""))))
-            return cls(nodes, int(header["output"]), meta=header.get("meta") or {})
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ProgramFormatError):
-                raise
+            return cls(nodes, output, meta=meta)
+        except ProgramFormatError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
             raise ProgramFormatError(f"malformed polynets program: {exc!r}") from exc
 
     def save(self, path: str | os.PathLike) -> None:
@@ -388,8 +430,8 @@ class PolyProgram:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PolyProgram":
-        with open(path, "rb") as f:
-            return cls.from_bytes(f.read())
+        """Read a program file written by :meth:`save` (regular files only, size-limited)."""
+        return cls.from_bytes(read_bytes_limited(path, "polynets program", ProgramFormatError))
 
     # ----------------------------------------------------------------------------- helpers
     def copy(self) -> "PolyProgram":
@@ -397,22 +439,310 @@ class PolyProgram:
                             for n in self.nodes], self.output, dict(self.meta))
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
-    path = os.fspath(path)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _node_from_spec(i: int, spec: Any, files: dict[str, np.ndarray]) -> Node:
+    """One :class:`Node` from its JSON description; every field's type is checked."""
+    where = f"malformed polynets program: node {i}"
+    if not isinstance(spec, dict):
+        raise ProgramFormatError(f"{where} must be an object, got {type(spec).__name__}")
+    op, inputs, shape = spec.get("op"), spec.get("inputs"), spec.get("shape")
+    attrs_spec, path = spec.get("attrs", {}), spec.get("path", "")
+    if not isinstance(op, str) or op not in OPS:
+        raise ProgramFormatError(f"{where}: unknown op {op!r}; expected one of {OPS}")
+    if not isinstance(inputs, list) or not all(_is_int(j) for j in inputs):
+        raise ProgramFormatError(f"{where}: 'inputs' must be a list of integers")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK \
+            or not all(_is_int(d) and 0 <= d <= MAX_NODE_ELEMENTS for d in shape):
+        raise ProgramFormatError(f"{where}: 'shape' must be a list of at most {MAX_RANK} "
+                                 f"non-negative integers")
+    if math.prod(shape) > MAX_NODE_ELEMENTS:
+        raise ProgramFormatError(f"{where}: shape {tuple(shape)} has {math.prod(shape)} elements "
+                                 f"per sample, more than the {MAX_NODE_ELEMENTS} a program may "
+                                 f"hold")
+    if not isinstance(attrs_spec, dict):
+        raise ProgramFormatError(f"{where}: 'attrs' must be an object, got "
+                                 f"{type(attrs_spec).__name__}")
+    if not isinstance(path, str):
+        raise ProgramFormatError(f"{where}: 'path' must be a string")
+    attrs: dict[str, Any] = {}
+    for key, value in attrs_spec.items():
+        if isinstance(value, dict):
+            name = value.get("array")
+            if key not in _ARRAY_ATTRS or set(value) != {"array"} or not isinstance(name, str):
+                raise ProgramFormatError(f"{where}: unexpected array attribute {key!r}")
+            if name not in files:
+                raise ProgramFormatError(f"{where}: array {name!r} of attribute {key!r} is "
+                                         f"missing from the file")
+            attrs[key] = files[name]
+        elif key in _ARRAY_ATTRS and value is not None:
+            raise ProgramFormatError(f"{where}: attribute {key!r} must name an array")
+        elif value is None or isinstance(value, (int, float, str, bool)):
+            attrs[key] = value
+        else:
+            raise ProgramFormatError(f"{where}: attribute {key!r} has unsupported type "
+                                     f"{type(value).__name__}")
+    if "axis" in attrs and not _is_int(attrs["axis"]):
+        raise ProgramFormatError(f"{where}: attribute 'axis' must be an integer")
+    return Node(op=op, inputs=tuple(inputs), shape=tuple(shape), attrs=attrs, path=path)
+
+
+def _read_npz(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` archive, each checked before it is decompressed."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError,
+            IndexError, struct_error, NotImplementedError) as exc:
+        raise ProgramFormatError(f"not a polynets program file (corrupted or truncated: "
+                                 f"{exc})") from exc
+    if len(members) > 1 << 20:
+        raise ProgramFormatError(f"not a polynets program file ({len(members)} members)")
+    budget = MAX_ARRAY_BYTES
+    out: dict[str, np.ndarray] = {}
+    with archive:
+        for info in members:
+            name = info.filename
+            if not name.endswith(".npy") or name[:-4] in out:
+                raise ProgramFormatError(f"not a polynets program file (unexpected or repeated "
+                                         f"member {name!r})")
+            if info.file_size > budget:
+                raise ProgramFormatError(
+                    f"program array {name[:-4]!r} claims {info.file_size} bytes, more than the "
+                    f"{MAX_ARRAY_BYTES} bytes a program may hold")
+            try:
+                with archive.open(info) as f:
+                    arr = _read_npy(f, info.file_size, name[:-4])
+                    if f.read(1):
+                        raise ProgramFormatError(f"program array {name[:-4]!r}: trailing bytes")
+            except ProgramFormatError:
+                raise
+            except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError,
+                    TypeError, SyntaxError, OverflowError, NotImplementedError, struct_error,
+                    RuntimeError) as exc:
+                raise ProgramFormatError(f"program array {name[:-4]!r} is corrupted or "
+                                         f"truncated ({type(exc).__name__}: {exc})") from exc
+            budget -= info.file_size
+            out[name[:-4]] = arr
+    return out
+
+
+def _read_npy(f: Any, size: int, name: str) -> np.ndarray:
+    """Read one ``.npy`` member of ``size`` bytes after checking its header's dtype and shape."""
+    major, _ = np.lib.format.read_magic(f)
+    if major == 1:
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=1 << 16)
+    elif major in (2, 3):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=1 << 16)
+    else:
+        raise ProgramFormatError(f"program array {name!r}: unknown .npy version {major}")
+    if dtype.hasobject or dtype.kind not in _ARRAY_KINDS or dtype.subdtype is not None \
+            or dtype.names is not None:
+        raise ProgramFormatError(f"program array {name!r} has dtype {dtype}; only numbers load")
+    if len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+        raise ProgramFormatError(f"program array {name!r}: invalid shape {shape}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    header_size = f.tell()
+    if header_size + nbytes != size:
+        raise ProgramFormatError(f"program array {name!r}: its header says shape {shape} "
+                                 f"({nbytes} bytes of {dtype}) but the archive holds "
+                                 f"{size - header_size}")
+    raw = f.read(nbytes)
+    if len(raw) != nbytes:
+        raise ProgramFormatError(f"program array {name!r} is truncated")
+    arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return arr.copy(order="K")
+
+
+def read_bytes_limited(path: str | os.PathLike, what: str,
+                       error: Callable[[str], Exception] = ProgramFormatError,
+                       limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``), or ``error(message)``.
+
+    Directories, FIFOs, devices and sockets are refused before they are read (so ``/dev/zero``
+    or a pipe never hangs or fills memory), and so is a missing file or a path under a file.
+    """
+    try:
+        name = os.fspath(path)
+    except TypeError as exc:
+        raise error(f"{what}: expected a file path, got {type(path).__name__}") from exc
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError as exc:
+        raise error(f"{what} {name!r} does not exist") from exc
+    except NotADirectoryError as exc:
+        raise error(f"{what} {name!r}: a directory in this path is a file") from exc
+    except OSError as exc:
+        raise error(f"cannot read {what} {name!r}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise error(f"{what} {name!r} is a directory; expected a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{what} {name!r} is not a regular file (a pipe, device or socket); "
+                        f"expected a file")
+        if info.st_size > limit:
+            raise error(f"{what} {name!r} is {info.st_size} bytes, more than the {limit} "
+                        f"bytes allowed")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 24, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise error(f"{what} {name!r} grew past the {limit} bytes allowed while reading")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise error(f"cannot read {what} {name!r}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def loads_json_strict(raw: bytes | str, what: str,
+                      error: Callable[[str], Exception] = ProgramFormatError, *,
+                      max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse untrusted JSON: size and nesting bounded, no NaN / Infinity, no duplicate keys.
+
+    Raises ``error(message)`` for anything else than strict JSON within the limits.
+    """
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if len(raw) > max_bytes:
+        raise error(f"{what}: {len(raw)} bytes of JSON, more than the {max_bytes} allowed")
+    bare = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = (np.isin(bare, (0x5B, 0x7B)).astype(np.int64)
+            - np.isin(bare, (0x5D, 0x7D)).astype(np.int64))
+    if step.size and int(np.cumsum(step).max()) > max_depth:
+        raise error(f"{what}: JSON nested more than {max_depth} levels deep")
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"non-finite number {name}")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"number {text} is out of range")
+        return value
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise ValueError("duplicate key in an object")
+        return out
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=constant, parse_float=finite,
+                          object_pairs_hook=unique)
+    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as exc:
+        raise error(f"{what}: malformed JSON ({exc})") from exc
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+_TMP_PREFIX = ".tmp-"
+_STALE_SECONDS = 60.0
+
+
+def _remove_stale_temporaries(directory: str, base: str) -> None:
+    """Remove temporary files of ``base`` left by writers that died (their process is gone)."""
+    prefix = f"{_TMP_PREFIX}{base}."
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        pid = name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        full = os.path.join(directory, name)
+        try:
+            if now - os.lstat(full).st_mtime < _STALE_SECONDS:
+                continue
+            if int(pid) != os.getpid():
+                try:
+                    os.kill(int(pid), 0)
+                    continue
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            os.unlink(full)
+        except OSError:
+            continue
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    The file is readable per the umask (``0o666 & ~umask``, typically 0644) or, with
+    ``private=True`` (secret keys), by its owner only (0600). On any failure the temporary file
+    is removed and :class:`~polynets.errors.WriteError` says why; temporary files left by killed
+    writers are removed by the next write of the same path.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError as exc:
+        raise WriteError(f"cannot write to {path!r}: expected a file path") from exc
+    if not path or path.endswith(os.sep):
+        raise WriteError(f"cannot write {path!r}: expected a file name, not a directory")
+    if os.path.isdir(path):
+        raise WriteError(f"cannot write {path!r}: it is a directory; name a file in it")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise WriteError(f"cannot write {path!r}: a parent of it is a file, not a directory") \
+            from exc
+    except OSError as exc:
+        raise WriteError(f"cannot create the directory {directory!r}: {exc.strerror}") from exc
+    base = os.path.basename(path)
+    _remove_stale_temporaries(directory, base)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{base}.{os.getpid()}.", dir=directory)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path!r}: {exc.strerror}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600 if private else 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as exc:
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise WriteError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
         raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
 
 
 def iter_ops(program: PolyProgram, ops: Iterable[str]) -> list[int]:

@@ -1,0 +1,491 @@
+"""Trust boundaries: every malformed or misused input gets the package's own error, never a
+crash, a hang or a wrong answer.
+
+Deterministic corpora: every truncation of the container prefix and header plus a stride over the
+blobs, seeded single-bit flips, forged headers (the digest recomputed, as a deliberate editor
+would) with wrong types, huge and non-finite values and smuggled blobs, for real TenSEAL contexts,
+ciphertexts and compiled programs with small parameters, and for polynomial program files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+import threading
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.container import (BLOB_SCHEMAS, bool_field, dict_field, float_field, int_field,
+                          list_field, pack, str_field, unpack)
+from polynets.errors import PolynetsError, ProgramFormatError, ShapeError, WriteError
+from polynets.program import PolyProgram, atomic_write_bytes, loads_json_strict
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), Square()).eval()
+    x = torch.randn(3, 3)
+    prog = he.compile(model, x, packing="batch")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x).to_bytes()
+    out = server.run(ct).to_bytes()
+    return dict(prog=prog, client=client, server=server, x=x, ct=ct, out=out,
+                public=client.public_context(), secret=client.secret_context(),
+                expected=client.decrypt(out))
+
+
+# ---------------------------------------------------------------------------- helpers
+def _split(data: bytes) -> tuple[dict, list[bytes], int]:
+    """Header, blobs in file order and the offset where the blobs start."""
+    (hlen,) = struct.unpack(">I", data[37:41])
+    head = json.loads(data[41:41 + hlen])
+    pos, blobs = 41 + hlen, []
+    for name in sorted(head["blobs"]):
+        for n, _ in head["blobs"][name]:
+            blobs.append(data[pos:pos + n])
+            pos += n
+    return head, blobs, 41 + hlen
+
+
+def _forge(raw_header: bytes | str, body: bytes = b"", version: int = 2) -> bytes:
+    """A container whose header digest is right, whatever the header says."""
+    if isinstance(raw_header, str):
+        raw_header = raw_header.encode()
+    lead = b"PNHE" + bytes([version])
+    length = struct.pack(">I", len(raw_header))
+    check = hashlib.blake2b(lead + length + raw_header, digest_size=32).digest()
+    return lead + check + length + raw_header + body
+
+
+def _forge_blobs(kind: str, head: dict, blobs: dict[str, list[bytes]]) -> bytes:
+    """What :func:`pack` writes, without its schema check: how an attacker builds a file."""
+    head = dict(head, kind=kind, blobs={
+        name: [[len(b), hashlib.blake2b(b, digest_size=32).hexdigest()] for b in items]
+        for name, items in blobs.items()})
+    body = b"".join(b for name in sorted(blobs) for b in blobs[name])
+    return _forge(json.dumps(head, sort_keys=True), body)
+
+
+def _mutations(data: bytes, *, flips: int, stride: int, seed: int = 0):
+    """Truncations (every offset up to the blobs, then every ``stride``) and seeded bit flips
+    (every bit of the prefix, then ``flips`` random ones)."""
+    _, _, start = _split(data)
+    for cut in list(range(0, start + 1)) + list(range(start + 1, len(data), stride)):
+        yield f"truncated at {cut}", data[:cut]
+    yield "one byte appended", data + b"\0"
+    rng = np.random.default_rng(seed)
+    positions = list(range(41 * 8)) + [int(p) for p in rng.integers(0, 8 * len(data), flips)]
+    for bit in positions:
+        mutated = bytearray(data)
+        mutated[bit // 8] ^= 1 << (bit % 8)
+        yield f"bit {bit} flipped", bytes(mutated)
+
+
+def _all_refused(data: bytes, load, error: type[Exception], *, flips: int, stride: int) -> int:
+    tried = 0
+    for label, mutated in _mutations(data, flips=flips, stride=stride):
+        with pytest.raises(error):
+            load(mutated)
+            pytest.fail(f"{label}: accepted")
+        tried += 1
+    return tried
+
+
+# ---------------------------------------------------------------------------- containers
+def test_every_truncation_and_bit_flip_of_ciphertexts_is_a_serialization_error(setup):
+    server, client = setup["server"], setup["client"]
+    n = _all_refused(setup["ct"], server.run, he.SerializationError, flips=200, stride=9973)
+    n += _all_refused(setup["out"], client.decrypt, he.SerializationError, flips=200,
+                      stride=9973)
+    n += _all_refused(setup["ct"], he.Ciphertext.from_bytes, he.SerializationError, flips=100,
+                      stride=4999)
+    assert n > 1500
+
+
+def test_every_truncation_and_bit_flip_of_contexts_is_a_serialization_error(setup):
+    prog = setup["prog"]
+    n = _all_refused(setup["public"], lambda b: he.Server(prog, b), he.SerializationError,
+                     flips=60, stride=65521)
+    n += _all_refused(setup["secret"], lambda b: unpack(b, "secret-context", "context"),
+                      he.SerializationError, flips=60, stride=65521)
+    rng = np.random.default_rng(2)
+    for bit in rng.integers(0, 8 * len(setup["secret"]), 20):
+        flipped = bytearray(setup["secret"])
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(he.SerializationError):
+            he.Client.from_secret_context(prog, bytes(flipped))
+    assert n > 1000
+
+
+def test_every_truncation_and_bit_flip_of_a_compiled_program_is_refused(setup):
+    data = setup["prog"].to_bytes()
+    n = _all_refused(data, he.CompiledProgram.from_bytes, he.SerializationError, flips=400,
+                     stride=7)
+    assert n > 1000
+
+
+def test_swapped_blobs_are_refused(setup):
+    head, blobs, start = _split(setup["ct"])
+    assert len(blobs) >= 2
+    body = b"".join([blobs[1], blobs[0], *blobs[2:]])
+    if len(blobs[0]) == len(blobs[1]):
+        with pytest.raises(he.SerializationError, match="blob 'g0' #0 is damaged"):
+            setup["server"].run(setup["ct"][:start] + body)
+    else:
+        with pytest.raises(he.SerializationError, match="damaged"):
+            setup["server"].run(setup["ct"][:start] + body)
+
+
+def test_a_secret_key_smuggled_into_a_public_context_is_refused(setup):
+    prog = setup["prog"]
+    _, secret_blobs = unpack(setup["secret"], "secret-context", "context")
+    _, public_blobs = unpack(setup["public"], "public-context", "context")
+    head = {"fingerprint": prog.fingerprint, "key_id": setup["client"].key_id}
+    sk = secret_blobs["secret_key"][0]
+    smuggled = [
+        {**public_blobs, "extra": [sk]},
+        {**public_blobs, "secretkey": [sk]},
+        {**public_blobs, "secret_key": [sk]},
+        {**public_blobs, "public_key": public_blobs["public_key"] + [sk]},
+        {**public_blobs, "relin_keys": public_blobs["relin_keys"] + [sk]},
+        {**public_blobs, "galois_keys": [sk, sk]},
+    ]
+    for blobs in smuggled:
+        with pytest.raises(he.SerializationError, match="blob"):
+            he.Server(prog, _forge_blobs("public-context", head, blobs))
+    with pytest.raises(he.SecretKeyError):
+        he.Server(prog, _forge_blobs("secret-context", head, secret_blobs))
+
+
+def test_ciphertext_groups_must_be_numbered_without_gaps(setup):
+    head, _, _ = _split(setup["ct"])
+    fields = {k: v for k, v in head.items() if k not in ("kind", "blobs")}
+    _, blobs = unpack(setup["ct"], "ciphertext", "ciphertext")
+    for renamed in ({"g1": blobs["g0"]}, {"g0": blobs["g0"], "g2": blobs["g0"]},
+                    {"g0": blobs["g0"], "x": blobs["g0"]}, {}):
+        with pytest.raises(he.SerializationError, match="blob names"):
+            he.Ciphertext.from_bytes(_forge_blobs("ciphertext", fields, renamed))
+
+
+@pytest.mark.parametrize("header", [
+    "[" * 100_000 + "]" * 100_000,
+    '{"kind": "ciphertext", "blobs": {}, "n": ' + "[" * 40 + "]" * 40 + "}",
+    '{"kind": "ciphertext", "blobs": {}, "groups": Infinity}',
+    '{"kind": "ciphertext", "blobs": {}, "groups": NaN}',
+    '{"kind": "ciphertext", "blobs": {}, "groups": 1e400}',
+    '{"kind": "ciphertext", "kind": "public-context", "blobs": {}}',
+    '{"kind": "ciphertext", "blobs": []}',
+    '{"kind": "ciphertext", "blobs": {"g0": [[-1, "00"]]}}',
+    '{"kind": "ciphertext", "blobs": {"g0": [[1e300, "00"]]}}',
+    '{"kind": "ciphertext", "blobs": {"g0": [["5", "00"]]}}',
+    '{"kind": "ciphertext", "blobs": {"g0": [[10, "' + "0" * 64 + '"]]}}',
+    '{"kind": "ciphertext", "blobs": {"g0": 5}}',
+    '{"kind": "nonsense", "blobs": {}}',
+    '"just a string"',
+    "\xff\xfe not utf-8",
+    "",
+])
+def test_malformed_headers_with_valid_digests_are_serialization_errors(setup, header):
+    data = _forge(header.encode("latin-1") if header.startswith("\xff") else header)
+    for load in (he.Ciphertext.from_bytes, setup["server"].run, setup["client"].decrypt,
+                 lambda b: he.Server(setup["prog"], b), he.CompiledProgram.from_bytes):
+        with pytest.raises(he.SerializationError):
+            load(data)
+
+
+@pytest.mark.parametrize("data", [b"", b"PNHE", b"PNHE\x01" + bytes(60), b"PNHE\x02" + bytes(40),
+                                  b"XXXX\x02" + bytes(100), bytes(1000), b"PNHE\x02" + b"\xff" * 40,
+                                  "not bytes", None, 12])
+def test_garbage_is_a_serialization_error(setup, data):
+    for load in (he.Ciphertext.from_bytes, setup["server"].run, setup["client"].decrypt,
+                 lambda b: he.Server(setup["prog"], b), he.CompiledProgram.from_bytes):
+        with pytest.raises(he.SerializationError):
+            load(data)
+
+
+def test_a_huge_header_length_is_refused_before_reading():
+    data = b"PNHE\x02" + bytes(32) + struct.pack(">I", 2**32 - 1) + b"{}"
+    with pytest.raises(he.SerializationError, match="header"):
+        unpack(data, "ciphertext", "ciphertext")
+
+
+def test_pack_round_trips_and_refuses_blobs_outside_the_schema():
+    data = pack("compiled-program", {"x": [1, 2.5, "s"]}, {"program": [b"abc"]})
+    head, blobs = unpack(data, "compiled-program", "program")
+    assert head["x"] == [1, 2.5, "s"] and blobs == {"program": [b"abc"]}
+    head, blobs = unpack(pack("public-context", {}, {"public_key": [b"p"], "relin_keys": [b"r"]}),
+                         "public-context", "context")
+    assert blobs["galois_keys"] == [], "names with no blobs read as empty lists"
+    for kind, bad in [("public-context", {"public_key": [b"p"], "relin_keys": [b"r"],
+                                          "secret_key": [b"s"]}),
+                      ("public-context", {"public_key": [b"p", b"q"], "relin_keys": [b"r"]}),
+                      ("compiled-program", {}), ("ciphertext", {"g1": [b"x"]}),
+                      ("unknown-kind", {})]:
+        with pytest.raises(he.SerializationError):
+            pack(kind, {}, bad)
+    with pytest.raises(he.SerializationError, match="finite"):
+        pack("compiled-program", {"x": float("inf")}, {"program": [b""]})
+    assert set(BLOB_SCHEMAS) == {"public-context", "secret-context", "compiled-program",
+                                 "ciphertext"}
+
+
+def test_header_field_helpers_check_types_and_bounds():
+    head = {"i": 3, "b": True, "f": 2.5, "s": "batch", "l": [1], "d": {}}
+    assert int_field(head, "i", "x", lo=1, hi=4) == 3
+    assert float_field(head, "f", "x", lo=0) == 2.5 and float_field(head, "i", "x") == 3.0
+    assert str_field(head, "s", "x", choices=("batch", "vector")) == "batch"
+    assert bool_field(head, "b", "x") is True
+    assert list_field(head, "l", "x") == [1] and dict_field(head, "d", "x") == {}
+    assert int_field(head, "missing", "x", default=7) == 7
+    for call in (lambda: int_field(head, "b", "x"), lambda: int_field(head, "f", "x"),
+                 lambda: int_field(head, "i", "x", hi=2), lambda: int_field(head, "no", "x"),
+                 lambda: float_field(head, "s", "x"), lambda: float_field(head, "b", "x"),
+                 lambda: float_field(head, "f", "x", hi=1),
+                 lambda: str_field(head, "s", "x", choices=("vector",)),
+                 lambda: str_field(head, "i", "x"),
+                 lambda: str_field(head, "s", "x", pattern="[0-9a-f]+"),
+                 lambda: bool_field(head, "i", "x"), lambda: list_field(head, "d", "x"),
+                 lambda: list_field(head, "l", "x", max_len=0), lambda: dict_field(head, "l", "x"),
+                 lambda: int_field([], "i", "x")):
+        with pytest.raises(he.SerializationError, match="x: "):
+            call()
+
+
+def test_strict_json_refuses_depth_non_finite_numbers_and_duplicates():
+    assert loads_json_strict(b'{"a": "[[[[[[[[\\"", "b": [1.5, -2]}', "h") == {
+        "a": '[[[[[[[["', "b": [1.5, -2]}
+    for raw in (b"[" * 65 + b"]" * 65, b"[-Infinity]", b"[1e999]", b'{"a": 1, "a": 2}',
+                b"\xc3\x28", b"[1, 2", b"1" * 5000):
+        with pytest.raises(ProgramFormatError, match="h: "):
+            loads_json_strict(raw, "h")
+
+
+# ---------------------------------------------------------------------------- program files
+@pytest.fixture(scope="module")
+def program() -> PolyProgram:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), Square(), nn.Linear(4, 2)).eval()
+    return pn.trace(model, torch.randn(1, 3))
+
+
+def _npz(arrays: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, raw in arrays.items():
+            z.writestr(name + ".npy", raw)
+    return buf.getvalue()
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _members(data: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return {n[:-4]: z.read(n) for n in z.namelist()}
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    members = _members(data)
+    header = json.loads(np.load(io.BytesIO(members["__header__"])).tobytes())
+    edit(header)
+    members["__header__"] = _npy(np.frombuffer(json.dumps(header).encode(), dtype=np.uint8))
+    return _npz(members)
+
+
+def test_every_truncation_and_bit_flip_of_a_program_file_is_refused_or_harmless(program):
+    data = program.to_bytes()
+    x = np.random.default_rng(0).standard_normal((5, 3))
+    reference = program.run(x)
+    rng = np.random.default_rng(1)
+    mutated = [data[:cut] for cut in range(len(data))]
+    for bit in list(range(0, 8 * len(data), 3)) + [int(b) for b in rng.integers(0, 8 * len(data),
+                                                                                 300)]:
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        mutated.append(bytes(flipped))
+    loaded = 0
+    for blob in mutated:
+        try:
+            again = PolyProgram.from_bytes(blob)
+        except ProgramFormatError:
+            continue
+        loaded += 1  # a flip in a field nothing reads (a zip timestamp): the same program
+        assert np.array_equal(again.run(x), reference)
+    assert len(mutated) > 5000 and loaded < len(mutated) // 4
+
+
+def test_an_npy_header_claiming_a_huge_shape_is_refused_before_allocation(program):
+    members = _members(program.to_bytes())
+    name = next(k for k in members if k.endswith("_weight"))
+    header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (1099511627776, 2), }"
+    raw = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header) + 1) + header + b"\n" + bytes(16)
+    start = time.perf_counter()
+    with pytest.raises(ProgramFormatError, match="header says shape"):
+        PolyProgram.from_bytes(_npz({**members, name: raw}))
+    assert time.perf_counter() - start < 1.0
+    with pytest.raises(ProgramFormatError, match="dtype"):
+        PolyProgram.from_bytes(_npz({**members, name: _npy(np.array(["a", "b"]))}))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["nodes"][1].update(attrs=[1, 2]),
+    lambda h: h["nodes"][1].update(attrs="weight"),
+    lambda h: h["nodes"][1]["attrs"].update(weight=5),
+    lambda h: h["nodes"][1]["attrs"].update(weight={"array": 3}),
+    lambda h: h["nodes"][1]["attrs"].update(weight={"array": "n0_missing"}),
+    lambda h: h["nodes"][1]["attrs"].update(weight={"array": "n1_weight", "x": 1}),
+    lambda h: h["nodes"][1]["attrs"].update(axis=True),
+    lambda h: h["nodes"][1]["attrs"].update(axis=1.0),
+    lambda h: h["nodes"][1]["attrs"].update(extra=[1]),
+    lambda h: h["nodes"][1].update(inputs="0"),
+    lambda h: h["nodes"][1].update(inputs=[0.0]),
+    lambda h: h["nodes"][1].update(inputs=[5]),
+    lambda h: h["nodes"][0].update(shape=[1, 2**31]),
+    lambda h: h["nodes"][0].update(shape=[1, 65536, 65536]),
+    lambda h: h["nodes"][0].update(shape=[1] * 40),
+    lambda h: h["nodes"][0].update(shape=[1, -3]),
+    lambda h: h["nodes"][0].update(shape="13"),
+    lambda h: h["nodes"][1].update(op="exec"),
+    lambda h: h["nodes"][1].update(op=["linear"]),
+    lambda h: h["nodes"][1].update(path=7),
+    lambda h: h["nodes"].__setitem__(1, "node"),
+    lambda h: h.update(nodes={"0": 1}),
+    lambda h: h.update(output="2"),
+    lambda h: h.update(output=99),
+    lambda h: h.update(meta=[1]),
+    lambda h: h.update(version=True),
+    lambda h: h.update(version=2),
+    lambda h: h.update(format="other"),
+])
+def test_program_headers_of_the_wrong_json_types_are_program_format_errors(program, edit):
+    with pytest.raises(ProgramFormatError):
+        PolyProgram.from_bytes(_with_header(program.to_bytes(), edit))
+
+
+def test_program_load_refuses_missing_paths_directories_and_fifos(tmp_path, program):
+    with pytest.raises(ProgramFormatError, match="does not exist"):
+        PolyProgram.load(tmp_path / "missing.npz")
+    with pytest.raises(ProgramFormatError, match="directory"):
+        PolyProgram.load(tmp_path)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ProgramFormatError, match="is a file"):
+        PolyProgram.load(tmp_path / "file" / "program.npz")
+    with pytest.raises(ProgramFormatError, match="not a regular file"):
+        PolyProgram.load("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            PolyProgram.load(fifo)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the reader so the test process can end
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("PolyProgram.load hangs on a FIFO")
+    assert isinstance(outcome[0], ProgramFormatError) and "not a regular file" in str(outcome[0])
+    program.save(tmp_path / "p.npz")
+    assert np.array_equal(PolyProgram.load(tmp_path / "p.npz").run(np.ones((1, 3))),
+                          program.run(np.ones((1, 3))))
+
+
+# ---------------------------------------------------------------------------- numeric input
+def test_integer_and_bool_inputs_are_computed_in_float64(program):
+    ints = np.array([[1, -2, 3], [0, 4, 1]])
+    floats = ints.astype(np.float64)
+    assert program.run(ints).dtype == np.float64
+    assert np.array_equal(program.run(ints), program.run(floats))
+    bools = np.array([[True, False, True]])
+    assert np.array_equal(program.run(bools), program.run(bools.astype(np.float64)))
+    assert np.array_equal(program.run(np.array([[1, 2, 3]], dtype=np.uint8)),
+                          program.run(np.array([[1.0, 2.0, 3.0]])))
+    with pytest.raises(ShapeError, match="complex"):
+        program.run(np.ones((1, 3), dtype=complex))
+    with pytest.raises(ShapeError):
+        program.run(np.array([["a", "b", "c"]]))
+
+
+def test_to_torch_refuses_inputs_of_the_wrong_rank_or_size(program):
+    module = program.to_torch()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    assert torch.allclose(module(x), torch.as_tensor(program.run(x.numpy())))
+    assert torch.equal(module(torch.tensor([[1, 2, 3]])), module(torch.tensor([[1.0, 2, 3]],
+                                                                              dtype=torch.float64)))
+    for bad in (torch.randn(3), torch.randn(1, 1, 3), torch.randn(3, 1), torch.randn(2, 4),
+                torch.randn(6)):
+        with pytest.raises(ShapeError, match=r"\('B', 3\)"):
+            module(bad)
+    with pytest.raises(ShapeError, match="complex"):
+        module(torch.ones(1, 3, dtype=torch.complex64))
+
+
+# ---------------------------------------------------------------------------- atomic writes
+def test_public_files_follow_the_umask_and_private_files_are_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "public.ctx", b"p")
+        atomic_write_bytes(tmp_path / "secret.ctx", b"s", private=True)
+        os.umask(0o077)
+        atomic_write_bytes(tmp_path / "other", b"o")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "public.ctx").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "secret.ctx").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "other").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "public.ctx").read_bytes() == b"p"
+
+
+def test_failed_writes_leave_nothing_behind_and_name_the_problem(tmp_path):
+    atomic_write_bytes(tmp_path / "f", b"old")
+    with pytest.raises(TypeError):
+        atomic_write_bytes(tmp_path / "f", object())  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+    assert (tmp_path / "f").read_bytes() == b"old"
+    with pytest.raises(WriteError, match="is a directory"):
+        atomic_write_bytes(tmp_path, b"x")
+    with pytest.raises(WriteError, match="parent of it is a file"):
+        atomic_write_bytes(tmp_path / "f" / "g", b"x")
+    assert isinstance(WriteError("x"), (OSError, PolynetsError))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_temporary_files_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    dead = tmp_path / ".tmp-out.bin.999999999.abc"
+    alive = tmp_path / f".tmp-out.bin.{os.getppid()}.abc"
+    recent = tmp_path / ".tmp-out.bin.999999998.abc"
+    other = tmp_path / ".tmp-else.bin.999999999.abc"
+    for p in (dead, alive, recent, other):
+        p.write_bytes(b"half")
+    old = time.time() - 3600
+    for p in (dead, alive, other):
+        os.utime(p, (old, old))
+    atomic_write_bytes(tmp_path / "out.bin", b"new")
+    assert not dead.exists()
+    assert alive.exists() and recent.exists() and other.exists()
+    assert (tmp_path / "out.bin").read_bytes() == b"new"
