@@ -1,8 +1,9 @@
 """polynets: activation-free polynomial networks for encrypted inference and equation discovery.
 
-Layers and models (MuLayer, PolyBlock, MONet, PoM, PADRe, Polymorpher, PolyNODE), the polynomial program
-(trace, optimize, certify, PolyProgram), training (Trainer, datasets, checkpoints). Importing
-polynets registers the MONet models in timm (``timm.create_model("monet_t")``).
+Layers and models (MuLayer, PolyBlock, MONet, PoM, PADRe, Polymorpher, PolyNODE), the
+polynomial program (trace, optimize, certify, PolyProgram), training (Trainer, datasets,
+checkpoints). Importing polynets registers the MONet and PADRe ViT models in timm
+(``timm.create_model("monet_t")``, ``timm.create_model("padre_vit_t")``).
 """
 
 from polynets.certify import Certificate, certify

@@ -59,6 +59,7 @@ def register_model(name: str) -> Callable[[Callable[..., nn.Module]], Callable[.
 
 _BUILTIN_MODELS = {
     "monet": ("polynets.models.monet", "MONet"),
+    "padre_vit": ("polynets.models.padre_vit", "PADReViT"),
     "polymorpher_classifier": ("polynets.models.polymorpher", "PolymorpherClassifier"),
 }
 
@@ -79,6 +80,7 @@ def registered_models() -> list[str]:
     names = set(_MODEL_BUILDERS)
     names.update(_BUILTIN_MODELS)
     names.update(timm.list_models("monet*"))
+    names.update(timm.list_models("padre*"))
     return sorted(names)
 
 

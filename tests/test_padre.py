@@ -189,3 +189,124 @@ def test_tiny_padre_decrypts_to_the_model_output_in_batch_packing():
     assert y.shape == ref.shape
     _assert_close(prog.simulate(x), ref)
     assert float(np.abs(y - ref).max()) <= prog.params.expected_error + 1e-9
+
+
+# ----------------------------------------------------------------------------- PADRe ViT
+import timm  # noqa: E402
+
+from polynets.checkpoint import build_model, load_model, registered_models, save_checkpoint  # noqa: E402
+from polynets.models.padre_vit import PADReViT  # noqa: E402
+
+
+def _small_vit(**kwargs) -> PADReViT:
+    args = dict(img_size=8, in_chans=1, num_classes=3, patch_size=2, embed_dim=6, depth=2,
+                kernel_size=3)
+    return PADReViT(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("name, degree, width, depth, patch", [
+    ("padre_vit_t", 2, 192, 12, 16),
+    ("padre3_vit_t", 3, 192, 12, 16),
+    ("padre_vit_mini", 2, 64, 4, 2),
+])
+def test_timm_builds_the_registered_padre_vits(name, degree, width, depth, patch):
+    model = timm.create_model(name, num_classes=7)
+    assert isinstance(model, PADReViT)
+    assert (model.degree, model.embed_dim, model.depth) == (degree, width, depth)
+    assert model.stem.patch_size == (patch, patch) and model.num_classes == 7
+    assert all(b.mixer.degree == degree for b in model.blocks)
+    assert name in registered_models() and name in timm.list_models("padre*")
+
+
+def test_deit_tiny_shape_gives_14x14_tokens_at_224():
+    model = timm.create_model("padre_vit_t", num_classes=5).eval()
+    with torch.no_grad():
+        tokens = model.forward_features(torch.randn(1, 3, 224, 224))
+    assert tokens.shape == (1, 14, 14, 192)
+    assert model.forward_head(tokens).shape == (1, 5)
+
+
+def test_mini_vit_classifies_digit_sized_images_by_default():
+    model = timm.create_model("padre_vit_mini")
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    assert model.blocks[0].mixer.token_mix.weight.shape[-2:] == (3, 3)
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_vit_program_equals_forward_and_degree_is_two_d_per_block(degree):
+    torch.manual_seed(degree)
+    model = _randomise(_small_vit(degree=degree), degree)
+    x = torch.randn(4, 1, 8, 8)
+    _assert_close(pn.trace(model, x).simulate(x), _reference(model, x))
+    assert pn.certify(model, x).degree == (2 * degree) ** 2
+
+
+def test_layer_norm_vit_is_reported_as_not_a_polynomial():
+    cert = pn.certify(_small_vit(norm="layer").eval(), torch.randn(1, 1, 8, 8))
+    assert not cert.is_polynomial
+    assert any("LayerNorm" in str(o) for o in cert.offending)
+
+
+def test_vit_backward_and_head_conventions():
+    model = _small_vit(drop_path_rate=0.1)
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model.forward_head(torch.randn(2, 4, 4, 6), pre_logits=True).shape == (2, 6)
+    model.reset_classifier(5)
+    assert model.global_pool == "avg" and model(torch.randn(2, 1, 8, 8)).shape == (2, 5)
+    model.reset_classifier(0, global_pool="")
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 4, 4, 6)
+
+
+def test_checkpoint_rebuilds_the_mini_vit_by_name(tmp_path):
+    model = build_model("padre_vit_mini", num_classes=4, embed_dim=8, depth=1).eval()
+    save_checkpoint(tmp_path / "p.pt", model=model, model_name="padre_vit_mini",
+                    model_kwargs={"num_classes": 4, "embed_dim": 8, "depth": 1})
+    rebuilt = load_model(tmp_path / "p.pt").eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), model(x))
+    assert isinstance(build_model("padre_vit", img_size=8, in_chans=1, patch_size=2), PADReViT)
+
+
+def test_vit_bad_image_shape_and_configuration_raise_package_errors():
+    with pytest.raises(pn.ShapeError, match=r"expected input of shape \(B, 1, 8, 8\)"):
+        _small_vit()(torch.randn(2, 1, 9, 8))
+    with pytest.raises(pn.ConfigError, match="divisible by the embedding stride"):
+        timm.create_model("padre_vit_t", img_size=8)
+    with pytest.raises(pn.ConfigError, match="no pretrained weights"):
+        timm.create_model("padre_vit_mini", pretrained=True)
+    with pytest.raises(pn.ConfigError, match="norm must be one of"):
+        _small_vit(norm="group")
+    with pytest.raises(pn.ConfigError, match="PADReViT depth must be a positive int"):
+        _small_vit(depth=0)
+
+
+# ------------------------------------------------- Mu-Layer with a low-rank A (MONet App. N)
+def test_mulayer_low_rank_a_computes_c_of_rqx_times_bdx_plus_rqx():
+    torch.manual_seed(0)
+    layer = pn.MuLayer(6, 5, hidden=8, rank=2, a_rank=3).eval()
+    assert layer.A.Q.weight.shape == (3, 6) and layer.A.R.weight.shape == (8, 3)
+    assert layer.A.Q.bias is None
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        rqx = layer.A.R(layer.A.Q(x))
+        expected = layer.C(rqx * layer.B(layer.D(x)) + rqx)
+        torch.testing.assert_close(layer(x), expected)
+    full = pn.MuLayer(6, 5, hidden=8, rank=2)
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    assert count(full) - count(layer) == 8 * 6 - (3 * 6 + 8 * 3)
+
+
+def test_mulayer_low_rank_a_traces_and_certifies_degree_two():
+    torch.manual_seed(1)
+    layer = pn.MuLayer(5, hidden=6, a_rank=2, spatial_shift=True, norm="batch")
+    layer = _randomise(layer, 1)
+    x = torch.randn(2, 3, 3, 5)
+    _assert_close(pn.trace(layer, x).simulate(x), _reference(layer, x))
+    assert pn.certify(layer, x).degree == 2
+
+
+def test_mulayer_rejects_a_non_positive_a_rank():
+    with pytest.raises(pn.ConfigError, match="MuLayer a_rank must be a positive int"):
+        pn.MuLayer(4, a_rank=0)
