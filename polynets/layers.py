@@ -23,6 +23,7 @@ from polynets.errors import ConfigError, ShapeError
 
 __all__ = [
     "ChannelsLastBatchNorm",
+    "LowRankLinear",
     "MuLayer",
     "PatchEmbed",
     "PolyBlock",
@@ -146,6 +147,20 @@ class SpatialShift(nn.Module):
         return torch.cat(moved, dim=-1)
 
 
+class LowRankLinear(nn.Module):
+    """Rank-``r`` linear map ``Y = R Q X``: ``Q: (r, d)`` without bias, then ``R: (m, r)`` with
+    the bias. Shape: ``(..., d) -> (..., m)``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, *,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.Q = nn.Linear(in_features, rank, bias=False)
+        self.R = nn.Linear(rank, out_features, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.R(self.Q(x))
+
+
 class MuLayer(nn.Module):
     """Mu-Layer of MONet: ``Y = C[(AX) * (BDX) + AX]`` on the last (channel) dim.
 
@@ -154,13 +169,15 @@ class MuLayer(nn.Module):
     ``+ AX`` term is the shortcut (first-degree part). With ``spatial_shift`` the shift is applied
     to both branches, after ``A`` and after ``D`` (input must be ``(B, H, W, d)``). ``norm``
     normalises each branch after its projection, before the product, as in the paper's layer:
-    ``Y = C[N_a(AX) * N_b(BDX) + N_a(AX)]``. Shape: ``(..., d) -> (..., o)``.
+    ``Y = C[N_a(AX) * N_b(BDX) + N_a(AX)]``. With ``a_rank=r`` the first branch is factorised
+    too, ``A = RQ`` with ``Q: (r, d)``, ``R: (m, r)`` (Appendix N):
+    ``Y = C[(RQX) * (BDX) + RQX]``. Shape: ``(..., d) -> (..., o)``.
     """
 
     def __init__(self, in_features: int, out_features: int | None = None, *,
                  hidden: int | None = None, rank: int | None = None, shrinkage: int = 4,
                  shortcut: bool = True, spatial_shift: bool = False, norm: str = "none",
-                 bias: bool = True) -> None:
+                 bias: bool = True, a_rank: int | None = None) -> None:
         super().__init__()
         d = _positive_int(in_features, "MuLayer in_features")
         o = _positive_int(out_features if out_features is not None else d, "MuLayer out_features")
@@ -170,7 +187,9 @@ class MuLayer(nn.Module):
         self.in_features, self.out_features, self.hidden, self.rank = d, o, m, l
         self.shortcut = bool(shortcut)
         self.spatial_shift = bool(spatial_shift)
-        self.A = nn.Linear(d, m, bias=bias)
+        self.a_rank = None if a_rank is None else _positive_int(a_rank, "MuLayer a_rank")
+        self.A = nn.Linear(d, m, bias=bias) if a_rank is None else \
+            LowRankLinear(d, m, self.a_rank, bias=bias)
         self.D = nn.Linear(d, l, bias=bias)
         self.B = nn.Linear(l, m, bias=bias)
         self.C = nn.Linear(m, o, bias=bias)
@@ -180,8 +199,8 @@ class MuLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden={self.hidden}, rank={self.rank}, "
-                f"out_features={self.out_features}, shortcut={self.shortcut}, "
-                f"spatial_shift={self.spatial_shift}")
+                f"a_rank={self.a_rank}, out_features={self.out_features}, "
+                f"shortcut={self.shortcut}, spatial_shift={self.spatial_shift}")
 
     def forward(self, x: Tensor) -> Tensor:
         if self.spatial_shift:
