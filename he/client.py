@@ -148,7 +148,7 @@ class Client:
             self.relin_keys = seal.RelinKeys()
             keygen.create_relin_keys(self.relin_keys)
             self.galois_keys = None
-            steps = program.plan.rotations() if program.plan is not None else []
+            steps = program.plan.rotations()
             if steps:
                 self.galois_keys = seal.GaloisKeys()
                 elements = galois_elements(steps, program.params.poly_modulus_degree)
@@ -231,7 +231,8 @@ class Client:
 
         Batch packing: ``ceil(B / slots)`` groups of one ciphertext per input element that can
         reach the output (``program.batch_inputs``, the same for every input); vector
-        packing: one group per sample (one ciphertext, or the plan's input planes).
+        packing: one group per ``plan.interleave`` samples (one ciphertext, or the plan's input
+        planes), the samples interleaved slot by slot.
         ``workers``: processes that encode, encrypt and serialise (``0``: one per CPU core); the
         ciphertexts decrypt to the same values whatever the number.
         """
@@ -249,11 +250,14 @@ class Client:
                 sizes.append(block.shape[0])
         else:
             plan = self.program.plan
-            assert plan is not None
-            for s in range(b):
-                ext = np.append(flat[s], 0.0)
-                columns.extend(ext[np.where(idx < 0, ext.size - 1, idx)]
-                               for idx in plan.input_layout)
+            k = plan.interleave
+            for start in range(0, b, k):
+                block = flat[start:start + k]
+                ext = np.concatenate([block, np.zeros((block.shape[0], 1))], axis=1)
+                for idx in plan.input_layout:
+                    vec = np.zeros((idx.size, k))
+                    vec[:, :block.shape[0]] = ext[:, np.where(idx < 0, ext.shape[1] - 1, idx)].T
+                    columns.append(vec.ravel())
                 sizes.append(len(plan.input_layout))
         n_workers = resolve_workers(workers)
         chunks = np.array_split(np.arange(len(columns)),
@@ -291,11 +295,18 @@ class Client:
                 rows.append(np.stack(cols, axis=1))
                 remaining -= take
         else:
-            if len(groups) != ct.n_samples or any(len(g) != 1 for g in groups):
-                raise SerializationError("decrypt: a vector result needs one ciphertext per "
-                                         "sample")
+            plan = self.program.plan
+            k = plan.interleave
+            if len(groups) != -(-ct.n_samples // k) or any(len(g) != 1 for g in groups):
+                raise SerializationError(f"decrypt: a vector result needs one ciphertext per "
+                                         f"{k} sample(s)")
+            out_slots = plan.steps[plan.output].slots_of
+            remaining = ct.n_samples
             for g in groups:
-                rows.append(_seal_call(lambda g=g: dec(g[0]), "decryption")[None, :out_n])
+                take = min(remaining, k)
+                vec = _seal_call(lambda g=g: dec(g[0]), "decryption").reshape(-1, k)
+                rows.append(vec[out_slots, :take].T)
+                remaining -= take
         y = np.concatenate(rows, axis=0)
         return y.reshape((ct.n_samples,) + self.program.output_shape)
 
@@ -350,8 +361,8 @@ class Server:
         self.engine.galois_keys = gk
         self._encryptor = seal.Encryptor(self.engine.context, pk)
         self.context_bytes = len(public_context)
-        self.kernels = VectorKernels(self.engine, program.plan) if program.plan is not None \
-            else None
+        self.kernels = VectorKernels(self.engine, program.plan) \
+            if program.packing == "vector" else None
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine
@@ -370,7 +381,8 @@ class Server:
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
             for k, c in zip(live, g):
                 full[k] = c
-            res = _seal_call(lambda: run_batch(self.engine, prog.program, full), "evaluation")
+            res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full),
+                             "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
         assert plan is not None and self.kernels is not None

@@ -9,7 +9,6 @@ back with the same fingerprint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -18,16 +17,21 @@ from typing import Any
 import numpy as np
 
 from he.container import pack, unpack
+from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
-from he.plan import VectorPlan, batch_levels, plan_summary, plan_vector
-from he.runtime import live_inputs
+from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, next_pow2,
+                     search_layouts)
+from he.runtime import live_rows
 from polynets.errors import ProgramFormatError, TraceError
+from polynets.lowering import Lowered, integer_factor, lower, step_levels
 from polynets.program import PolyProgram, atomic_write_bytes
 
-__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS"]
+__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
 
+#: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
 PACKINGS = ("vector", "batch")
+OBJECTIVES = ("latency", "throughput")
 
 
 def _program_digest(program: PolyProgram) -> str:
@@ -81,7 +85,7 @@ def _noise_gain(program: PolyProgram, maxabs: list[float], rms: list[float],
         elif node.op == "mul_const":
             v = np.asarray(a["value"], dtype=np.float64)
             c = float(np.abs(v).max(initial=0.0))
-            exact = bool(np.all(v == np.round(v)))
+            exact = integer_factor(v) is not None
             g = (c * ins[0][0],
                  c * ins[0][1] + (0.0 if exact else 1.0 + rms[node.inputs[0]] * rounding))
         else:
@@ -97,20 +101,77 @@ def _degree_depth(program: PolyProgram) -> tuple[int, int]:
     return int(info.degree), int(info.depth)
 
 
+def _limbs(params: CKKSParams, level: int) -> int:
+    """RNS primes a ciphertext carries at ``level`` (the special prime excluded)."""
+    return params.levels + 1 - level
+
+
+def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
+                   slots_ciphertexts: int = 0) -> int:
+    """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs), relinearisation
+    and Galois keys, and ``slots_ciphertexts`` live ciphertexts at the top level."""
+    n = params.poly_modulus_degree
+    top = params.levels + 1
+    plain = sum(count * n * _limbs(params, lv) * 8 for count, lv in plaintexts)
+    key = 2 * n * (top + 1) * top * 8
+    return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
+
+
+def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> dict[str, Any]:
+    counts = plan.op_counts()
+    ring = params.poly_modulus_degree
+    seconds = 0.0
+    plaintexts: list[tuple[int, int]] = []
+    for st, c in zip(plan.steps, counts):
+        lin = max((plan.steps[j].level for j in st.inputs), default=0)
+        seconds += costs.price({k: v for k, v in c.items() if k != "plaintexts"}, ring,
+                               _limbs(params, lin))
+        plaintexts.append((c["plaintexts"], lin))
+    total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
+    k = plan.interleave
+    return {"seconds_per_ciphertext": seconds, "samples_per_ciphertext": k,
+            "seconds_per_sample": seconds / k, "counts": total,
+            "server_memory_bytes": _server_memory(params, plaintexts, len(plan.rotations()),
+                                                  len(plan.steps))}
+
+
+def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
+                   costs: CostModel) -> dict[str, Any]:
+    counts = batch_counts(lowered, live)
+    levels = step_levels(lowered.steps, "batch")
+    ring = params.poly_modulus_degree
+    seconds = 0.0
+    widest = 0
+    for st, c, rows in zip(lowered.steps, counts, live):
+        lin = max((levels[j] for j in st.inputs), default=0)
+        seconds += costs.price(c, ring, _limbs(params, lin))
+        widest = max(widest, int(rows.sum()))
+    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    return {"seconds_per_ciphertext": seconds, "samples_per_ciphertext": params.slots,
+            "seconds_per_sample": seconds / params.slots, "counts": total,
+            "server_memory_bytes": _server_memory(params, [], 0, 2 * widest)}
+
+
 class CompiledProgram:
     """A polynomial program compiled for CKKS: parameters, packing plan, calibrated ranges.
 
     Attributes:
         program: the :class:`~polynets.program.PolyProgram` (float64 weights).
         params: the chosen :class:`~he.params.CKKSParams` (``str(params)`` says why).
-        packing: ``"vector"`` (one sample per ciphertext) or ``"batch"`` (one per slot).
+        packing: ``"vector"`` (``plan.interleave`` samples per ciphertext, interleaved) or
+            ``"batch"`` (one sample per slot).
         calibration: per-node max |value| on the calibration data.
         degree, depth: total degree and ciphertext-ciphertext multiplicative depth.
-        plan: the vector-packing plan (None for batch packing).
+        lowered: the program's CKKS steps (:func:`polynets.lowering.lower`).
+        plan: the lowering chosen -- a :class:`~he.plan.VectorPlan` (layouts, rotations,
+            samples per ciphertext) or a :class:`~he.plan.BatchPlan` -- with op counts, the cost
+            model's predicted time per ciphertext and per sample, the server's memory and why
+            it was chosen (``plan.predicted``, ``plan.why``).
     """
 
     def __init__(self, program: PolyProgram, params: CKKSParams, packing: str,
-                 calibration: list[float], options: dict[str, Any], certificate: str = ""):
+                 calibration: list[float], options: dict[str, Any], certificate: str = "",
+                 *, _lowered: Lowered | None = None, _plan: VectorPlan | None = None):
         self.program = program
         self.params = params
         self.packing = packing
@@ -118,10 +179,23 @@ class CompiledProgram:
         self.options = dict(options)
         self.certificate = certificate
         self.degree, self.depth = _degree_depth(program)
-        self.plan: VectorPlan | None = None
-        if packing == "vector":
-            self.plan = plan_vector(program, params.slots,
-                                    max_input_ciphertexts=int(options["max_input_ciphertexts"]))
+        self.lowered = _lowered if _lowered is not None else lower(program)
+        self.plan: VectorPlan | BatchPlan
+        if _plan is not None:
+            self.plan = _plan
+        elif packing == "vector":
+            orders = self.options.get("layouts")
+            self.plan = build_vector_plan(
+                self.lowered, params.slots,
+                None if orders is None else [None if o is None else tuple(o) for o in orders],
+                interleave=self.options.get("interleave"),
+                output_shape=tuple(program.output_shape),
+                max_input_ciphertexts=int(self.options["max_input_ciphertexts"]))
+        else:
+            live = live_rows(self.lowered)
+            self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
+        self.plan.predicted = dict(self.options.get("predicted", {}))
+        self.plan.why = str(self.options.get("why", ""))
         meta = json.dumps({"params": params.to_dict(), "packing": packing,
                            "options": self.options}, sort_keys=True)
         self.fingerprint = hashlib.sha256(
@@ -139,11 +213,18 @@ class CompiledProgram:
         return tuple(self.program.output_shape[1:]) if self.program.output_shape[:1] == (1,) \
             else tuple(self.program.output_shape)
 
-    @functools.cached_property
+    @property
     def batch_inputs(self) -> np.ndarray:
         """Flat indices of the input elements that batch packing encrypts: those that can reach
         the output (e.g. not the pixels a strided convolution skips); int64, ascending."""
-        return np.flatnonzero(live_inputs(self.program))
+        if not isinstance(self.plan, BatchPlan):
+            raise AttributeError("batch_inputs exists in batch packing only")
+        return self.plan.inputs
+
+    @property
+    def samples_per_ciphertext(self) -> int:
+        """Samples one ciphertext (group) holds: the plan's interleave, or the slots."""
+        return self.plan.interleave
 
     @property
     def input_range(self) -> float:
@@ -159,19 +240,29 @@ class CompiledProgram:
 
     def summary(self) -> str:
         lines = [f"compiled program {self.fingerprint} ({self.packing} packing, degree "
-                 f"{self.degree}, multiplicative depth {self.depth}, {len(self.program)} ops)",
+                 f"{self.degree}, multiplicative depth {self.depth}, {len(self.program)} ops, "
+                 f"{len(self.lowered.steps)} CKKS steps)",
                  str(self.params)]
-        if self.plan is not None:
-            s = plan_summary(self.plan)
-            lines.append(f"  vector plan: {s['rotations']} rotations ({s['rotation_keys']} Galois "
-                         f"keys), {s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
+        p = self.plan.predicted
+        if isinstance(self.plan, VectorPlan):
+            s = self.plan.cost()
+            lines.append(f"  vector plan: {self.plan.interleave} sample(s) per ciphertext, "
+                         f"{s['rotations']} rotations ({len(self.plan.rotations())} Galois keys), "
+                         f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
-                         f"sample")
+                         f"group")
         else:
             lines.append(f"  batch plan: {self.params.slots} samples per ciphertext, "
                          f"{self.batch_inputs.size} input ciphertexts per group (of "
                          f"{int(np.prod(self.input_shape))} input elements, the others never "
                          f"reach the output)")
+        if p:
+            lines.append(f"  predicted: {p['seconds_per_ciphertext']:.3g} s per ciphertext "
+                         f"({p['samples_per_ciphertext']} samples), "
+                         f"{p['seconds_per_sample'] * 1e3:.3g} ms per sample, server memory "
+                         f"{p['server_memory_bytes'] / 2 ** 20:.0f} MiB")
+        if self.plan.why:
+            lines.append(f"  why: {self.plan.why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -260,9 +351,67 @@ def _calibration_data(program: PolyProgram, example_input: Any, calibration: Any
     return np.asarray(data, dtype=np.float64)
 
 
+def _dense_widest(lowered: Lowered) -> int:
+    return max(next_pow2(st.n) for st in lowered.steps)
+
+
+def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,
+                     maxabs: list[float], rms: list[float], options: dict[str, Any],
+                     rings: tuple[int, ...], costs: CostModel, precision_bits: int,
+                     scale_bits: int | None, samples: int | None) -> CompiledProgram:
+    gain = _noise_gain(program, maxabs, rms, packing)
+    levels = lowered.depth_levels(packing)
+    notes: list[str] = []
+    error: TooDeepError | None = None
+    for ring in rings:
+        slots = ring // 2
+        if packing == "vector" and _dense_widest(lowered) > slots:
+            notes.append(f"N={ring}: a value needs {_dense_widest(lowered)} slots")
+            continue
+        try:
+            params = choose_params(levels, max(maxabs), gain, precision_bits=precision_bits,
+                                   output_abs=maxabs[program.output],
+                                   slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
+                                   rotations=packing == "vector")
+        except TooDeepError as exc:
+            notes.append(f"N={ring}: {levels} levels do not fit")
+            error = exc
+            continue
+        if notes:
+            params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
+        opts = dict(options)
+        if packing == "vector":
+            def price(counts: dict[str, int], level: int, _p: CKKSParams = params) -> float:
+                return costs.price({k: v for k, v in counts.items() if k != "plaintexts"},
+                                   ring, _limbs(_p, level))
+
+            orders, _ = search_layouts(lowered, slots, price)
+            plan = build_vector_plan(lowered, slots, orders, interleave=samples,
+                                     output_shape=tuple(program.output_shape),
+                                     max_input_ciphertexts=int(options["max_input_ciphertexts"]))
+            opts["layouts"] = [None if o is None else list(o) for o in orders]
+            opts["interleave"] = plan.interleave
+            opts["predicted"] = _predict_vector(plan, params, costs)
+            changed = sum(o is not None for o in orders)
+            opts["why"] = (f"layouts searched under the cost model ({costs.source}): "
+                           f"{changed} of {len(orders)} values in a strided layout; widest "
+                           f"value {plan.widest} slots, so {plan.interleave} sample(s) share "
+                           f"each ciphertext")
+        else:
+            opts["predicted"] = _predict_batch(lowered, live_rows(lowered), params, costs)
+            opts["why"] = "one sample per slot; dead inputs and outputs skipped"
+        return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,
+                               _plan=plan if packing == "vector" else None)
+    if error is not None:
+        raise error
+    raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
+
+
 def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
-            packing: str = "vector", precision_bits: int = 16, ring_degree: int | None = None,
-            scale_bits: int | None = None, max_input_ciphertexts: int = 8) -> CompiledProgram:
+            packing: str = "vector", objective: str = "latency", precision_bits: int = 16,
+            ring_degree: int | None = None, scale_bits: int | None = None,
+            max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
+            cost_model: CostModel | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     Args:
@@ -270,19 +419,35 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         example_input: a batch ``(B, *sample)``; also the calibration data by default.
         calibration: data ``(B, *sample)`` whose per-node ranges size the modulus chain; inputs
             outside the input's calibrated range later trigger a CalibrationRangeWarning.
-        packing: ``"vector"`` (latency: one sample per ciphertext) or ``"batch"`` (throughput:
-            one sample per slot).
+        packing: ``"vector"`` (latency: a sample's values in slot vectors, with as many samples
+            interleaved per ciphertext as the widest value leaves room for), ``"batch"``
+            (throughput: one sample per slot) or ``"auto"`` (the cost model picks for
+            ``objective``; ``prog.plan.why`` says why).
+        objective: ``"latency"`` (least time per ciphertext) or ``"throughput"`` (least time per
+            sample); used by ``packing="auto"``.
         precision_bits: wanted output precision, in bits relative to the output range.
         ring_degree, scale_bits: overrides of the automatic choice (still 128-bit secure).
-        max_input_ciphertexts: vector packing may send the input as this many ciphertexts when
-            that saves the server its first layer's rotations.
+        max_input_ciphertexts: input ciphertexts per sample the client may send so that the
+            first map needs no rotation (vector packing).
+        samples_per_ciphertext: vector packing's interleave (a power of two); default the most
+            that fit.
+        cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
 
     Raises:
-        NotEncryptableError: the model is not a polynomial (message names the modules).
+        NotEncryptableError: the model is not a polynomial (message names the modules), or an
+            argument is out of range.
         TooDeepError: more levels than any secure parameter set offers.
     """
-    if packing not in PACKINGS:
-        raise NotEncryptableError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    if packing not in PACKINGS + ("auto",):
+        raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
+                                  f"got {packing!r}")
+    if objective not in OBJECTIVES:
+        raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if samples_per_ciphertext is not None and (
+            int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
+            int(samples_per_ciphertext) - 1)):
+        raise NotEncryptableError(f"samples_per_ciphertext must be a power of two, got "
+                                  f"{samples_per_ciphertext!r}")
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
     values = program.run(calib, keep=True)
@@ -290,37 +455,33 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
     rms = [float(np.sqrt(np.mean(np.square(v)))) if v.size else 0.0 for v in values]
-    gain = _noise_gain(program, maxabs, rms, packing)
-    out_abs = maxabs[program.output]
     options = {"precision_bits": int(precision_bits),
-               "max_input_ciphertexts": int(max_input_ciphertexts)}
+               "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective}
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
-    notes: list[str] = []
+    costs = cost_model if cost_model is not None else default_model()
+    lowered = lower(program)
+    kinds = PACKINGS if packing == "auto" else (packing,)
+    found: list[CompiledProgram] = []
     error: TooDeepError | None = None
-    for ring in rings:
-        if packing == "vector":
-            plan = plan_vector(program, ring // 2, max_input_ciphertexts=max_input_ciphertexts)
-            if plan.widest > ring // 2:
-                notes.append(f"N={ring}: a value needs {plan.widest} slots")
-                continue
-            levels = plan.levels
-            slots_needed = plan.widest
-        else:
-            levels = max(batch_levels(program))
-            slots_needed = 1
+    for kind in kinds:
         try:
-            params = choose_params(levels, max(maxabs), gain, precision_bits=precision_bits,
-                                   output_abs=out_abs, slots_needed=slots_needed,
-                                   ring_degree=ring, scale_bits=scale_bits,
-                                   rotations=packing == "vector" and bool(plan.rotations()))
+            found.append(_compile_packing(program, lowered, kind, cert, maxabs, rms, options,
+                                          rings, costs, precision_bits, scale_bits,
+                                          samples_per_ciphertext))
         except TooDeepError as exc:
-            notes.append(f"N={ring}: {levels} levels do not fit")
             error = exc
-            continue
-        if notes:
-            params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
-        return CompiledProgram(program, params, packing, maxabs, options, cert)
-    if error is not None:
+    if not found:
+        assert error is not None
         raise error
-    raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
-
+    key = "seconds_per_ciphertext" if objective == "latency" else "seconds_per_sample"
+    best = min(found, key=lambda p: p.plan.predicted[key])
+    if packing == "auto":
+        others = "; ".join(f"{p.packing}: {p.plan.predicted[key]:.3g} s "
+                           f"(N={p.params.poly_modulus_degree})" for p in found)
+        why = (f"packing='auto', objective={objective!r}: predicted {key.replace('_', ' ')} "
+               f"{others} -> {best.packing}; " + best.plan.why)
+        best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
+                               {**best.options, "why": why}, best.certificate,
+                               _lowered=best.lowered,
+                               _plan=best.plan if best.packing == "vector" else None)
+    return best

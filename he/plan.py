@@ -1,68 +1,88 @@
-"""Lowering a polynomial program to the steps of the two CKKS packings.
+"""Vector-packing plans: layouts, diagonal matrix-vector products and their modelled cost.
 
-**Batch packing** evaluates the program's nodes directly (one sample per slot); this module only
-counts its levels (:func:`batch_levels`).
+A program is first lowered to steps (:mod:`polynets.lowering`: affine maps between ciphertext
+products, composed, one level each). **Vector packing** then places one sample's value in slot
+vectors:
 
-**Vector packing** keeps one sample per ciphertext: a value with ``n`` elements sits in slots
-``[0, n)``, zero-padded to its *period* ``p = next_pow2(n)`` and repeated across all slots, so a
-cyclic rotation of the whole ciphertext is a cyclic rotation of the value modulo ``p``. Every
-affine node (linear, gather, non-integer constant scale, constant shift, and sums of those) is
-composed into a pending sparse affine map ``y = sum_k A_k x_k + b`` and only materialised when a
-ciphertext product, the output or a shared value needs it, so gather/linear/gather chains cost
-one level. A materialised map is evaluated by the diagonal method with baby-step/giant-step
-rotations (:class:`MatVec`); a map with more outputs than inputs, or fewer, works in the larger of
-the two periods and folds the result with ``log2(p_in / p_out)`` rotations. When the first map
-reads only the input and each output uses few inputs (convolutions, patch embeddings), the client
-encrypts the input as *planes* (plane ``t`` holds, for every output, its ``t``-th input), so the
-server needs no rotation for it at all.
+* **Layouts.** A value of logical shape ``S`` sits in slots by a *layout*: ``None`` is the
+  row-major order, slots ``[0, n)``; an axis order such as ``(2, 1)`` puts axis 2 outermost and
+  pads the inner axes to powers of two, so that the axis a map acts on has a power-of-two stride.
+  A map acting on one axis (a Mu-Layer's channel maps repeated over tokens, a token map repeated
+  over channels) then has as many diagonals as that axis has offsets, each a multiple of the
+  stride, and its baby-step/giant-step rotations number about twice the square root of the
+  channel count, not of tokens x channels.
+* **Periods and interleaving.** A value of slot width ``w`` is zero-padded to its period
+  ``p = next_pow2(w)`` and repeated, so a cyclic rotation of the ciphertext is a rotation of the
+  value modulo ``p``. When the widest value needs ``P`` slots of ``slots``, ``k = slots / P``
+  samples share one ciphertext, interleaved (slot ``i k + j`` holds slot ``i`` of sample ``j``):
+  every rotation moves all samples alike, so k samples cost what one does.
+* **Diagonal method.** An affine step is ``sum_g rot(sum_b diag_{g,b} * rot(x, b), giant_g)``
+  (:class:`MatVec`); a map with fewer outputs than inputs works in the larger period and folds
+  with ``log2(p_in / p_out)`` rotations. When the first map reads only the input and each output
+  uses few inputs (convolutions, patch embeddings), the client encrypts *planes* (plane ``t`` holds
+  every output's ``t``-th input) and the server needs no rotation for it, whatever layout the next
+  step wants.
+* **Search.** :func:`search_layouts` chooses every value's layout to minimise the whole program's
+  time under a :class:`~he.costmodel.CostModel`; values multiplied together or summed without a
+  map share one layout.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 
-from polynets.program import PolyProgram
+from polynets.lowering import Lowered, Step, step_levels
 
-__all__ = ["batch_levels", "int_scalar", "MatVec", "VStep", "VectorPlan", "plan_vector",
-           "next_pow2"]
+__all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "candidate_orders",
+           "layout_groups", "search_layouts", "build_vector_plan", "matvec_counts",
+           "batch_counts"]
+
+Order = tuple[int, ...] | None
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def int_scalar(value: np.ndarray) -> int | None:
-    """The integer ``k`` if ``value`` is one integer repeated (a level-free multiplication)."""
-    v = np.asarray(value, dtype=np.float64).ravel()
-    if v.size == 0 or not np.all(v == v[0]):
-        return None
-    k = float(v[0])
-    return int(k) if k == round(k) and abs(k) < 2 ** 20 else None
+# ----------------------------------------------------------------------------- layouts
+def slot_map(shape: Sequence[int], order: Order) -> np.ndarray:
+    """Slot of every element (row-major flat index) of a value of ``shape`` in layout ``order``."""
+    shape = tuple(int(s) for s in shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    if order is None:
+        return np.arange(n, dtype=np.int64)
+    sizes = [shape[a] for a in order]
+    padded = [sizes[0]] + [next_pow2(s) for s in sizes[1:]]
+    strides = [1] * len(order)
+    for i in range(len(order) - 2, -1, -1):
+        strides[i] = strides[i + 1] * padded[i + 1]
+    idx = np.indices(shape, dtype=np.int64).reshape(len(shape), -1)
+    out = np.zeros(n, dtype=np.int64)
+    for a, s in zip(order, strides):
+        out += idx[a] * s
+    return out
 
 
-def batch_levels(program: PolyProgram) -> list[int]:
-    """Levels (rescales) of every node in batch packing."""
-    levels: list[int] = []
-    for node in program.nodes:
-        ins = [levels[j] for j in node.inputs]
-        if node.op == "input":
-            lv = 0
-        elif node.op == "linear":
-            lv = ins[0] + 1
-        elif node.op == "mul":
-            lv = max(ins) + 1
-        elif node.op == "mul_const":
-            v = np.asarray(node.attrs["value"], dtype=np.float64)
-            lv = ins[0] + (0 if np.all(v == np.round(v)) else 1)
-        else:
-            lv = max(ins)
-        levels.append(lv)
-    return levels
+def candidate_orders(shape: Sequence[int], max_axes: int = 3) -> list[Order]:
+    """Layouts worth pricing: row-major, and every order of the (at most 3) non-trivial axes."""
+    axes = [a for a, s in enumerate(shape) if s > 1]
+    cands: list[Order] = [None]
+    if 2 <= len(axes) <= max_axes:
+        cands += [tuple(p) for p in itertools.permutations(axes)]
+    elif len(axes) > max_axes:
+        cands += [tuple(axes), tuple(reversed(axes))]
+    return cands
+
+
+def _width(shape: Sequence[int], order: Order) -> int:
+    sm = slot_map(shape, order)
+    return int(sm.max()) + 1 if sm.size else 1
 
 
 # ----------------------------------------------------------------------------- diagonal method
@@ -70,9 +90,9 @@ def batch_levels(program: PolyProgram) -> list[int]:
 class MatVec:
     """``y = A x`` on periodic slot vectors by the BSGS diagonal method.
 
-    ``groups[g]`` maps a baby step ``b`` to a diagonal (already rotated by ``-giant[g]`` and
-    tiled to the slot count); the result is ``sum_g rot(sum_b diag * rot(x, b), giant[g])``,
-    then folded by the rotations in ``folds``.
+    ``groups[g]`` maps a baby step ``b`` to a diagonal of length ``big`` (already rotated by
+    ``-giants[g]``; tiled to the slots when encoded); the result is
+    ``sum_g rot(sum_b diag * rot(x, b), giants[g])``, then folded by the rotations in ``folds``.
     """
 
     p_in: int
@@ -95,68 +115,120 @@ class MatVec:
     def n_diagonals(self) -> int:
         return sum(len(g) for g in self.groups)
 
+    def counts(self) -> dict[str, int]:
+        """Primitive counts before the folds (see :func:`_step_total`)."""
+        bsgs = len({b for b in self.babies if b}) + len({g for g in self.giants if g})
+        return {"rotate": bsgs, "mul_plain": self.n_diagonals, "add": self.n_diagonals,
+                "plaintexts": self.n_diagonals, "folds": len(self.folds)}
 
-def _diagonals(a: sp.csr_matrix, p_in: int, p_out: int) -> tuple[dict[int, np.ndarray], int]:
-    """Diagonals ``d -> vector of length P`` of ``a`` (p_out x p_in padded) and P."""
+
+def _diagonal_index(a: sp.spmatrix, p_in: int, p_out: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Row (within the larger period), diagonal offset and value of every nonzero; the period."""
     coo = a.tocoo()
-    r, c, v = coo.row.astype(np.int64), coo.col.astype(np.int64), coo.data
+    rows, d, big = _diagonals_of(coo.row.astype(np.int64), coo.col.astype(np.int64), p_in, p_out)
+    return rows, d, coo.data, big
+
+
+def _diagonals_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
     if p_out >= p_in:
-        big = p_out
-        rows = r
-        d = (c - r) % p_in
-    else:
-        big = p_in
-        t = ((c - r) % p_in) // p_out
-        rows = r + t * p_out
-        d = (c - rows) % p_in
-    diags: dict[int, np.ndarray] = {}
-    for dd in np.unique(d):
-        sel = d == dd
-        vec = np.zeros(big)
-        np.add.at(vec, rows[sel], v[sel])
-        if np.any(vec):
-            diags[int(dd)] = vec
-    return diags, big
+        return r, (c - r) % p_in, p_out
+    rows = r + (((c - r) % p_in) // p_out) * p_out
+    return rows, (c - rows) % p_in, p_in
 
 
-def make_matvec(a: sp.csr_matrix, p_in: int, p_out: int, slots: int) -> MatVec:
-    """Plan ``a`` (shape (n_out, n_in)) for inputs of period ``p_in`` and outputs of ``p_out``.
-
-    The baby-step size ``n1`` (a power of two, in units of the gcd of the diagonal offsets)
-    minimises the number of distinct rotations, baby plus giant.
-    """
-    diags, big = _diagonals(a, p_in, p_out)
-    keys = sorted(diags)
-    step = 0
-    for d in keys:
-        step = math.gcd(step, d)
-    step = step or 1
-    span = (max(keys) // step + 1) if keys else 1
-    best: tuple[int, int] | None = None
-    for n1 in [1 << k for k in range(0, max(1, span).bit_length() + 1)]:
-        babies = {(d // step) % n1 for d in keys}
-        giants = {(d // step) // n1 for d in keys}
-        cost = len(babies - {0}) + len(giants - {0})
-        if best is None or cost < best[0]:
+def _bsgs(keys: np.ndarray) -> tuple[int, int]:
+    """Unit ``step`` (gcd of the offsets) and baby-step count ``n1`` (a power of two) that
+    minimise the distinct rotations, baby plus giant."""
+    if keys.size == 0:
+        return 1, 1
+    step = int(np.gcd.reduce(keys)) or 1
+    units = keys // step
+    span = int(units.max()) + 1
+    best = (math.inf, 1)
+    for n1 in (1 << k for k in range(0, span.bit_length() + 1)):
+        babies = _unique_small(units % n1, n1)
+        giants = _unique_small(units // n1, span // n1 + 1)
+        cost = int(np.count_nonzero(babies)) + int(np.count_nonzero(giants))
+        if cost < best[0]:
             best = (cost, n1)
-    n1 = best[1] if best else 1
-    reps = slots // big
+    return step, best[1]
+
+
+def _folds(p_in: int, p_out: int) -> list[int]:
+    folds, s = [], p_out
+    while s < p_in:
+        folds.append(s)
+        s *= 2
+    return folds
+
+
+def matvec_counts(a: sp.spmatrix, p_in: int, p_out: int) -> dict[str, int]:
+    """Primitive counts of :func:`make_matvec`'s plan for ``a``, without building it."""
+    coo = a.tocoo()
+    keep = coo.data != 0
+    return _counts_of(coo.row[keep].astype(np.int64), coo.col[keep].astype(np.int64), p_in,
+                      p_out)
+
+
+def _step_total(terms: list[dict[str, int]]) -> dict[str, int]:
+    """Counts of an affine step from its terms' (:func:`_counts_of`): the terms are summed
+    before one rescale and share the folds of the widest."""
+    total: dict[str, int] = {}
+    for c in terms:
+        for k, v in c.items():
+            if k != "folds":
+                total[k] = total.get(k, 0) + v
+    folds = max((c.get("folds", 0) for c in terms), default=0)
+    total["rotate"] = total.get("rotate", 0) + folds
+    total["add"] = total.get("add", 0) + folds
+    total["rescale"] = int(any("folds" in c for c in terms))
+    return total
+
+
+def _unique_small(values: np.ndarray, bound: int) -> np.ndarray:
+    """Sorted distinct values of non-negative ints below ``bound`` (a bitmap, no sort)."""
+    seen = np.zeros(bound, dtype=bool)
+    seen[values] = True
+    return np.flatnonzero(seen)
+
+
+def _counts_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int) -> dict[str, int]:
+    _, d, _ = _diagonals_of(r, c, p_in, p_out)
+    keys = _unique_small(d, p_in)
+    step, n1 = _bsgs(keys)
+    units = keys // step
+    babies = int(np.count_nonzero(_unique_small(units % n1, n1)))
+    giants = int(np.count_nonzero(_unique_small(units // n1, int(units.max()) // n1 + 1)))
+    return {"rotate": babies + giants, "mul_plain": int(keys.size), "add": int(keys.size),
+            "plaintexts": int(keys.size), "folds": len(_folds(p_in, p_out))}
+
+
+def make_matvec(a: sp.spmatrix, p_in: int, p_out: int) -> MatVec:
+    """Plan ``a`` (shape (width_out, width_in)) for inputs of period ``p_in``, outputs ``p_out``."""
+    rows, d, v, big = _diagonal_index(a, p_in, p_out)
+    keep = v != 0
+    rows, d, v = rows[keep], d[keep], v[keep]
+    keys = np.unique(d)
+    step, n1 = _bsgs(keys)
     by_giant: dict[int, dict[int, np.ndarray]] = {}
-    for d in keys:
-        g, b = divmod(d // step, n1)
+    order = np.argsort(d, kind="stable")
+    rows, d, v = rows[order], d[order], v[order]
+    bounds = np.searchsorted(d, keys)
+    for key, lo, hi in zip(keys, bounds, np.append(bounds[1:], d.size)):
+        vec = np.zeros(big)
+        np.add.at(vec, rows[lo:hi], v[lo:hi])
+        if not np.any(vec):
+            continue
+        g, b = divmod(int(key) // step, n1)
         shift = g * n1 * step
-        by_giant.setdefault(shift, {})[b * step] = np.tile(np.roll(diags[d], shift), reps)
+        by_giant.setdefault(shift, {})[b * step] = np.roll(vec, shift)
     giants = sorted(by_giant)
-    folds = []
-    if p_out < p_in:
-        s = p_out
-        while s < p_in:
-            folds.append(s)
-            s *= 2
-    return MatVec(p_in, p_out, giants, [by_giant[g] for g in giants], folds)
+    return MatVec(p_in, p_out, giants, [by_giant[g] for g in giants], _folds(p_in, p_out))
 
 
-# ----------------------------------------------------------------------------- vector plan
+# ----------------------------------------------------------------------------- plan
 @dataclass
 class VStep:
     """One vector-packing step; ``kind`` in input, affine, planes, mul, mul_int."""
@@ -164,223 +236,333 @@ class VStep:
     kind: str
     inputs: tuple[int, ...]
     n: int
-    level: int = 0
-    matvecs: list[MatVec | None] = field(default_factory=list)   # None: identity term
-    matrices: list[sp.csr_matrix] = field(default_factory=list)
-    bias: np.ndarray | None = None
+    level: int
+    slots_of: np.ndarray                 # element (row-major) -> slot within one period
+    period: int
+    matvecs: list[MatVec | None] = field(default_factory=list)   # None: the identity term
+    bias: np.ndarray | None = None       # slot vector of one period
     factor: int = 1
-    planes: list[np.ndarray] = field(default_factory=list)   # plaintext weights per input ct
+    planes: list[np.ndarray] = field(default_factory=list)   # per input ct: (per_ct * p_out,)
     plane_folds: list[int] = field(default_factory=list)
-
-    @property
-    def period(self) -> int:
-        return next_pow2(self.n)
 
 
 @dataclass
 class VectorPlan:
-    """Steps of a vector-packed program, the client's input layout and the rotations used."""
+    """Steps of a vector-packed program, the client's input layout and the rotations used.
+
+    ``interleave`` samples share each ciphertext (slot ``i * interleave + j`` holds slot ``i`` of
+    sample ``j``); ``input_layout[c][i]`` is the flat input element in slot ``i`` of input
+    ciphertext ``c`` (``-1``: zero); ``orders`` are the layouts chosen, one per lowered step.
+    """
 
     steps: list[VStep]
     output: int
-    input_layout: list[np.ndarray]      # per input ciphertext: slot -> flat input index or -1
+    input_layout: list[np.ndarray]
     output_shape: tuple[int, ...]
+    slots: int
+    interleave: int
+    orders: list[Order]
+    predicted: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
 
     @property
     def levels(self) -> int:
         return max(s.level for s in self.steps)
 
+    @property
+    def virtual_slots(self) -> int:
+        return self.slots // self.interleave
+
     def rotations(self) -> list[int]:
+        """Physical rotation steps the server needs Galois keys for."""
         steps: set[int] = set()
         for s in self.steps:
             for mv in s.matvecs:
                 if mv is not None:
                     steps |= mv.rotations()
             steps |= set(s.plane_folds)
-        return sorted(steps)
+        return sorted((r * self.interleave) % self.slots for r in steps)
 
     @property
     def widest(self) -> int:
         return max(s.period for s in self.steps)
 
+    def op_counts(self) -> list[dict[str, int]]:
+        """Primitive counts of every step (per ciphertext of ``interleave`` samples)."""
+        out = []
+        for si, s in enumerate(self.steps):
+            c = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0,
+                 "plaintexts": 0}
+            if s.matvecs:
+                terms = [{"add": 1} if mv is None else mv.counts() for mv in s.matvecs]
+                for k, v in _step_total(terms).items():
+                    c[k] += v
+            if s.kind == "planes":
+                c["mul_plain"] += len(s.planes)
+                c["plaintexts"] += len(s.planes)
+                c["add"] += len(s.planes) + len(s.plane_folds)
+                c["rotate"] += len(s.plane_folds)
+                c["rescale"] += 1
+            elif s.kind == "mul":
+                c["mul_ct"] += 1
+                c["rescale"] += 1
+            elif s.kind == "mul_int":
+                c["mul_plain"] += 1
+            if s.bias is not None:
+                c["add"] += 1
+                c["plaintexts"] += 1
+            out.append(c)
+        return out
+
     def cost(self) -> dict[str, int]:
-        mvs = [mv for s in self.steps for mv in s.matvecs if mv is not None]
-        rot = sum(len(mv.rotations()) for mv in mvs) + sum(len(s.plane_folds) for s in self.steps)
-        mults = sum(mv.n_diagonals for mv in mvs) + \
-            sum(len(s.planes) for s in self.steps)
-        return {"rotations": rot, "plain_mults": mults,
-                "ct_mults": sum(s.kind == "mul" for s in self.steps),
+        counts = self.op_counts()
+        return {"rotations": sum(c["rotate"] for c in counts),
+                "plain_mults": sum(c["mul_plain"] for c in counts),
+                "ct_mults": sum(c["mul_ct"] for c in counts),
+                "plaintexts": sum(c["plaintexts"] for c in counts),
                 "input_ciphertexts": len(self.input_layout)}
 
 
 @dataclass
-class _Aff:
-    terms: dict[int, sp.csr_matrix]
-    bias: np.ndarray | None
-    n: int
+class BatchPlan:
+    """Batch packing: one sample per slot, one ciphertext per live element of every value.
+
+    ``live[s]``: which elements of step ``s`` reach the output; ``inputs``: the flat input
+    elements the client encrypts (ascending).
+    """
+
+    live: list[np.ndarray]
+    inputs: np.ndarray
+    slots: int
+    predicted: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+
+    @property
+    def interleave(self) -> int:
+        """Samples per ciphertext."""
+        return self.slots
+
+    def rotations(self) -> list[int]:
+        return []
 
 
-def _eye(n: int) -> sp.csr_matrix:
-    return sp.identity(n, format="csr", dtype=np.float64)
+def layout_groups(lowered: Lowered) -> list[int]:
+    """Group id of every step: steps multiplied together, or summed without a map, share one
+    layout (union-find over ``mul``, ``mul_int`` and all-identity affine steps)."""
+    from polynets.lowering import affine_is_free
+
+    parent = list(range(len(lowered.steps)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for si, st in enumerate(lowered.steps):
+        if st.kind in ("mul", "mul_int") or (st.kind == "affine"
+                                             and affine_is_free(st, "vector")):
+            for j in st.inputs:
+                parent[find(j)] = find(si)
+    return [find(i) for i in range(len(lowered.steps))]
 
 
-def _is_identity(a: sp.csr_matrix) -> bool:
-    return a.shape[0] == a.shape[1] and (a - _eye(a.shape[0])).count_nonzero() == 0
+def _planes_reader(lowered: Lowered, max_planes: int) -> int | None:
+    """The step the client's input planes can replace: the input's only reader, a one-term
+    affine map whose outputs each read at most ``max_planes`` inputs."""
+    readers = [i for i, s in enumerate(lowered.steps) if 0 in s.inputs]
+    if len(readers) != 1 or lowered.output == 0:
+        return None
+    st = lowered.steps[readers[0]]
+    if st.kind != "affine" or len(st.inputs) != 1:
+        return None
+    nnz = np.diff(st.terms[0].tocsr().indptr)
+    k = int(nnz.max()) if nnz.size else 0
+    return readers[0] if 0 < k <= max_planes else None
 
 
-def _linear_matrix(shape: tuple[int, ...], axis: int, weight: np.ndarray) -> sp.csr_matrix:
-    pre = int(np.prod(shape[:axis], dtype=np.int64))
-    post = int(np.prod(shape[axis + 1:], dtype=np.int64))
-    w = sp.csr_matrix(np.asarray(weight, dtype=np.float64).T)
-    return sp.kron(sp.kron(_eye(pre), w), _eye(post), format="csr")
+def _slot_matrix(m: sp.csr_matrix, out_map: np.ndarray, out_width: int, in_map: np.ndarray,
+                 in_width: int) -> sp.csr_matrix:
+    coo = m.tocoo()
+    return sp.csr_matrix((coo.data, (out_map[coo.row], in_map[coo.col])),
+                         shape=(out_width, in_width))
 
 
-def _broadcast_matrix(src: tuple[int, ...], dst: tuple[int, ...]) -> sp.csr_matrix:
-    n_src = int(np.prod(src, dtype=np.int64))
-    idx = np.broadcast_to(np.arange(n_src).reshape(src), dst).ravel()
-    n = idx.size
-    return sp.csr_matrix((np.ones(n), (np.arange(n), idx)), shape=(n, n_src))
+def _term_is_identity(m: sp.csr_matrix, out_map: np.ndarray, in_map: np.ndarray) -> bool:
+    from polynets.lowering import _is_identity
+
+    return _is_identity(m) and out_map.size == in_map.size and np.array_equal(out_map, in_map)
 
 
-def _bias_along(shape: tuple[int, ...], axis: int, bias: np.ndarray) -> np.ndarray:
-    view = [1] * len(shape)
-    view[axis] = bias.shape[0]
-    return np.broadcast_to(bias.reshape(view), shape).ravel().astype(np.float64)
+def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int], int], float],
+                   *, max_planes: int = 64, sweeps: int = 2) -> tuple[list[Order], float]:
+    """Layouts (one per step) minimising the modelled time of all affine steps.
 
+    ``price(counts, level)`` gives seconds for primitive counts at a level. Coordinate descent
+    over layout groups (see :func:`layout_groups`) from several starts (row-major everywhere,
+    and each axis order applied to every value that has those axes); each group tries every
+    candidate order that fits ``slots``. Returns the orders and the modelled seconds of the
+    affine steps.
+    """
+    steps = lowered.steps
+    levels = step_levels(steps, "vector")
+    group = layout_groups(lowered)
+    gids = sorted(set(group))
+    members = {g: [i for i in range(len(steps)) if group[i] == g] for g in gids}
+    planes = _planes_reader(lowered, max_planes)
+    cands: dict[int, list[Order]] = {}
+    for g in gids:
+        shapes = {tuple(steps[i].shape) for i in members[g]}
+        opts = candidate_orders(next(iter(shapes))) if len(shapes) == 1 else [None]
+        cands[g] = [o for o in opts if next_pow2(_width(steps[members[g][0]].shape, o)) <= slots]
+    maps: dict[tuple[int, Order], tuple[np.ndarray, int]] = {}
 
-def _compose(a: sp.csr_matrix, x: _Aff) -> _Aff:
-    terms = {k: (a @ m).tocsr() for k, m in x.terms.items()}
-    bias = None if x.bias is None else a @ x.bias
-    return _Aff(terms, bias, a.shape[0])
+    def smap(si: int, order: Order) -> tuple[np.ndarray, int]:
+        key = (si, order)
+        if key not in maps:
+            sm = slot_map(steps[si].shape, order)
+            maps[key] = (sm, int(sm.max()) + 1 if sm.size else 1)
+        return maps[key]
 
+    memo: dict[tuple[Any, ...], float] = {}
+    coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    from polynets.lowering import _is_identity
+    identity = {(si, t): _is_identity(m) for si, st in enumerate(steps)
+                for t, m in enumerate(st.terms)}
 
-def _sum(*affs: _Aff) -> _Aff:
-    terms: dict[int, sp.csr_matrix] = {}
-    bias = None
-    for f in affs:
-        for k, m in f.terms.items():
-            terms[k] = (terms[k] + m).tocsr() if k in terms else m
-        if f.bias is not None:
-            bias = f.bias.copy() if bias is None else bias + f.bias
-    return _Aff(terms, bias, affs[0].n)
+    term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
 
-
-def plan_vector(program: PolyProgram, slots: int, *, max_planes: int = 64,
-                max_input_ciphertexts: int = 8) -> VectorPlan:
-    """Lower ``program`` to vector-packing steps for ciphertexts of ``slots`` slots."""
-    steps: list[VStep] = []
-    users = program.consumers()
-
-    def add_step(step: VStep) -> int:
-        steps.append(step)
-        return len(steps) - 1
-
-    def materialise(f: _Aff) -> int:
-        if len(f.terms) == 1:
-            (src, m), = f.terms.items()
-            if _is_identity(m) and (f.bias is None or not np.any(f.bias)):
-                return src
-        mvs = []
-        srcs = []
-        p_out = next_pow2(f.n)
-        only_identity = True
-        for src, m in f.terms.items():
-            srcs.append(src)
-            if _is_identity(m) and m.shape[0] == f.n:
-                mvs.append(None)
+    def term_counts(si: int, t: int, o_out: Order, o_in: Order) -> dict[str, int]:
+        key = (si, t, o_out, o_in)
+        if key not in term_memo:
+            st = steps[si]
+            out_map, out_w = smap(si, o_out)
+            in_map, in_w = smap(st.inputs[t], o_in)
+            if identity[si, t] and np.array_equal(out_map, in_map):
+                term_memo[key] = {"add": 1}
             else:
-                only_identity = False
-                mvs.append(make_matvec(m, steps[src].period, p_out, slots))
-        level = max(steps[s].level for s in srcs) + (0 if only_identity else 1)
-        return add_step(VStep("affine", tuple(srcs), f.n, level, matvecs=mvs,
-                              matrices=list(f.terms.values()), bias=f.bias))
+                if (si, t) not in coos:
+                    coo = st.terms[t].tocoo()
+                    keep = coo.data != 0
+                    coos[si, t] = (coo.row[keep].astype(np.int64),
+                                   coo.col[keep].astype(np.int64))
+                r, c = coos[si, t]
+                term_memo[key] = _counts_of(out_map[r], in_map[c], next_pow2(in_w),
+                                            next_pow2(out_w))
+        return term_memo[key]
 
-    def ident(i: int) -> _Aff:
-        return _Aff({i: _eye(steps[i].n)}, None, steps[i].n)
+    def step_cost(si: int, choice: dict[int, Order]) -> float:
+        st = steps[si]
+        if st.kind != "affine" or si == planes:
+            return 0.0
+        o_out = choice[group[si]]
+        key = (si, o_out) + tuple(choice[group[j]] for j in st.inputs)
+        if key not in memo:
+            total = _step_total([term_counts(si, t, o_out, choice[group[j]])
+                                 for t, j in enumerate(st.inputs)])
+            memo[key] = price(total, max(levels[j] for j in st.inputs))
+        return memo[key]
 
-    vals: list[_Aff | None] = [None] * len(program.nodes)
-    for i, node in enumerate(program.nodes):
-        a = node.attrs
-        ins = [vals[j] for j in node.inputs]
-        shape = tuple(node.shape)
-        if node.op == "input":
-            val = ident(add_step(VStep("input", (), node.numel, 0)))
-        elif node.op == "linear":
-            src_shape = tuple(program.nodes[node.inputs[0]].shape)
-            val = _compose(_linear_matrix(src_shape, a["axis"], a["weight"]), ins[0])
-            if a.get("bias") is not None:
-                b = _bias_along(shape, a["axis"], np.asarray(a["bias"], dtype=np.float64))
-                val.bias = b if val.bias is None else val.bias + b
-        elif node.op == "gather":
-            index = np.asarray(a["index"]).ravel()
-            sizes = [program.nodes[j].numel for j in node.inputs]
-            offsets = np.concatenate([[0], np.cumsum(sizes)])
-            parts = []
-            for k, f in enumerate(ins):
-                sel = (index >= offsets[k]) & (index < offsets[k + 1])
-                rows = np.nonzero(sel)[0]
-                m = sp.csr_matrix((np.ones(rows.size), (rows, index[sel] - offsets[k])),
-                                  shape=(index.size, sizes[k]))
-                parts.append(_compose(m, f))
-            val = _sum(*parts)
-        elif node.op == "add_const":
-            val = _Aff(dict(ins[0].terms), ins[0].bias, ins[0].n)
-            b = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
-            val.bias = b.copy() if val.bias is None else val.bias + b
-        elif node.op == "mul_const":
-            k = int_scalar(a["value"])
-            if k is not None:
-                val = ident(add_step(VStep("mul_int", (materialise(ins[0]),), node.numel,
-                                           0, factor=k)))
-                steps[-1].level = steps[steps[-1].inputs[0]].level
-            else:
-                v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
-                val = _compose(sp.diags(v, format="csr"), ins[0])
-        elif node.op in ("add", "mul"):
-            sa, sb = (tuple(program.nodes[j].shape) for j in node.inputs)
-            fa = ins[0] if sa == shape else _compose(_broadcast_matrix(sa, shape), ins[0])
-            fb = ins[1] if sb == shape else _compose(_broadcast_matrix(sb, shape), ins[1])
-            if node.op == "add":
-                val = _sum(fa, fb)
-            else:
-                same = node.inputs[0] == node.inputs[1]
-                xa = materialise(fa)
-                xb = xa if same else materialise(fb)
-                lv = max(steps[xa].level, steps[xb].level) + 1
-                val = ident(add_step(VStep("mul", (xa, xb), node.numel, lv)))
-        else:
-            raise ValueError(f"unknown op {node.op}")
-        if len(users[i]) > 1:
-            val = ident(materialise(val))
-        vals[i] = val
-    out = materialise(vals[program.output])
-    plan = VectorPlan(steps, out, [], tuple(program.output_shape))
-    _input_layout(plan, slots, max_planes, max_input_ciphertexts)
+    affected = {g: sorted({i for i, s in enumerate(steps) if s.kind == "affine" and
+                           (group[i] == g or any(group[j] == g for j in s.inputs))})
+                for g in gids}
+
+    def descend(choice: dict[int, Order]) -> tuple[float, dict[int, Order]]:
+        for _ in range(sweeps):
+            changed = False
+            for g in gids:
+                if len(cands[g]) < 2 or not affected[g]:
+                    continue
+                scored = []
+                for o in cands[g]:
+                    trial = {**choice, g: o}
+                    scored.append((sum(step_cost(i, trial) for i in affected[g]),
+                                   o is not None, o))
+                best = min(scored, key=lambda t: (t[0], t[1]))
+                changed |= best[2] != choice[g]
+                choice = {**choice, g: best[2]}
+            if not changed:
+                break
+        return sum(step_cost(i, choice) for i in range(len(steps))), choice
+
+    # starts: row-major everywhere, and each order applied to every group that admits it (maps
+    # are cheapest when their input and output agree, which one group at a time cannot find)
+    starts: list[dict[int, Order]] = [{g: None for g in gids}]
+    for o in sorted({o for g in gids for o in cands[g] if o is not None}):
+        starts.append({g: o if o in cands[g] else None for g in gids})
+    best_cost, best_choice = min((descend(s) for s in starts),
+                                 key=lambda t: (t[0], sum(o is not None for o in t[1].values())))
+    return [best_choice[group[i]] for i in range(len(steps))], best_cost
+
+
+def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
+                      interleave: int | None = None, output_shape: tuple[int, ...] = (),
+                      max_planes: int = 64, max_input_ciphertexts: int = 8) -> VectorPlan:
+    """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
+
+    ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
+    value leaves room for. ``max_input_ciphertexts``: input planes per sample the client may
+    send so that the first map needs no rotation.
+    """
+    steps = lowered.steps
+    orders = list(orders) if orders is not None else [None] * len(steps)
+    if len(orders) != len(steps):
+        raise ValueError(f"{len(orders)} layouts for {len(steps)} steps")
+    levels = step_levels(steps, "vector")
+    group = layout_groups(lowered)
+    for i, g in enumerate(group):
+        if orders[i] != orders[g]:
+            raise ValueError(f"steps {i} and {g} must share a layout")
+    maps = [slot_map(st.shape, o) for st, o in zip(steps, orders)]
+    widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
+    periods = [next_pow2(w) for w in widths]
+    planes_at = _planes_reader(lowered, max_planes)
+    widest = max(periods)
+    if widest > slots:
+        raise ValueError(f"a value needs {widest} slots, more than the {slots} available")
+    k = interleave if interleave is not None else slots // widest
+    if k < 1 or k & (k - 1) or widest * k > slots:
+        raise ValueError(f"cannot interleave {k} samples of {widest} slots in {slots}")
+    vslots = slots // k
+    vsteps: list[VStep] = []
+    for si, st in enumerate(steps):
+        vs = VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
+                   factor=st.factor)
+        if st.kind == "affine":
+            for j, m in zip(st.inputs, st.terms):
+                if _term_is_identity(m, maps[si], maps[j]):
+                    vs.matvecs.append(None)
+                else:
+                    a = _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
+                    vs.matvecs.append(make_matvec(a, periods[j], periods[si]))
+        elif st.kind in ("mul", "mul_int"):
+            if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
+                raise ValueError(f"step {si}: operands of a product in different layouts")
+        if st.bias is not None and np.any(st.bias):
+            vs.bias = np.zeros(periods[si])
+            vs.bias[maps[si]] = st.bias
+        vsteps.append(vs)
+    plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders)
+    base = np.full(periods[0], -1, dtype=np.int64)
+    base[maps[0]] = np.arange(steps[0].n)
+    plan.input_layout = [np.tile(base, vslots // periods[0])]
+    if planes_at is not None:
+        _input_planes(plan, steps[planes_at].terms[0], planes_at, vslots,
+                      max_input_ciphertexts * k)
     return plan
 
 
-def _input_layout(plan: VectorPlan, slots: int, max_planes: int, max_cts: int) -> None:
-    """Client-side layout of the input; turns the input's only map into a planes step."""
-    steps = plan.steps
-    n_in = steps[0].n
-    p = steps[0].period
-    base = np.full(p, -1, dtype=np.int64)
-    base[:n_in] = np.arange(n_in)
-    plan.input_layout = [np.tile(base, slots // p)]
-    readers = [i for i, s in enumerate(steps) if 0 in s.inputs]
-    if len(readers) != 1 or plan.output == 0:
-        return
-    st = steps[readers[0]]
-    if st.kind != "affine" or len(st.inputs) != 1 or st.matvecs[0] is None:
-        return
-    m = st.matrices[0].tocsr()
+def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
+                  max_cts: int) -> None:
+    """Client-side layout of the input as planes; turns the input's only map into a planes step
+    (weights in the output's slot order, so any layout costs the same)."""
+    st = plan.steps[si]
+    m = m.tocsr()
     m.sort_indices()
     nnz = np.diff(m.indptr)
-    k = int(nnz.max()) if nnz.size else 0
+    k = int(nnz.max())
     p_out = st.period
-    if k == 0 or k > max_planes or p_out > slots:
-        return
-    per_ct = min(next_pow2(math.ceil(k / max_cts)), slots // p_out)
+    per_ct = min(next_pow2(math.ceil(k / max_cts)), vslots // p_out)
     n_cts = math.ceil(k / per_ct)
     if n_cts > max_cts:
         return
@@ -392,23 +574,38 @@ def _input_layout(plan: VectorPlan, slots: int, max_planes: int, max_cts: int) -
             plane = j * per_ct + t
             rows = np.nonzero(nnz > plane)[0]
             cols = m.indices[m.indptr[rows] + plane]
-            idx[t * p_out + rows] = cols
-            w[t * p_out + rows] = m.data[m.indptr[rows] + plane]
-        reps = slots // (per_ct * p_out)
-        layouts.append(np.tile(idx, reps))
-        weights.append(np.tile(w, reps))
-    folds = []
-    s = p_out
-    while s < per_ct * p_out:
-        folds.append(s)
-        s *= 2
+            idx[t * p_out + st.slots_of[rows]] = cols
+            w[t * p_out + st.slots_of[rows]] = m.data[m.indptr[rows] + plane]
+        layouts.append(np.tile(idx, vslots // (per_ct * p_out)))
+        weights.append(w)
     st.kind = "planes"
     st.planes = weights
-    st.plane_folds = folds
+    st.plane_folds = _folds(per_ct * p_out, p_out)
     st.matvecs = []
     plan.input_layout = layouts
 
 
-def plan_summary(plan: VectorPlan) -> dict[str, Any]:
-    return {"steps": len(plan.steps), **plan.cost(), "rotation_keys": len(plan.rotations()),
-            "levels": plan.levels}
+def batch_counts(lowered: Lowered, live: list[np.ndarray]) -> list[dict[str, int]]:
+    """Primitive counts of every step in batch packing (one ciphertext per live element)."""
+    from polynets.lowering import affine_is_free
+
+    out = []
+    for si, st in enumerate(lowered.steps):
+        rows = live[si]
+        c = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0, "encode": 0}
+        n_live = int(rows.sum())
+        if st.kind == "affine":
+            nnz = sum(int(np.diff(m.tocsr().indptr)[rows].sum()) for m in st.terms)
+            if affine_is_free(st, "batch"):
+                c["add"] = nnz
+            else:
+                c["mul_plain"] = nnz
+                c["add"] = nnz
+                c["rescale"] = n_live
+        elif st.kind == "mul":
+            c["mul_ct"] = n_live
+            c["rescale"] = n_live
+        elif st.kind == "mul_int":
+            c["mul_plain"] = n_live
+        out.append(c)
+    return out

@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 
 from he.backend import Engine
 from he.plan import MatVec, VectorPlan
-from polynets.program import PolyProgram
+from polynets.lowering import Lowered, Step, affine_is_free, integer_factor
 
-__all__ = ["live_inputs", "run_batch", "VectorKernels", "run_vector"]
+__all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
 
 Elem = Any  # a seal.Ciphertext or a float
 
@@ -33,8 +33,9 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
         return e * v
     if v == 0.0:
         return 0.0
-    if v == round(v) and abs(v) < 2 ** 20:
-        return eng.mul_int(e, int(v))
+    k = integer_factor(v)
+    if k is not None:
+        return eng.mul_int(e, k)
     return eng.rescale(eng.mul_scalar(e, v))
 
 
@@ -56,164 +57,136 @@ def _mul_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
     return _scale_elem(eng, b, a)
 
 
-def _linear_batch(eng: Engine, x: list[Elem], shape: tuple[int, ...], axis: int,
-                  weight: np.ndarray, bias: np.ndarray | None) -> list[Elem]:
-    pre = int(np.prod(shape[:axis], dtype=np.int64))
-    k = shape[axis]
-    post = int(np.prod(shape[axis + 1:], dtype=np.int64))
-    n = weight.shape[1]
-    cts = [e for e in x if _is_ct(e)]
-    level = max((eng.level(c) for c in cts), default=0)
-    xs = np.empty(len(x), dtype=object)
-    xs[:] = [eng.lift(e, level) if _is_ct(e) else e for e in x]
-    xs = xs.reshape(pre, k, post)
-    scale = eng.scales[level]
-    out = np.empty((pre, n, post), dtype=object)
-    term = eng.new_ciphertext()
-    for j in range(n):
-        nz = np.nonzero(weight[:, j])[0]
-        # each weight of this output column encoded once, reused at every (pre, post) position
-        plain = {int(i): eng.encode_scalar(float(weight[i, j]), level, scale) for i in nz
-                 if any(_is_ct(e) for e in xs[:, i, :].ravel())}
-        b0 = float(bias[j]) if bias is not None else 0.0
-        for a in range(pre):
-            for c in range(post):
-                acc = None
-                const = b0
-                for i in nz:
-                    e = xs[a, i, c]
-                    if not _is_ct(e):
-                        const += float(weight[i, j]) * e
-                    elif acc is None:
-                        acc = eng.mul_plain(e, plain[i])
-                    else:
-                        eng.mul_plain_into(e, plain[i], term)
-                        eng.add_inplace(acc, term)
-                if acc is None:
-                    out[a, j, c] = const
-                else:
-                    res = eng.rescale(acc)
-                    out[a, j, c] = eng.add_plain_scalar(res, const) if const != 0.0 else res
-    return list(out.ravel())
-
-
-def _broadcast(elems: list[Elem], src: tuple[int, ...], dst: tuple[int, ...]) -> list[Elem]:
-    if tuple(src) == tuple(dst):
-        return elems
-    idx = np.broadcast_to(np.arange(len(elems)).reshape(src), dst).ravel()
-    return [elems[i] for i in idx]
-
-
-def _unbroadcast(live: np.ndarray, src: tuple[int, ...]) -> np.ndarray:
-    """Liveness of an operand of shape ``src`` broadcast to ``live``'s shape (any over copies)."""
-    pad = (1,) * (live.ndim - len(src)) + tuple(src)
-    axes = tuple(d for d, (s, t) in enumerate(zip(pad, live.shape)) if s == 1 and t != 1)
-    return live.any(axis=axes, keepdims=True).reshape(src)
-
-
-def live_inputs(program: PolyProgram) -> np.ndarray:
-    """Mask over the flat input elements that can reach the output (bool, ``prod(input shape)``).
+def live_rows(lowered: Lowered) -> list[np.ndarray]:
+    """For every step, which of its elements can reach the output (bool masks).
 
     An element is dead when every path from it meets a zero weight or a gather that drops it
-    (e.g. pixels a strided convolution never covers); batch packing neither encrypts nor sends it.
-    Which elements are dead depends on the public program only, never on the data.
+    (e.g. pixels a strided convolution never covers); batch packing neither computes, encrypts
+    nor sends it. Which elements are dead depends on the public program only, never on the data.
     """
-    nodes = program.nodes
-    live: list[np.ndarray | None] = [None] * len(nodes)
-    live[program.output] = np.ones(nodes[program.output].shape, dtype=bool)
-    for i in range(len(nodes) - 1, -1, -1):
-        node, out = nodes[i], live[i]
-        if out is None or node.op == "input":
+    steps = lowered.steps
+    live = [np.zeros(st.n, dtype=bool) for st in steps]
+    live[lowered.output][:] = True
+    for si in range(len(steps) - 1, -1, -1):
+        st, rows = steps[si], live[si]
+        if not rows.any():
             continue
-        shapes = [tuple(nodes[j].shape) for j in node.inputs]
-        if node.op == "linear":
-            w = np.asarray(node.attrs["weight"]) != 0
-            axis = node.attrs["axis"]
-            moved = np.moveaxis(out, axis, -1).astype(np.int64)
-            grads = [np.moveaxis((moved @ w.T.astype(np.int64)) > 0, -1, axis)]
-        elif node.op == "gather":
-            flat = np.zeros(sum(int(np.prod(s, dtype=np.int64)) for s in shapes), dtype=bool)
-            idx = np.asarray(node.attrs["index"]).ravel()
-            np.logical_or.at(flat, idx[idx >= 0], out.ravel()[idx >= 0])
-            bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes])
-            grads = [flat[lo:hi].reshape(s) for lo, hi, s in zip(bounds[:-1], bounds[1:], shapes)]
+        if st.kind == "affine":
+            for j, m in zip(st.inputs, st.terms):
+                used = np.asarray(abs(m.tocsr()[rows]).sum(axis=0)).ravel() > 0
+                live[j] |= used
         else:
-            grads = [_unbroadcast(out, s) for s in shapes]
-        for j, g in zip(node.inputs, grads):
-            live[j] = g if live[j] is None else live[j] | g
-    mask = live[program.input_id]
-    size = int(np.prod(nodes[program.input_id].shape, dtype=np.int64))
-    return np.zeros(size, dtype=bool) if mask is None else mask.ravel()
+            for j in st.inputs:
+                live[j] |= rows
+    return live
 
 
-def run_batch(eng: Engine, program: PolyProgram, inputs: list[Any],
+def _lift_all(eng: Engine, xs: list[Elem], level: int) -> list[Elem]:
+    return [eng.lift(e, level) if _is_ct(e) else e for e in xs]
+
+
+def _affine_batch(eng: Engine, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
+                  plains: dict[tuple[float, int], Any]) -> list[Elem]:
+    """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
+    products rescaled once (or a plain sum when the step is a selection)."""
+    level = max((eng.level(e) for x in srcs for e in x if _is_ct(e)), default=0)
+    srcs = [_lift_all(eng, x, level) for x in srcs]
+    mats = [m.tocsr() for m in st.terms]
+    free = affine_is_free(st, "batch")
+    out: list[Elem] = [0.0] * st.n
+    term = eng.new_ciphertext()
+    scale = eng.scales[level] if level < len(eng.scales) else 0.0
+    for r in np.flatnonzero(rows):
+        const = float(st.bias[r]) if st.bias is not None else 0.0
+        acc = None
+        for x, m in zip(srcs, mats):
+            lo, hi = m.indptr[r], m.indptr[r + 1]
+            for c, w in zip(m.indices[lo:hi], m.data[lo:hi]):
+                e = x[c]
+                if not _is_ct(e):
+                    const += float(w) * e
+                elif free:
+                    acc = e if acc is None else eng.add(acc, e)
+                else:
+                    key = (float(w), level)
+                    if key not in plains:
+                        plains[key] = eng.encode_scalar(float(w), level, scale)
+                    if acc is None:
+                        acc = eng.mul_plain(e, plains[key])
+                    else:
+                        eng.mul_plain_into(e, plains[key], term)
+                        eng.add_inplace(acc, term)
+        if acc is None:
+            out[r] = const
+            continue
+        res = acc if free else eng.rescale(acc)
+        out[r] = eng.add_plain_scalar(res, const) if const != 0.0 else res
+    return out
+
+
+def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False) -> list[Elem]:
-    """Evaluate ``program`` on one group of batch-packed input ciphertexts (flat input order;
-    dead inputs, see :func:`live_inputs`, may be given as ``0.0``)."""
-    users = program.consumers()
-    remaining = [len(u) for u in users]
-    vals: list[list[Elem] | None] = [None] * len(program.nodes)
-    nodes = program.nodes
+    """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
+    order; dead inputs, see :func:`live_rows`, may be given as ``0.0``)."""
+    steps = lowered.steps
+    remaining = [0] * len(steps)
+    for st in steps:
+        for j in set(st.inputs):
+            remaining[j] += 1
+    vals: list[list[Elem] | None] = [None] * len(steps)
+    plains: dict[tuple[float, int], Any] = {}
     # no bar object at all without progress: this also runs in forked workers
-    steps = tqdm(nodes, desc="batch nodes", leave=False) if progress else nodes
-    for i, node in enumerate(steps):
-        a = node.attrs
-        shape = tuple(node.shape)
-        ins = [vals[j] for j in node.inputs]
-        if node.op == "input":
+    order = tqdm(range(len(steps)), desc="batch steps", leave=False) if progress else \
+        range(len(steps))
+    for si in order:
+        st, rows = steps[si], live[si]
+        ins = [vals[j] for j in st.inputs]
+        if st.kind == "input":
             out = list(inputs)
-        elif node.op == "linear":
-            src = tuple(nodes[node.inputs[0]].shape)
-            out = _linear_batch(eng, ins[0], src, a["axis"], np.asarray(a["weight"], np.float64),
-                                None if a.get("bias") is None else np.asarray(a["bias"], float))
-        elif node.op in ("mul", "add"):
-            xa = _broadcast(ins[0], tuple(nodes[node.inputs[0]].shape), shape)
-            xb = _broadcast(ins[1], tuple(nodes[node.inputs[1]].shape), shape)
-            fn = _mul_elem if node.op == "mul" else _add_elem
-            out = [fn(eng, p, q) for p, q in zip(xa, xb)]
-        elif node.op in ("mul_const", "add_const"):
-            v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
-            xa = _broadcast(ins[0], tuple(nodes[node.inputs[0]].shape), shape)
-            fn = _scale_elem if node.op == "mul_const" else _add_elem
-            out = [fn(eng, p, float(c)) for p, c in zip(xa, v)]
+        elif st.kind == "affine":
+            out = _affine_batch(eng, st, ins, rows, plains)
+        elif st.kind == "mul":
+            out = [_mul_elem(eng, p, q) if r else 0.0 for p, q, r in zip(ins[0], ins[1], rows)]
         else:
-            flat = [e for x in ins for e in x]
-            out = [flat[j] if j >= 0 else 0.0 for j in np.asarray(a["index"]).ravel()]
-        vals[i] = out
-        for j in node.inputs:
+            out = [_scale_elem(eng, p, float(st.factor)) if r else 0.0
+                   for p, r in zip(ins[0], rows)]
+        vals[si] = out
+        for j in set(st.inputs):
             remaining[j] -= 1
-            if remaining[j] == 0 and j != program.output:
+            if remaining[j] == 0 and j != lowered.output:
                 vals[j] = None
-    result = vals[program.output]
+    result = vals[lowered.output]
     assert result is not None
     return result
 
 
 class VectorKernels:
-    """Plaintexts of a vector plan, encoded once for an engine (diagonals, planes, biases)."""
+    """Plaintexts of a vector plan, encoded once at the level where each is used (diagonals,
+    planes, biases), tiled to the plan's virtual slots and interleaved for its samples."""
 
     def __init__(self, eng: Engine, plan: VectorPlan):
         self.diag: dict[tuple[int, int, int, int], Any] = {}
         self.planes: dict[tuple[int, int], Any] = {}
         self.bias: dict[int, Any] = {}
+        self.interleave = plan.interleave
+        vslots = plan.virtual_slots
+
+        def encode(vec: np.ndarray, level: int) -> Any:
+            full = np.repeat(np.tile(vec, vslots // vec.size), plan.interleave)
+            return eng.encode_vector(full, level, eng.scales[level])
+
         for si, st in enumerate(plan.steps):
-            if st.kind == "affine":
-                lin = max(plan.steps[s].level for s in st.inputs)
-                for ti, mv in enumerate(st.matvecs):
-                    if mv is None:
-                        continue
-                    for gi, group in enumerate(mv.groups):
-                        for b, vec in group.items():
-                            self.diag[si, ti, gi, b] = eng.encode_vector(vec, lin, eng.scales[lin])
-            elif st.kind == "planes":
-                for j, w in enumerate(st.planes):
-                    self.planes[si, j] = eng.encode_vector(w, 0, eng.scales[0])
-            if st.bias is not None and np.any(st.bias):
-                p = st.period
-                vec = np.zeros(p)
-                vec[:st.n] = st.bias
-                self.bias[si] = eng.encode_vector(np.tile(vec, eng.slots // p), st.level,
-                                                  eng.scales[st.level])
+            lin = max((plan.steps[s].level for s in st.inputs), default=0)
+            for ti, mv in enumerate(st.matvecs):
+                if mv is None:
+                    continue
+                for gi, group in enumerate(mv.groups):
+                    for b, vec in group.items():
+                        self.diag[si, ti, gi, b] = encode(vec, lin)
+            for j, w in enumerate(st.planes):
+                self.planes[si, j] = encode(w, 0)
+            if st.bias is not None:
+                self.bias[si] = encode(st.bias, st.level)
 
 
 def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
@@ -227,24 +200,49 @@ def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
     return acc
 
 
-def _fold(eng: Engine, ct: Any, steps: Sequence[int]) -> Any:
+def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int) -> Any:
     """Add rotated copies of ``ct`` onto itself (sums across slot blocks)."""
     for f in steps:
-        ct = eng.add(ct, eng.rotate(ct, f))
+        ct = eng.add(ct, eng.rotate(ct, f * k))
     return ct
 
 
 def _matvec(eng: Engine, kern: VectorKernels, key: tuple[int, int], mv: MatVec, x: Any) -> Any:
-    rots = {b: eng.rotate(x, b) for b in mv.babies}
-    acc = _accumulate(eng, (
+    """Baby-step/giant-step sum of one term, before its rescale and folds."""
+    k = kern.interleave
+    rots = {b: eng.rotate(x, b * k) for b in mv.babies}
+    return _accumulate(eng, (
         eng.rotate(_accumulate(eng, (eng.mul_plain(rots[b], kern.diag[key + (gi, b)])
-                                     for b in group)), giant)
+                                     for b in group)), giant * k)
         for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups))))
-    return _fold(eng, eng.rescale(acc), mv.folds)
+
+
+def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, xs: list[Any]) -> Any:
+    """An affine step: the map terms summed before one rescale, sharing the folds of the
+    widest (folding is linear), then the identity terms added."""
+    parts = sorted(((mv.folds, _matvec(eng, kern, (si, ti), mv, x))
+                    for ti, (mv, x) in enumerate(zip(st.matvecs, xs)) if mv is not None),
+                   key=lambda t: -len(t[0]))
+    out = None
+    folds: list[int] = []
+    for term_folds, ct in parts:
+        if out is None:
+            out, folds = ct, list(term_folds)
+            continue
+        out = _fold(eng, out, folds[len(term_folds):], kern.interleave)
+        eng.add_inplace(out, ct)
+        folds = list(term_folds)
+    if out is not None:
+        out = _fold(eng, eng.rescale(out), folds, kern.interleave)
+    for mv, x in zip(st.matvecs, xs):
+        if mv is None:
+            out = x if out is None else eng.add(out, x)
+    return out
 
 
 def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
-    """Evaluate a vector plan on one sample's input ciphertexts; returns the output ciphertext."""
+    """Evaluate a vector plan on one ciphertext group (``plan.interleave`` samples); returns the
+    output ciphertext."""
     vals: list[Any] = [None] * len(plan.steps)
     for si, st in enumerate(plan.steps):
         if st.kind == "input":
@@ -253,19 +251,15 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         if st.kind == "planes":
             acc = _accumulate(eng, (eng.mul_plain(ct, kern.planes[si, j])
                                     for j, ct in enumerate(inputs)))
-            out = _fold(eng, eng.rescale(acc), st.plane_folds)
+            out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
-            out = None
-            for ti, (src, mv) in enumerate(zip(st.inputs, st.matvecs)):
-                x = eng.lift(vals[src], lin)
-                term = x if mv is None else _matvec(eng, kern, (si, ti), mv, x)
-                out = term if out is None else eng.add(out, term)
+            out = _affine(eng, kern, si, st, [eng.lift(vals[s], lin) for s in st.inputs])
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         else:
             out = eng.mul_int(vals[st.inputs[0]], st.factor)
         if si in kern.bias:
-            out = eng.add_plain(out, kern.bias[si])
+            out = eng.add_plain(eng.lift(out, st.level), kern.bias[si])
         vals[si] = out
     return vals[plan.output]

@@ -5,9 +5,11 @@ For each node of a :class:`~polynets.program.PolyProgram` the analysis computes
 * ``degree``: the total degree of the node's value as a polynomial of the input (structural:
   exact unless coefficients cancel, which random or trained weights do not do);
 * ``depth``: the multiplicative depth, i.e. the longest chain of ciphertext-ciphertext products;
-* ``levels``: CKKS levels consumed on the longest path -- one per ciphertext product and one per
-  plaintext multiplication (linear map or non-trivial constant scaling), each followed by a
-  rescale; ``plain_mults`` counts the plaintext ones on that path.
+* ``levels``: CKKS levels consumed on the longest path, counted on the program's CKKS lowering
+  (:mod:`polynets.lowering`, the one place that decides which multiplication costs a level, also
+  used by the compiler): one per ciphertext product, one per composed affine map between
+  products, none for a multiplication by a small integer; ``plain_mults`` counts the affine maps
+  on that path.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from polynets.lowering import Lowered, affine_is_free, lower
 from polynets.program import PolyProgram
 
-__all__ = ["NodeInfo", "Certificate", "analyse", "certify"]
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels"]
 
 
 @dataclass(frozen=True)
@@ -33,35 +36,38 @@ class NodeInfo:
     plain_mults: int
 
 
-def _trivial_scale(value: np.ndarray) -> bool:
-    return bool(np.all(np.abs(value) == 1.0))
-
-
 def analyse(program: PolyProgram) -> list[NodeInfo]:
-    """Degree, multiplicative depth and CKKS levels of every node, in node order."""
+    """Degree and multiplicative depth of every node, in node order; the output node also
+    carries the CKKS ``levels`` and ``plain_mults`` of the whole program (:func:`lowered_levels`,
+    vector packing)."""
     infos: list[NodeInfo] = []
     for node in program.nodes:
         ins = [infos[j] for j in node.inputs]
         if node.op == "input":
-            info = NodeInfo(1, 0, 0, 0)
+            degree, depth = 1, 0
         elif node.op == "mul":
-            a, b = ins
-            top = max(ins, key=lambda s: (s.levels, s.plain_mults))
-            info = NodeInfo(a.degree + b.degree, max(a.depth, b.depth) + 1, top.levels + 1,
-                            top.plain_mults)
-        elif node.op == "linear" or (node.op == "mul_const"
-                                     and not _trivial_scale(node.attrs["value"])):
-            (a,) = ins
-            degree = a.degree
-            if node.op == "linear" and node.attrs.get("bias") is not None:
-                degree = max(degree, 0)
-            info = NodeInfo(degree, a.depth, a.levels + 1, a.plain_mults + 1)
-        else:  # add, add_const, gather, mul_const by +-1: no level
-            top = max(ins, key=lambda s: (s.levels, s.plain_mults))
-            info = NodeInfo(max(s.degree for s in ins), max(s.depth for s in ins), top.levels,
-                            top.plain_mults)
-        infos.append(info)
+            degree, depth = ins[0].degree + ins[1].degree, max(s.depth for s in ins) + 1
+        else:
+            degree, depth = max(s.degree for s in ins), max(s.depth for s in ins)
+        infos.append(NodeInfo(degree, depth, 0, 0))
+    levels, plain = lowered_levels(lower(program))
+    out = infos[program.output]
+    infos[program.output] = NodeInfo(out.degree, out.depth, levels, plain)
     return infos
+
+
+def lowered_levels(lowered: Lowered, packing: str = "vector") -> tuple[int, int]:
+    """Levels on the longest path of the lowering and the affine maps (plaintext
+    multiplications) on it."""
+    best: list[tuple[int, int]] = []
+    for st in lowered.steps:
+        top = max((best[j] for j in st.inputs), default=(0, 0))
+        if st.kind == "mul":
+            top = (top[0] + 1, top[1])
+        elif st.kind == "affine" and not affine_is_free(st, packing):
+            top = (top[0] + 1, top[1] + 1)
+        best.append(top)
+    return best[lowered.output]
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from polynets.lowering import integer_factor
 from polynets.program import Node, PolyProgram, _gather, _linear
 
 __all__ = ["optimize"]
@@ -479,7 +480,7 @@ def _levels_and_slack(nodes: list[Node], users: list[list[int]]) -> tuple[list[i
     def cost(node: Node) -> int:
         if node.op in ("linear", "mul"):
             return 1
-        return int(node.op == "mul_const" and not np.all(np.abs(node.attrs["value"]) == 1.0))
+        return int(node.op == "mul_const" and integer_factor(node.attrs["value"]) is None)
 
     order = _topological(nodes, list(range(len(nodes))))
     level = [0] * len(nodes)
