@@ -17,7 +17,7 @@ from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, S
 from polynets.models import MONet
 from polynets.models.polymorpher import Polymorpher, PolymorpherClassifier
 from polynets.node import PolyNODE
-from polynets.padre import PADRe
+from polynets.padre import CastlingAttention, Conv2Former, Hyena, PADRe
 from polynets.passes import optimize
 from polynets.plot import plot_run
 from polynets.pom import PoM, PoMState
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MuLayer", "SpatialShift", "PatchEmbed", "PyramidPatchEmbed", "PolyBlock", "MONet",
     "PoM", "PoMState", "Polymorpher", "PolymorpherClassifier", "PolyNODE", "PADRe",
+    "Conv2Former", "CastlingAttention", "Hyena",
     "trace", "optimize", "certify", "Certificate", "PolyProgram", "Node",
     "Trainer", "TrainConfig", "load_dataset", "DatasetInfo", "select_device",
     "save_checkpoint", "load_checkpoint", "load_model", "plot_run",

@@ -9,6 +9,12 @@ it traces to a polynomial program, certifies with degree ``d`` and encrypts unch
 The structured maps are the paper's instance (Section 4.1): token mixing by depthwise
 convolutions over the token grid (``k x k``, 2-D) or the sequence (``k`` taps, 1-D), channel
 mixing by pointwise (``1 x 1``) convolutions, one head.
+
+Appendix B's polynomial instances of the framework are here too, each in the polynomial form
+the appendix analyses: :class:`Conv2Former` (degree 2), :class:`CastlingAttention` (Castling-ViT
+at inference, degree 3) and :class:`Hyena` (order ``N``, degree ``N + 1``). SimA, Mamba and
+softmax attention are not polynomials (norms, softplus and exp of the data); ``pn.certify``
+rejects them by the offending op.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import Tensor, nn
 from polynets.errors import ConfigError
 from polynets.layers import check_shape, make_norm
 
-__all__ = ["PADRe", "TOKEN_MIXINGS", "WEIGHTS"]
+__all__ = ["PADRe", "Conv2Former", "CastlingAttention", "Hyena", "TOKEN_MIXINGS", "WEIGHTS"]
 
 TOKEN_MIXINGS = ("depthwise", "shared")
 """``"depthwise"``: one ``k x k`` kernel per channel (the default; Table 2's parameter counts
@@ -33,9 +39,9 @@ WEIGHTS = ("channel", "position")
 number of tokens); ``"position"``: Eq. 6's per-token, per-channel weights (fixes the tokens)."""
 
 
-def _positive_int(value: object, name: str) -> int:
+def _positive_int(value: object, name: str, owner: str = "PADRe") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"PADRe {name} must be a positive int, got {value!r}")
+        raise ConfigError(f"{owner} {name} must be a positive int, got {value!r}")
     return value
 
 
@@ -227,3 +233,141 @@ class PADRe(nn.Module):
             term = self.w[self.terms.index(i)] * z
             out = term if out is None else out + term
         return self.proj(out.movedim(1, -1))
+
+
+# ------------------------------------------------------------------ PADRe Appendix B instances
+def _check_spatial_dims(owner: str, spatial_dims: object) -> int:
+    if spatial_dims not in (1, 2):
+        raise ConfigError(f"{owner} spatial_dims must be 1 (sequence) or 2 (grid), "
+                          f"got {spatial_dims!r}")
+    return int(spatial_dims)  # type: ignore[call-overload]
+
+
+def _check_tokens(owner: str, x: Tensor, spatial_dims: int, dim: int) -> None:
+    tokens = ("H", "W") if spatial_dims == 2 else ("N",)
+    check_shape(owner, x, ("B", *tokens, dim))
+
+
+class Conv2Former(nn.Module):
+    """Conv2Former's convolutional modulation in polynomial form (PADRe App. B.2), degree 2:
+    ``O = [DConv_k(X W_1) * (X W_2)] W_3 + b``.
+
+    ``DConv_k`` is a depthwise ``k x k`` (2-D) or ``k``-tap (1-D) convolution over tokens,
+    ``W_1``, ``W_2`` pointwise maps, ``W_3`` the output projection. Conv2Former's code applies a
+    GELU after ``W_1``; App. B.2's analysis (and this module) leaves it out, which makes the
+    block a homogeneous degree-2 polynomial before the projection.
+
+    Args:
+        dim: channels; kernel_size: taps per side (default 11, Conv2Former's);
+        spatial_dims: 2 (``(B, H, W, dim)``, default) or 1 (``(B, N, dim)``);
+        bias: biases of ``W_1``, ``W_2`` and the convolution (default False).
+
+    Shapes: ``(B, H, W, dim) -> (B, H, W, dim)`` or ``(B, N, dim) -> (B, N, dim)``.
+    """
+
+    def __init__(self, dim: int, *, kernel_size: int = 11, spatial_dims: int = 2,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.dim = _positive_int(dim, "dim", "Conv2Former")
+        self.kernel_size = _positive_int(kernel_size, "kernel_size", "Conv2Former")
+        self.spatial_dims = _check_spatial_dims("Conv2Former", spatial_dims)
+        self.a = nn.Linear(dim, dim, bias=bias)
+        self.v = nn.Linear(dim, dim, bias=bias)
+        self.dconv = _TokenConv(dim, 1, kernel_size, self.spatial_dims, shared=False,
+                                causal=False, bias=bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_tokens("Conv2Former", x, self.spatial_dims, self.dim)
+        a = self.dconv(self.a(x).movedim(-1, 1)).movedim(1, -1)
+        return self.proj(a * self.v(x))
+
+
+class CastlingAttention(nn.Module):
+    """Castling-ViT's inference-time attention in polynomial form (PADRe App. B.5), degree 3:
+    ``O = [(1/pi) Q (K^T V) / N + (I/2 + M_DW) V] W_o + b`` with ``Q, K, V = X W_{q,k,v}``.
+
+    ``K^T V`` (per head, ``(d_h, d_h)``) is formed first, so the cost is linear in the number of
+    tokens ``N``; it is averaged over the tokens (a constant ``1/N``) so its size does not grow
+    with ``N``. ``M_DW`` is a depthwise token convolution (``kernel_size`` taps per side).
+    Castling-ViT normalises ``q`` and ``k`` to unit length (angular similarity); a norm divides
+    by the data and is not a polynomial, so this form leaves them unnormalised, as Eq. 76 does.
+
+    Args:
+        dim: channels; heads: attention heads (``dim % heads == 0``, default 1);
+        kernel_size: taps of ``M_DW`` (default 3); spatial_dims: 2 (``(B, H, W, dim)``,
+        default) or 1 (``(B, N, dim)``); bias: biases of the ``q, k, v`` maps (default False).
+
+    Shapes: ``(B, H, W, dim) -> (B, H, W, dim)`` or ``(B, N, dim) -> (B, N, dim)``.
+    """
+
+    def __init__(self, dim: int, *, heads: int = 1, kernel_size: int = 3, spatial_dims: int = 2,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.dim = _positive_int(dim, "dim", "CastlingAttention")
+        self.heads = _positive_int(heads, "heads", "CastlingAttention")
+        if dim % heads:
+            raise ConfigError(f"CastlingAttention dim ({dim}) must be divisible by heads "
+                              f"({heads})")
+        self.spatial_dims = _check_spatial_dims("CastlingAttention", spatial_dims)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        kernel_size = _positive_int(kernel_size, "kernel_size", "CastlingAttention")
+        self.dwconv = _TokenConv(dim, 1, kernel_size, self.spatial_dims, shared=False,
+                                 causal=False, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_tokens("CastlingAttention", x, self.spatial_dims, self.dim)
+        b, shape = x.shape[0], x.shape[1:-1]
+        q, k, v = self.qkv(x).reshape(b, -1, 3, self.heads, self.dim // self.heads).unbind(2)
+        n = q.shape[1]
+        state = torch.einsum("bnhd,bnhe->bhde", k, v) / (torch.pi * n)  # (B, heads, dh, dh)
+        linear_angular = torch.einsum("bnhd,bhde->bnhe", q, state).reshape(b, *shape, self.dim)
+        v = v.reshape(b, *shape, self.dim)
+        local = self.dwconv(v.movedim(-1, 1)).movedim(1, -1)
+        return self.proj(linear_angular + 0.5 * v + local)
+
+
+class Hyena(nn.Module):
+    """Order-``N`` Hyena operator with explicit long filters (PADRe App. B.3), degree ``N + 1``:
+    ``z^1 = x^0``, ``z^{n+1} = x^n * (h^n conv z^n)``, ``O = z^{N+1} W_o + b``.
+
+    The ``N + 1`` projections ``x^n`` are one pointwise map followed by a short depthwise
+    convolution over the sequence (``short_filter`` taps), as in Hyena. The long filters ``h^n``
+    are learned per channel with ``max_len`` taps; Hyena parameterises them implicitly (a small
+    network of the position), which changes how the weights are produced but not the polynomial
+    in the input, so explicit filters are used here. With ``causal`` (default, Hyena's language
+    setting) token ``t`` reads tokens ``t - max_len + 1 .. t``.
+
+    Args:
+        dim: channels; order: ``N`` (default 2, Hyena's common choice, degree 3);
+        max_len: taps of the long filters (default 64; sequences may be longer, each token then
+        reads the last ``max_len`` tokens); short_filter: taps of the short convolutions
+        (default 3); causal: see above; bias: biases of the projections (default False).
+
+    Shapes: ``(B, N, dim) -> (B, N, dim)``.
+    """
+
+    def __init__(self, dim: int, *, order: int = 2, max_len: int = 64, short_filter: int = 3,
+                 causal: bool = True, bias: bool = False) -> None:
+        super().__init__()
+        self.dim = _positive_int(dim, "dim", "Hyena")
+        self.order = _positive_int(order, "order", "Hyena")
+        self.max_len = _positive_int(max_len, "max_len", "Hyena")
+        self.causal = bool(causal)
+        self.in_proj = nn.Linear(dim, (order + 1) * dim, bias=bias)
+        short_filter = _positive_int(short_filter, "short_filter", "Hyena")
+        self.short = _TokenConv((order + 1) * dim, order + 1, short_filter, 1, shared=False,
+                                causal=self.causal, bias=bias)
+        self.filters = nn.ModuleList(
+            _TokenConv(dim, 1, max_len, 1, shared=False, causal=self.causal, bias=False)
+            for _ in range(order))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_shape("Hyena", x, ("B", "N", self.dim))
+        xs = self.short(self.in_proj(x).movedim(-1, 1)).chunk(self.order + 1, dim=1)
+        z = xs[0]
+        for n in range(1, self.order + 1):
+            z = xs[n] * self.filters[n - 1](z)
+        return self.proj(z.movedim(1, -1))

@@ -194,7 +194,8 @@ def test_tiny_padre_decrypts_to_the_model_output_in_batch_packing():
 # ----------------------------------------------------------------------------- PADRe ViT
 import timm  # noqa: E402
 
-from polynets.checkpoint import build_model, load_model, registered_models, save_checkpoint  # noqa: E402
+from polynets.checkpoint import (build_model, load_model, registered_models,  # noqa: E402
+                                 save_checkpoint)
 from polynets.models.padre_vit import PADReViT  # noqa: E402
 
 
@@ -310,3 +311,87 @@ def test_mulayer_low_rank_a_traces_and_certifies_degree_two():
 def test_mulayer_rejects_a_non_positive_a_rank():
     with pytest.raises(pn.ConfigError, match="MuLayer a_rank must be a positive int"):
         pn.MuLayer(4, a_rank=0)
+
+
+# ------------------------------------------------------- PADRe Appendix B polynomial instances
+from polynets.padre import CastlingAttention, Conv2Former, Hyena  # noqa: E402
+
+
+@pytest.mark.parametrize("make, shape, degree", [
+    (lambda: Conv2Former(4, kernel_size=3), (2, 4, 4, 4), 2),
+    (lambda: Conv2Former(4, kernel_size=3, spatial_dims=1), (2, 6, 4), 2),
+    (lambda: CastlingAttention(4, heads=2), (2, 3, 4, 4), 3),
+    (lambda: CastlingAttention(4, spatial_dims=1, bias=True), (2, 6, 4), 3),
+    (lambda: Hyena(4, order=1, max_len=6), (2, 6, 4), 2),
+    (lambda: Hyena(4, order=3, max_len=4, causal=False), (2, 6, 4), 4),
+])
+def test_appendix_b_mixers_trace_exactly_with_their_degree(make, shape, degree):
+    torch.manual_seed(0)
+    m = make().eval()
+    x = torch.randn(shape)
+    assert m(x).shape == shape
+    _assert_close(pn.trace(m, x).simulate(x), _reference(m, x))
+    cert = pn.certify(m, x)
+    assert cert.is_polynomial and cert.degree == degree
+
+
+def test_conv2former_is_the_product_of_a_convolved_and_a_plain_branch():
+    torch.manual_seed(0)
+    m = Conv2Former(3, kernel_size=3, spatial_dims=1).eval()
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        a = torch.nn.functional.conv1d(m.a(x).transpose(1, 2), m.dconv.weight, padding=1,
+                                       groups=3).transpose(1, 2)
+        torch.testing.assert_close(m(x), m.proj(a * m.v(x)))
+
+
+def test_castling_attention_equals_its_quadratic_form():
+    # (1/pi) Q (K^T V) / N computed first as K^T V equals the attention-like (Q K^T) V / (pi N).
+    torch.manual_seed(0)
+    m = CastlingAttention(4, heads=1, spatial_dims=1).eval()
+    x = torch.randn(2, 7, 4)
+    with torch.no_grad():
+        q, k, v = m.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / (torch.pi * 7)
+        local = torch.nn.functional.conv1d(v.transpose(1, 2), m.dwconv.weight, padding=1,
+                                           groups=4).transpose(1, 2)
+        torch.testing.assert_close(m(x), m.proj(scores @ v + 0.5 * v + local))
+
+
+def test_causal_hyena_ignores_later_tokens():
+    torch.manual_seed(0)
+    m = Hyena(4, order=2, max_len=8).eval()
+    x = torch.randn(1, 10, 4)
+    later = x.clone()
+    later[:, 6:] += 1.0
+    with torch.no_grad():
+        torch.testing.assert_close(m(later)[:, :6], m(x)[:, :6])
+        assert not torch.allclose(m(later)[:, 6:], m(x)[:, 6:])
+
+
+def test_appendix_b_mixers_reject_bad_shapes_and_options():
+    with pytest.raises(pn.ShapeError, match=r"\(B, H, W, 4\)"):
+        Conv2Former(4)(torch.randn(2, 5, 4))
+    with pytest.raises(pn.ShapeError, match=r"\(B, N, 4\)"):
+        Hyena(4)(torch.randn(2, 3, 3, 4))
+    with pytest.raises(pn.ConfigError, match="divisible by heads"):
+        CastlingAttention(6, heads=4)
+    with pytest.raises(pn.ConfigError, match="spatial_dims must be 1"):
+        Conv2Former(4, spatial_dims=3)
+    with pytest.raises(pn.ConfigError, match="Hyena order must be a positive int"):
+        Hyena(4, order=0)
+
+
+def test_softmax_attention_is_rejected_by_name_where_the_padre_instances_pass():
+    class SoftmaxAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(4, 12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+
+    cert = pn.certify(SoftmaxAttention().eval(), torch.randn(1, 5, 4))
+    assert not cert.is_polynomial
+    assert any("softmax" in str(o) for o in cert.offending)
