@@ -205,13 +205,15 @@ def _counts_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int) -> dict[str,
             "plaintexts": int(keys.size), "folds": len(_folds(p_in, p_out))}
 
 
-def make_matvec(a: sp.spmatrix, p_in: int, p_out: int) -> MatVec:
-    """Plan ``a`` (shape (width_out, width_in)) for inputs of period ``p_in``, outputs ``p_out``."""
+def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
+                bsgs: tuple[int, int] | None = None) -> MatVec:
+    """Plan ``a`` (shape (width_out, width_in)) for inputs of period ``p_in``, outputs ``p_out``;
+    ``bsgs``: the ``(step, n1)`` split to use (default: the best for ``a`` alone)."""
     rows, d, v, big = _diagonal_index(a, p_in, p_out)
     keep = v != 0
     rows, d, v = rows[keep], d[keep], v[keep]
     keys = np.unique(d)
-    step, n1 = _bsgs(keys)
+    step, n1 = bsgs if bsgs is not None else _bsgs(keys)
     by_giant: dict[int, dict[int, np.ndarray]] = {}
     order = np.argsort(d, kind="stable")
     rows, d, v = rows[order], d[order], v[order]
@@ -288,15 +290,32 @@ class VectorPlan:
         return max(s.period for s in self.steps)
 
     def op_counts(self) -> list[dict[str, int]]:
-        """Primitive counts of every step (per ciphertext of ``interleave`` samples)."""
+        """Primitive counts of every step (per ciphertext of ``interleave`` samples), as
+        :func:`he.runtime.run_vector` runs them: baby-step rotations of one input shared by all
+        maps that read it, giant steps shared by a step's terms of one input period, one
+        rescale per step, folds shared by the step's terms."""
         out = []
+        babies_done: set[tuple[int, int, int]] = set()
         for si, s in enumerate(self.steps):
             c = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0,
                  "plaintexts": 0}
-            if s.matvecs:
-                terms = [{"add": 1} if mv is None else mv.counts() for mv in s.matvecs]
-                for k, v in _step_total(terms).items():
-                    c[k] += v
+            mvs = [(j, mv) for j, mv in zip(s.inputs, s.matvecs) if mv is not None]
+            if mvs:
+                lin = max(self.steps[j].level for j in s.inputs)
+                new = {(j, lin, b) for j, mv in mvs for b in mv.babies if b} - babies_done
+                babies_done |= new
+                giants: dict[int, set[int]] = {}
+                for _, mv in mvs:
+                    giants.setdefault(mv.p_in, set()).update(g for g in mv.giants if g)
+                diags = sum(mv.n_diagonals for _, mv in mvs)
+                folds = max(len(mv.folds) for _, mv in mvs)
+                c["rotate"] += len(new) + sum(len(g) for g in giants.values()) + folds
+                c["mul_plain"] += diags
+                c["plaintexts"] += diags
+                c["add"] += diags + folds + len(s.matvecs) - 1
+                c["rescale"] += 1
+            elif s.matvecs:
+                c["add"] += len(s.matvecs) - 1
             if s.kind == "planes":
                 c["mul_plain"] += len(s.planes)
                 c["plaintexts"] += len(s.planes)
@@ -529,12 +548,21 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         vs = VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
                    factor=st.factor)
         if st.kind == "affine":
-            for j, m in zip(st.inputs, st.terms):
-                if _term_is_identity(m, maps[si], maps[j]):
-                    vs.matvecs.append(None)
-                else:
-                    a = _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
-                    vs.matvecs.append(make_matvec(a, periods[j], periods[si]))
+            mats: list[sp.csr_matrix | None] = [
+                None if _term_is_identity(m, maps[si], maps[j]) else
+                _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
+                for j, m in zip(st.inputs, st.terms)]
+            # terms of one input period share one BSGS split, so they share giant rotations
+            split: dict[int, tuple[int, int]] = {}
+            for p_in in {periods[j] for j, a in zip(st.inputs, mats) if a is not None}:
+                keys = [_diagonals_of(*(lambda c: (c.row.astype(np.int64),
+                                                   c.col.astype(np.int64)))(a.tocoo()),
+                                      p_in, periods[si])[1]
+                        for j, a in zip(st.inputs, mats) if a is not None and periods[j] == p_in]
+                split[p_in] = _bsgs(np.unique(np.concatenate(keys)))
+            vs.matvecs = [None if a is None else
+                          make_matvec(a, periods[j], periods[si], split[periods[j]])
+                          for j, a in zip(st.inputs, mats)]
         elif st.kind in ("mul", "mul_int"):
             if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
                 raise ValueError(f"step {si}: operands of a product in different layouts")

@@ -207,33 +207,44 @@ def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int) -> Any:
     return ct
 
 
-def _matvec(eng: Engine, kern: VectorKernels, key: tuple[int, int], mv: MatVec, x: Any) -> Any:
-    """Baby-step/giant-step sum of one term, before its rescale and folds."""
+def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[int],
+            xs: list[Any], rotated: dict[tuple[int, int, int], Any]) -> Any:
+    """An affine step by the BSGS diagonal method: baby-step rotations of an input shared with
+    every map that reads it (``rotated``), giant-step rotations shared by the terms of one input
+    period, one rescale, the folds of the widest term shared (folding is linear), then the
+    identity terms added."""
     k = kern.interleave
-    rots = {b: eng.rotate(x, b * k) for b in mv.babies}
-    return _accumulate(eng, (
-        eng.rotate(_accumulate(eng, (eng.mul_plain(rots[b], kern.diag[key + (gi, b)])
-                                     for b in group)), giant * k)
-        for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups))))
-
-
-def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, xs: list[Any]) -> Any:
-    """An affine step: the map terms summed before one rescale, sharing the folds of the
-    widest (folding is linear), then the identity terms added."""
-    parts = sorted(((mv.folds, _matvec(eng, kern, (si, ti), mv, x))
-                    for ti, (mv, x) in enumerate(zip(st.matvecs, xs)) if mv is not None),
-                   key=lambda t: -len(t[0]))
+    lin = max(eng.level(x) for x in xs)
+    by_period: dict[int, dict[int, Any]] = {}
+    folds_of: dict[int, list[int]] = {}
+    for ti, (src, mv, x) in enumerate(zip(srcs, st.matvecs, xs)):
+        if mv is None:
+            continue
+        sums = by_period.setdefault(mv.p_in, {})
+        folds_of[mv.p_in] = mv.folds
+        for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups)):
+            for b, _ in group.items():
+                if (src, lin, b) not in rotated:
+                    rotated[src, lin, b] = eng.rotate(x, b * k)
+                term = eng.mul_plain(rotated[src, lin, b], kern.diag[si, ti, gi, b])
+                if giant in sums:
+                    eng.add_inplace(sums[giant], term)
+                else:
+                    sums[giant] = term
+    parts = sorted(((folds_of[p], _accumulate(eng, (eng.rotate(ct, g * k)
+                                                    for g, ct in sums.items())))
+                    for p, sums in by_period.items()), key=lambda t: -len(t[0]))
     out = None
     folds: list[int] = []
     for term_folds, ct in parts:
         if out is None:
             out, folds = ct, list(term_folds)
             continue
-        out = _fold(eng, out, folds[len(term_folds):], kern.interleave)
+        out = _fold(eng, out, folds[len(term_folds):], k)
         eng.add_inplace(out, ct)
         folds = list(term_folds)
     if out is not None:
-        out = _fold(eng, eng.rescale(out), folds, kern.interleave)
+        out = _fold(eng, eng.rescale(out), folds, k)
     for mv, x in zip(st.matvecs, xs):
         if mv is None:
             out = x if out is None else eng.add(out, x)
@@ -244,6 +255,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
     """Evaluate a vector plan on one ciphertext group (``plan.interleave`` samples); returns the
     output ciphertext."""
     vals: list[Any] = [None] * len(plan.steps)
+    rotated: dict[tuple[int, int, int], Any] = {}
     for si, st in enumerate(plan.steps):
         if st.kind == "input":
             vals[si] = inputs[0]
@@ -254,7 +266,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
-            out = _affine(eng, kern, si, st, [eng.lift(vals[s], lin) for s in st.inputs])
+            out = _affine(eng, kern, si, st, st.inputs,
+                          [eng.lift(vals[s], lin) for s in st.inputs], rotated)
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         else:

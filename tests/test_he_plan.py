@@ -1,0 +1,270 @@
+"""The CKKS compiler's choices: one level rule for certify and the compiler, layouts chosen by
+the cost model, several samples per ciphertext, automatic packing -- each checked against real
+SEAL ciphertexts where it changes what runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import he
+import polynets as pn
+from he.costmodel import CostModel, default_model, measure
+from he.plan import (build_vector_plan, candidate_orders, layout_groups, search_layouts,
+                     slot_map)
+from polynets.lowering import integer_factor, lower
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class TokenMLP(nn.Module):
+    """Per-token channel maps (one map repeated over tokens), a square, a token-mixing head."""
+
+    def __init__(self, tokens: int, dim: int, hidden: int, classes: int = 3) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.head = nn.Linear(tokens * dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.head((x + self.down(h * h)).flatten(1))
+
+
+def _roundtrip(prog: he.CompiledProgram, x: np.ndarray) -> np.ndarray:
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    return client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
+
+
+def _bn_eval(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- levels
+def test_integer_factor_is_the_level_free_rule():
+    assert integer_factor(np.array(2.0)) == 2
+    assert integer_factor(np.full((3, 1), -3.0)) == -3
+    assert integer_factor(np.array(2.0 ** 21)) is None      # too large to multiply exactly
+    assert integer_factor(np.array([1.0, 2.0])) is None     # not one repeated integer
+    assert integer_factor(np.array(0.5)) is None
+
+
+@pytest.mark.parametrize("factor,levels", [(2.0, 1), (-1.0, 1), (0.5, 2), (2.0 ** 21, 2)])
+def test_constant_scaling_levels_agree_between_certify_and_both_packings(factor, levels):
+    model = nn.Sequential(Square(), Scale(factor)).eval()
+    x = torch.rand(4, 3) * 0.9
+    assert pn.certify(model, x).levels == levels
+    for packing in ("vector", "batch"):
+        prog = he.compile(model, x, packing=packing)
+        assert prog.params.levels == levels
+        y = _roundtrip(prog, x.numpy())
+        assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+
+
+@st.composite
+def _layer_stacks(draw):
+    layers: list[nn.Module] = []
+    width = draw(st.integers(2, 5))
+    first = width
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["linear", "square", "int", "frac"]))
+        if kind == "linear":
+            out = draw(st.integers(2, 5))
+            layers.append(nn.Linear(width, out))
+            width = out
+        elif kind == "square":
+            layers.append(Square())
+        else:
+            layers.append(Scale(3.0 if kind == "int" else 0.25))
+    return nn.Sequential(*layers).eval(), first
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+@given(_layer_stacks(), st.integers(0, 2 ** 16))
+def test_certify_levels_equal_the_compilers_on_random_programs(stack, seed):
+    model, width = stack
+    torch.manual_seed(seed)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.5)
+    x = torch.rand(3, width) * 0.5
+    cert = pn.certify(model, x)
+    lowered = lower(cert.program)
+    assert cert.levels == lowered.depth_levels("vector")
+    try:
+        prog = he.compile(model, x, packing="vector")
+    except he.TooDeepError:
+        return
+    assert prog.params.levels == cert.levels
+    assert prog.plan.levels == cert.levels
+    batch = he.compile(model, x, packing="batch")
+    assert batch.params.levels == lowered.depth_levels("batch") <= cert.levels
+
+
+# ----------------------------------------------------------------------------- layouts
+def test_slot_maps_are_injective_and_pad_inner_axes_to_powers_of_two():
+    shape = (1, 7, 5, 3)
+    for order in candidate_orders(shape):
+        m = slot_map(shape, order)
+        assert np.unique(m).size == m.size
+    m = slot_map(shape, (3, 1, 2))      # channels outermost: stride 8 * 8 = 64
+    idx = np.arange(105).reshape(shape)
+    assert m[idx[0, 0, 0, 1]] == 64 and m[idx[0, 1, 0, 0]] == 8 and m[idx[0, 0, 1, 0]] == 1
+
+
+def test_cost_model_picks_the_cheaper_layout_for_a_per_token_channel_map():
+    """A map 8 -> 24 channels on each of 16 tokens: token-major (row-major) slots give it one
+    diagonal per (token, offset) pair; channel-major slots one per channel offset."""
+    torch.manual_seed(0)
+    model = TokenMLP(tokens=16, dim=8, hidden=24).eval()
+    x = torch.rand(2, 16, 8)
+    program = pn.trace(model, x[:1])
+    lowered = lower(program)
+    costs = default_model()
+
+    def price(counts, level):
+        return costs.price({k: v for k, v in counts.items() if k != "plaintexts"}, 8192,
+                           4 - level)
+
+    orders, chosen = search_layouts(lowered, 4096, price)
+    dense = build_vector_plan(lowered, 4096, None)
+    plan = build_vector_plan(lowered, 4096, orders)
+    assert any(o is not None for o in orders)
+    assert plan.cost()["rotations"] < dense.cost()["rotations"]
+    assert plan.cost()["plain_mults"] < dense.cost()["plain_mults"] / 2
+    wide = [i for i, s in enumerate(lowered.steps) if s.shape[-1] == 24]
+    assert wide and all(orders[i][0] == 2 for i in wide)      # channel axis outermost
+    groups = layout_groups(lowered)
+    for i, g in enumerate(groups):
+        assert orders[i] == orders[g]
+
+
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_token_model_in_chosen_layouts_decrypts_to_model_output(packing):
+    torch.manual_seed(1)
+    model = TokenMLP(tokens=16, dim=8, hidden=24).eval()
+    x = torch.rand(5, 16, 8) * 2 - 1
+    prog = he.compile(model, x, calibration=x, packing=packing)
+    if packing == "vector":
+        assert any(o is not None for o in prog.plan.orders)
+    y = _roundtrip(prog, x.numpy())
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 4), st.sampled_from([4, 8]), st.sampled_from([4, 12]),
+       st.sampled_from([None, 1, 2]), st.integers(0, 1000))
+def test_random_mulayer_token_models_agree_in_every_layout(side, dim, hidden, interleave, seed):
+    """decrypt(server(encrypt(x))) == simulate(x) == model(x) for Mu-Layers on a token grid,
+    whatever layout the search picks and however many samples share a ciphertext."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(pn.MuLayer(dim, hidden=hidden, norm="batch", spatial_shift=True),
+                          nn.Flatten(1), nn.Linear(side * side * dim, 2))
+    x = torch.rand(6, side, side, dim) * 2 - 1
+    model = _bn_eval(model, x)
+    prog = he.compile(model, x, calibration=x, packing="vector",
+                      samples_per_ciphertext=interleave)
+    if interleave is not None:
+        assert prog.plan.interleave == interleave
+    y = _roundtrip(prog, x[:3].numpy())
+    with torch.no_grad():
+        ref = model(x[:3]).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:3]))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_interleaved_samples_fill_partial_and_several_groups():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
+    x = torch.rand(11, 6) * 2 - 1
+    prog = he.compile(model, x, packing="vector", samples_per_ciphertext=4)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x)
+    assert len(ct._groups) == 3          # 4 + 4 + 3 samples
+    y = client.decrypt(server.run(ct))
+    assert y.shape == (11, 3)
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+
+
+def test_samples_per_ciphertext_must_be_a_power_of_two():
+    model = nn.Sequential(nn.Linear(3, 2), Square()).eval()
+    with pytest.raises(he.NotEncryptableError, match="power of two"):
+        he.compile(model, torch.rand(2, 3), samples_per_ciphertext=3)
+
+
+def test_plan_survives_a_file_round_trip(tmp_path):
+    torch.manual_seed(3)
+    model = TokenMLP(tokens=16, dim=8, hidden=24).eval()
+    x = torch.rand(4, 16, 8)
+    prog = he.compile(model, x, packing="vector")
+    prog.save(tmp_path / "m.he")
+    loaded = he.load_program(tmp_path / "m.he")
+    assert loaded.fingerprint == prog.fingerprint
+    assert loaded.plan.orders == prog.plan.orders
+    assert loaded.plan.interleave == prog.plan.interleave
+    assert loaded.plan.rotations() == prog.plan.rotations()
+    assert loaded.plan.predicted == prog.plan.predicted
+
+
+# ----------------------------------------------------------------------------- auto packing
+def test_auto_packing_follows_the_objective_and_says_why():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
+    x = torch.rand(8, 6)
+    fast = he.compile(model, x, packing="auto", objective="latency")
+    many = he.compile(model, x, packing="auto", objective="throughput")
+    assert fast.packing == "vector" and many.packing == "batch"
+    for prog in (fast, many):
+        assert "packing='auto'" in prog.plan.why and "vector" in prog.plan.why \
+            and "batch" in prog.plan.why
+        assert prog.plan.predicted["seconds_per_ciphertext"] > 0
+    assert many.plan.predicted["seconds_per_sample"] <= fast.plan.predicted["seconds_per_sample"]
+    assert "predicted" in str(fast)
+    with pytest.raises(he.NotEncryptableError, match="objective"):
+        he.compile(model, x, objective="speed")
+
+
+# ----------------------------------------------------------------------------- cost model
+def test_cost_model_round_trips_and_interpolates():
+    model = default_model()
+    assert set(model.table) >= {8192, 16384, 32768}
+    again = CostModel.from_dict(model.to_dict())
+    for op in ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode"):
+        assert again.seconds(op, 16384, 3) == pytest.approx(model.seconds(op, 16384, 3))
+        assert model.seconds(op, 16384, 2) > 0
+    assert model.seconds("rotate", 32768, 10) > model.seconds("rotate", 8192, 3)
+    with pytest.raises(ValueError, match="unknown primitive"):
+        model.seconds("bootstrap", 8192, 2)
+    with pytest.raises(ValueError, match="lacks"):
+        CostModel.from_dict({"table": {"8192": {"rotate": [[1, 0.001]]}}})
+
+
+def test_measured_costs_grow_with_the_limbs():
+    model = measure(rings=(8192,))
+    rot = dict(model.table[8192]["rotate"])
+    assert min(rot) == 1 and max(rot) >= 2
+    assert model.seconds("rotate", 8192, max(rot)) > model.seconds("add", 8192, max(rot))
