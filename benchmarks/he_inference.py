@@ -5,18 +5,28 @@ with 4 kernels -> x^2 -> fc 256-64 -> x^2 -> fc 64-10; ring 8192, moduli [31, 26
 scale 2^26, ``ts.im2col_encoding`` + ``conv2d_im2col`` + ``square_`` + ``mm``; trained with the
 tutorial's recipe (Adam, lr 1e-3, 10 epochs, batch 64).
 
-Ours: a conv 5x5 stride 3 (8 channels) + BatchNorm -> x^2 -> fc 512-24 + BatchNorm -> x^2 ->
-fc 24-10 network, trained on the same images, traced, certified and compiled by ``he.compile``
-(parameters chosen automatically) in vector packing (latency, one process) and batch packing
-(throughput: ``--workers`` groups of 4096 images, encrypted by the client and evaluated by the
-server with ``--workers`` processes, one group each; the same keys also run one group in one
-process for the single-core figure).
+Ours, a family of models trained on the same images, traced, certified and compiled by
+``he.compile`` (parameters, layouts and samples per ciphertext chosen by the compiler):
+
+* ``handnet``: conv 5x5 stride 3 (8 channels) + BatchNorm -> x^2 -> fc 512-24 + BatchNorm -> x^2
+  -> fc 24-10 (designed for encryption);
+* ``token1`` / ``token2``: a 4x4 patch embedding (7x7 tokens, 32 channels) + BatchNorm, one or two
+  residual Mu-Layers (BatchNorm) on the tokens, a linear head on the flattened tokens;
+* ``monet2``: ``pn.MONet`` with two Poly-Blocks (spatial shift, BatchNorm), a pyramid patch
+  embedding (2x2 patches, one merge: 7x7 tokens, 32 channels), mean pooling (degree 16).
+
+For each: vector packing latency (one image per round trip: encrypt, serialise, server, decrypt),
+the server time of one ciphertext next to the cost model's prediction, images/s when the
+ciphertext is filled with as many images as the plan interleaves, and batch packing (one image per
+slot) with one process and with ``--workers`` processes -- run when the cost model predicts a
+group within ``--batch-budget`` seconds, otherwise reported as predicted only.
 
 Data: the MNIST test-set files (idx); train on the first 8,000 images, evaluate on the last 2,000.
-Both models are measured in the same run; the JSON has the machine, the figures and the ratios.
+All models and the baseline are measured in the same run; the JSON has the machine, the figures
+and the ratios.
 
-    python benchmarks/he_inference.py --data-dir ../shared/data/mnist [--n-latency 20] [--workers 2]
-        [--quick]
+    python benchmarks/he_inference.py --data-dir ../shared/data/mnist [--models token1,monet2]
+        [--n-latency 10] [--workers 2] [--quick]
 """
 
 from __future__ import annotations
@@ -71,6 +81,39 @@ def polynets_net(channels: int = 8, hidden: int = 24, kernel: int = 5) -> nn.Mod
     return nn.Sequential(nn.Conv2d(1, channels, kernel, stride=3), nn.BatchNorm2d(channels),
                          Square(), nn.Flatten(), nn.Linear(channels * side * side, hidden),
                          nn.BatchNorm1d(hidden), Square(), nn.Linear(hidden, 10))
+
+
+class TokenNet(nn.Module):
+    """Patch embedding + BatchNorm, ``depth`` residual Mu-Layers on the tokens, a linear head."""
+
+    def __init__(self, depth: int = 1, dim: int = 32, patch: int = 4, img: int = 28):
+        super().__init__()
+        self.embed = pn.PatchEmbed(img, patch, 1, dim)
+        self.norm = pn.layers.ChannelsLastBatchNorm(dim)
+        self.mus = nn.ModuleList(pn.MuLayer(dim, norm="batch") for _ in range(depth))
+        self.head = nn.Linear(dim * (img // patch) ** 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.norm(self.embed(x))
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.flatten(1))
+
+
+def make_model(name: str) -> nn.Module:
+    if name == "handnet":
+        return polynets_net()
+    if name in ("token1", "token2"):
+        return TokenNet(depth=int(name[-1]))
+    if name == "monet2":
+        return pn.MONet(img_size=28, in_chans=1, num_classes=10, patch_size=2, embed_dim=32,
+                        depth=2, merges=1, norm="batch", init="trunc_normal")
+    raise SystemExit(f"unknown model {name!r}; one of handnet, token1, token2, monet2")
+
+
+#: (epochs, learning rate) per model at full length
+RECIPES = {"handnet": (25, 3e-3), "token1": (15, 2e-3), "token2": (15, 2e-3),
+           "monet2": (15, 2e-3)}
 
 
 def load_mnist(data_dir: str) -> tuple[torch.Tensor, ...]:
@@ -164,24 +207,12 @@ def baseline(model: TutorialConvNet, x: torch.Tensor, n: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ ours
-def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
-                precision_bits: int) -> dict:
-    prog = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
-                      precision_bits=precision_bits)
-    client = he.Client(prog)
-    public = client.public_context()
-    server = he.Server(prog, public)
-    outs, times, ct_sizes = [], [], []
-    for i in tqdm(range(n), desc="polynets vector packing", leave=False):
-        t0 = time.perf_counter()
-        ct = client.encrypt(x[i:i + 1]).to_bytes()
-        out = server.run(ct).to_bytes()
-        outs.append(client.decrypt(out)[0])
-        times.append(time.perf_counter() - t0)
-        ct_sizes.append(len(ct))
-    return {"logits": np.array(outs), "median_s": statistics.median(times),
-            "ciphertext_bytes": int(np.median(ct_sizes)), "public_context_bytes": len(public),
-            "params": str(prog.params), "plan": prog.summary().splitlines()[-1].strip()}
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
@@ -201,121 +232,175 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
             "ciphertext_bytes": len(ct)}
 
 
+def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
+                precision_bits: int) -> dict:
+    """Latency (one image per round trip) and the filled-ciphertext throughput."""
+    rss0 = _rss_mib()
+    t0 = time.perf_counter()
+    prog = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
+                      precision_bits=precision_bits)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    client = he.Client(prog)
+    public = client.public_context()
+    server = he.Server(prog, public)
+    setup_s = time.perf_counter() - t0
+    rss = _rss_mib() - rss0
+    outs, times, server_times, ct_sizes = [], [], [], []
+    for i in tqdm(range(n), desc="polynets vector packing", leave=False):
+        t0 = time.perf_counter()
+        ct = client.encrypt(x[i:i + 1]).to_bytes()
+        t1 = time.perf_counter()
+        out = server.run(ct).to_bytes()
+        t2 = time.perf_counter()
+        outs.append(client.decrypt(out)[0])
+        times.append(time.perf_counter() - t0)
+        server_times.append(t2 - t1)
+        ct_sizes.append(len(ct))
+    k = prog.plan.interleave
+    full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
+    pred = prog.plan.predicted
+    return {"logits": np.array(outs), "median_s": statistics.median(times),
+            "server_median_s": statistics.median(server_times),
+            "predicted_server_s": pred["seconds_per_ciphertext"],
+            "prediction_error": pred["seconds_per_ciphertext"] /
+            statistics.median(server_times) - 1,
+            "images_per_ciphertext": k, "filled_images_per_s": full["images_per_s"],
+            "filled_server_s": full["server_s"],
+            "ciphertext_bytes": int(np.median(ct_sizes)), "public_context_bytes": len(public),
+            "compile_s": compile_s, "keys_and_server_s": setup_s,
+            "rss_after_keys_and_server_mib": rss, "predicted_memory_mib":
+            pred["server_memory_bytes"] / 2 ** 20, "params": str(prog.params),
+            "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
+            "plan": prog.summary().splitlines()[2].strip(), "counts": pred["counts"],
+            "layouts": prog.plan.orders}
+
+
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
-               workers: int) -> dict:
+               workers: int, budget_s: float) -> dict:
     """Batch packing: the test images fill the slots of ``workers`` ciphertext groups (repeated
     up to that many samples, so the figure is the amortised cost of full groups); the client
     encrypts and the server evaluates with ``workers`` processes (independent groups run side by
     side). Accuracy uses the first ``len(x)`` samples, i.e. every test image once. The same
-    program and keys also run one group in one process, for the single-core figure."""
+    program and keys also run one group in one process, for the single-core figure. Skipped
+    (predicted figures only) when the cost model predicts a group above ``budget_s``."""
     prog = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
                       precision_bits=precision_bits)
+    pred = prog.plan.predicted
+    slots = prog.params.slots
+    res = {"params": str(prog.params), "ring": prog.params.poly_modulus_degree,
+           "levels": prog.params.levels, "slots": slots,
+           "predicted_group_s": pred["seconds_per_ciphertext"],
+           "predicted_images_per_s": slots / pred["seconds_per_ciphertext"],
+           "counts": pred["counts"]}
+    if pred["seconds_per_ciphertext"] > budget_s:
+        res["skipped"] = (f"predicted {pred['seconds_per_ciphertext']:.0f} s per group > "
+                          f"--batch-budget {budget_s:.0f} s")
+        return res
     client = he.Client(prog)
     public = client.public_context()
     server = he.Server(prog, public)
-    slots = prog.params.slots
     single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1)
     full = x[torch.arange(workers * slots) % len(x)]
-    par = _batch_pass(client, server, full, workers)
-    par["logits"] = par["logits"][:len(x)]
-    par["single_process"] = {k: v for k, v in single.items() if k != "logits"}
-    par.update(public_context_bytes=len(public), slots=slots, groups=workers,
-               params=str(prog.params))
-    return par
+    par = _batch_pass(client, server, full, workers) if workers > 1 else dict(single)
+    res.update({k: v for k, v in par.items() if k != "logits"})
+    res["logits"] = par["logits"][:len(x)]
+    res["single_process"] = {k: v for k, v in single.items() if k != "logits"}
+    res["prediction_error"] = pred["seconds_per_ciphertext"] / single["server_s"] - 1
+    res.update(public_context_bytes=len(public), groups=workers)
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" /
                                               "data" / "mnist"))
-    ap.add_argument("--n-latency", type=int, default=20, help="images timed one by one")
-    ap.add_argument("--epochs", type=int, default=25)
+    ap.add_argument("--models", default="handnet,token1,token2,monet2")
+    ap.add_argument("--n-latency", type=int, default=10, help="images timed one by one")
+    ap.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
     ap.add_argument("--precision-bits", type=int, default=8,
                     help="output precision asked of the compiler (argmax needs few bits)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="processes for batch packing (client and server); one group each")
-    ap.add_argument("--quick", action="store_true", help="1 epoch, 200 test images, 3 timed")
+    ap.add_argument("--batch-budget", type=float, default=240.0,
+                    help="run batch packing only when a group is predicted within this many s")
+    ap.add_argument("--quick", action="store_true", help="1 epoch, 200 test images, 2 timed")
     ap.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" /
                                             "he_inference.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_mnist(args.data_dir)
-    epochs = 1 if args.quick else args.epochs
     if args.quick:
         xte, yte = xte[:200], yte[:200]
-        args.n_latency = min(args.n_latency, 3)
+        args.n_latency = min(args.n_latency, 2)
     ynp = yte.numpy()
+    n = args.n_latency
 
     t0 = time.perf_counter()
-    base_model = train(TutorialConvNet(), xtr, ytr, min(epochs, 10), augment=False, lr=1e-3,
-                       tutorial=True)
-    our_model = train(polynets_net(), xtr, ytr, epochs, augment=True, lr=3e-3)
-    train_s = time.perf_counter() - t0
+    base_model = train(TutorialConvNet(), xtr, ytr, 1 if args.quick else 10, augment=False,
+                       lr=1e-3, tutorial=True)
     with torch.no_grad():
         base_plain = base_model(xte).double().numpy()
-        our_plain = our_model(xte).double().numpy()
-    print(pn.certify(our_model, xte[:1]))
-
-    n = args.n_latency
     base = baseline(base_model, xte, n)
-    vec = ours_vector(our_model, xtr, xte, n, args.precision_bits)
-    bat = ours_batch(our_model, xtr, xte, args.precision_bits, max(1, args.workers))
-
-    res = {
+    res: dict = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "tenseal": ts.__version__,
                     "torch": torch.__version__},
         "data": {"train": len(xtr), "test": len(xte), "latency_images": n},
-        "train_seconds": train_s,
+        "cost_model": he.costmodel.default_model().source,
         "baseline_tenseal_tutorial": {
             "plain_accuracy": accuracy(base_plain, ynp),
             "encrypted_accuracy_latency_subset": accuracy(base["logits"], ynp[:n]),
-            "argmax_agreement_latency_subset": float(np.mean(
-                base["logits"].argmax(1) == base_plain[:n].argmax(1))),
             "median_latency_s": base["median_s"], "ciphertext_bytes": base["ciphertext_bytes"],
             "public_context_bytes": base["public_context_bytes"], "params": base["params"]},
-        "polynets_vector": {
-            "median_latency_s": vec["median_s"],
-            "argmax_agreement_latency_subset": float(np.mean(
-                vec["logits"].argmax(1) == our_plain[:n].argmax(1))),
-            "encrypted_accuracy_latency_subset": accuracy(vec["logits"], ynp[:n]),
-            "ciphertext_bytes": vec["ciphertext_bytes"],
-            "public_context_bytes": vec["public_context_bytes"], "params": vec["params"],
-            "plan": vec["plan"]},
-        "polynets_batch": {
-            "plain_accuracy": accuracy(our_plain, ynp),
-            "encrypted_accuracy": accuracy(bat["logits"], ynp),
-            "argmax_agreement": float(np.mean(bat["logits"].argmax(1) == our_plain.argmax(1))),
-            "max_abs_error": float(np.max(np.abs(bat["logits"] - our_plain))),
-            "images_per_s": bat["images_per_s"],
-            "server_images_per_s": bat["server_images_per_s"], "seconds": bat["seconds"],
-            "encrypt_s": bat["encrypt_s"], "server_s": bat["server_s"],
-            "decrypt_s": bat["decrypt_s"], "slots": bat["slots"], "groups": bat["groups"],
-            "images": bat["images"], "workers": bat["workers"],
-            "method": (f"{bat['images']} images ({bat['groups']} groups of {bat['slots']}, the "
-                       f"test images repeated) encrypted + serialised by the client with "
-                       f"{bat['workers']} processes, loaded + evaluated + serialised by the "
-                       f"server with {bat['workers']} processes (one group each), decrypted; "
-                       f"images/s = images / wall-clock seconds of the whole pass"),
-            "single_process": bat["single_process"],
-            "ciphertext_bytes": bat["ciphertext_bytes"],
-            "public_context_bytes": bat["public_context_bytes"], "params": bat["params"]},
-    }
-    res["latency_speedup_vs_baseline"] = base["median_s"] / vec["median_s"]
-    atomic_write_bytes(args.output, json.dumps(res, indent=2).encode())
-    b, v, t = res["baseline_tenseal_tutorial"], res["polynets_vector"], res["polynets_batch"]
-    print(f"\n{'':34s}{'TenSEAL tutorial':>18s}{'polynets':>14s}")
-    print(f"{'plaintext accuracy (2000)':34s}{100 * b['plain_accuracy']:17.2f}%"
-          f"{100 * t['plain_accuracy']:13.2f}%")
-    print(f"{'encrypted accuracy (2000, batch)':34s}{'':>18s}"
-          f"{100 * t['encrypted_accuracy']:13.2f}%")
-    print(f"{'argmax agreement (2000, batch)':34s}{'':>18s}{100 * t['argmax_agreement']:13.2f}%")
-    print(f"{f'median latency ({n} images)':34s}{b['median_latency_s'] * 1e3:15.0f} ms"
-          f"{v['median_latency_s'] * 1e3:11.0f} ms   ({res['latency_speedup_vs_baseline']:.1f}x)")
-    one = t["single_process"]
-    for label, r in ((f"batch, {t['workers']} processes", t), ("batch, 1 process", one)):
-        print(f"{label:34s}{'':>18s}{r['images_per_s']:10.0f} img/s "
-              f"(server alone {r['server_images_per_s']:.0f} img/s)")
+        "models": {}}
+    for name in args.models.split(","):
+        epochs, lr = RECIPES[name] if name in RECIPES else (10, 2e-3)
+        epochs = 1 if args.quick else (args.epochs or epochs)
+        t0 = time.perf_counter()
+        model = train(make_model(name), xtr, ytr, epochs, augment=True, lr=lr)
+        train_s = time.perf_counter() - t0
+        with torch.no_grad():
+            plain = model(xte).double().numpy()
+        cert = pn.certify(model, xte[:1])
+        print(cert)
+        vec = ours_vector(model, xtr, xte, n, args.precision_bits)
+        bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
+                         args.batch_budget)
+        entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
+                 "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
+                 "vector": {k: v for k, v in vec.items() if k != "logits"},
+                 "batch": {k: v for k, v in bat.items() if k != "logits"}}
+        entry["vector"]["argmax_agreement_latency_subset"] = float(np.mean(
+            vec["logits"].argmax(1) == plain[:n].argmax(1)))
+        entry["vector"]["latency_speedup_vs_baseline"] = base["median_s"] / vec["median_s"]
+        if "logits" in bat:
+            entry["batch"]["encrypted_accuracy"] = accuracy(bat["logits"], ynp)
+            entry["batch"]["argmax_agreement"] = float(np.mean(
+                bat["logits"].argmax(1) == plain.argmax(1)))
+            entry["batch"]["max_abs_error"] = float(np.max(np.abs(bat["logits"] - plain)))
+        res["models"][name] = entry
+        atomic_write_bytes(args.output, json.dumps(res, indent=2).encode())
+    b = res["baseline_tenseal_tutorial"]
+    print(f"\nbaseline (TenSEAL tutorial): plaintext accuracy {100 * b['plain_accuracy']:.2f}%, "
+          f"median latency {b['median_latency_s'] * 1e3:.0f} ms")
+    for name, e in res["models"].items():
+        v, t = e["vector"], e["batch"]
+        print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
+              f"vector N={v['ring']} latency {v['median_s'] * 1e3:.0f} ms "
+              f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
+              f"{v['server_median_s']:.2f} s (predicted {v['predicted_server_s']:.2f} s), "
+              f"{v['images_per_ciphertext']} images per ciphertext -> "
+              f"{v['filled_images_per_s']:.1f} img/s")
+        if "skipped" in t:
+            print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
+                  f"{t['predicted_images_per_s']:.1f} img/s per process)")
+        else:
+            one = t["single_process"]
+            print(f"   batch N={t['ring']}: encrypted accuracy {100 * t['encrypted_accuracy']:.2f}%"
+                  f", {one['images_per_s']:.0f} img/s with 1 process (server alone "
+                  f"{one['server_images_per_s']:.0f}; predicted {t['predicted_images_per_s']:.0f}),"
+                  f" {t['images_per_s']:.0f} img/s with {t['workers']} processes")
     print(f"wrote {args.output}")
     return res
 

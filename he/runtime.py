@@ -85,6 +85,17 @@ def _lift_all(eng: Engine, xs: list[Elem], level: int) -> list[Elem]:
     return [eng.lift(e, level) if _is_ct(e) else e for e in xs]
 
 
+#: Bytes of encoded weights batch packing keeps for reuse (each distinct weight is encoded once
+#: while it fits).
+PLAIN_CACHE_BYTES = 256 * 2 ** 20
+
+
+def _plain_cache_size(eng: Engine, level: int) -> int:
+    """Encoded scalars that fit :data:`PLAIN_CACHE_BYTES` at ``level``."""
+    per = eng.params.poly_modulus_degree * (eng.params.levels + 1 - level) * 8
+    return max(64, PLAIN_CACHE_BYTES // per)
+
+
 def _affine_batch(eng: Engine, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                   plains: dict[tuple[float, int], Any]) -> list[Elem]:
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
@@ -110,6 +121,8 @@ def _affine_batch(eng: Engine, st: Step, srcs: list[list[Elem]], rows: np.ndarra
                 else:
                     key = (float(w), level)
                     if key not in plains:
+                        if len(plains) >= _plain_cache_size(eng, level):
+                            plains.clear()
                         plains[key] = eng.encode_scalar(float(w), level, scale)
                     if acc is None:
                         acc = eng.mul_plain(e, plains[key])
