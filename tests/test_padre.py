@@ -176,12 +176,13 @@ def test_bad_configuration_raises_config_error(kwargs, match):
         PADRe(4, **kwargs)
 
 
-def test_tiny_padre_decrypts_to_the_model_output_in_batch_packing():
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_tiny_padre_decrypts_to_the_model_output(packing):
     he = pytest.importorskip("he")
     torch.manual_seed(0)
     m = PADRe(4, kernel_size=3).eval()
     x = torch.randn(3, 4, 4, 4)
-    prog = he.compile(m, x, calibration=x, packing="batch")
+    prog = he.compile(m, x, calibration=x, packing=packing)
     client = he.Client(prog)
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x).to_bytes()))
