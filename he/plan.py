@@ -246,6 +246,7 @@ class VStep:
     factor: int = 1
     planes: list[np.ndarray] = field(default_factory=list)   # per input ct: (per_ct * p_out,)
     plane_folds: list[int] = field(default_factory=list)
+    plane_cts: list[int] = field(default_factory=list)       # which input cts the planes read
 
 
 @dataclass
@@ -386,18 +387,19 @@ def layout_groups(lowered: Lowered) -> list[int]:
     return [find(i) for i in range(len(lowered.steps))]
 
 
-def _planes_reader(lowered: Lowered, max_planes: int) -> int | None:
-    """The step the client's input planes can replace: the input's only reader, a one-term
-    affine map whose outputs each read at most ``max_planes`` inputs."""
-    readers = [i for i, s in enumerate(lowered.steps) if 0 in s.inputs]
-    if len(readers) != 1 or lowered.output == 0:
-        return None
-    st = lowered.steps[readers[0]]
-    if st.kind != "affine" or len(st.inputs) != 1:
-        return None
-    nnz = np.diff(st.terms[0].tocsr().indptr)
-    k = int(nnz.max()) if nnz.size else 0
-    return readers[0] if 0 < k <= max_planes else None
+def _planes_readers(lowered: Lowered, max_planes: int) -> list[int]:
+    """Steps the client's input planes can replace: one-term affine maps of the input whose
+    outputs each read at most ``max_planes`` inputs (convolutions, patch embeddings and what
+    the lowering composed with them)."""
+    out = []
+    for i, st in enumerate(lowered.steps):
+        if st.kind != "affine" or st.inputs != (0,) or i == lowered.output:
+            continue
+        nnz = np.diff(st.terms[0].tocsr().indptr)
+        k = int(nnz.max()) if nnz.size else 0
+        if 0 < k <= max_planes:
+            out.append(i)
+    return out
 
 
 def _slot_matrix(m: sp.csr_matrix, out_map: np.ndarray, out_width: int, in_map: np.ndarray,
@@ -428,7 +430,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     group = layout_groups(lowered)
     gids = sorted(set(group))
     members = {g: [i for i in range(len(steps)) if group[i] == g] for g in gids}
-    planes = _planes_reader(lowered, max_planes)
+    planes = set(_planes_readers(lowered, max_planes))
     cands: dict[int, list[Order]] = {}
     for g in gids:
         shapes = {tuple(steps[i].shape) for i in members[g]}
@@ -472,7 +474,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
 
     def step_cost(si: int, choice: dict[int, Order]) -> float:
         st = steps[si]
-        if st.kind != "affine" or si == planes:
+        if st.kind != "affine" or si in planes:
             return 0.0
         o_out = choice[group[si]]
         key = (si, o_out) + tuple(choice[group[j]] for j in st.inputs)
@@ -520,8 +522,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
-    value leaves room for. ``max_input_ciphertexts``: input planes per sample the client may
-    send so that the first map needs no rotation.
+    value leaves room for. ``max_input_ciphertexts``: input ciphertexts per sample and planes
+    step beyond which planes are packed several to a ciphertext (the server folds them).
     """
     steps = lowered.steps
     orders = list(orders) if orders is not None else [None] * len(steps)
@@ -535,7 +537,7 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     maps = [slot_map(st.shape, o) for st, o in zip(steps, orders)]
     widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
     periods = [next_pow2(w) for w in widths]
-    planes_at = _planes_reader(lowered, max_planes)
+    planes_at = _planes_readers(lowered, max_planes)
     widest = max(periods)
     if widest > slots:
         raise ValueError(f"a value needs {widest} slots, more than the {slots} available")
@@ -571,19 +573,23 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
             vs.bias[maps[si]] = st.bias
         vsteps.append(vs)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders)
-    base = np.full(periods[0], -1, dtype=np.int64)
-    base[maps[0]] = np.arange(steps[0].n)
-    plan.input_layout = [np.tile(base, vslots // periods[0])]
-    if planes_at is not None:
-        _input_planes(plan, steps[planes_at].terms[0], planes_at, vslots,
-                      max_input_ciphertexts * k)
+    for si in planes_at:
+        _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts * k)
+    if any(0 in s.inputs and s.kind != "planes" for s in vsteps) or not plan.input_layout:
+        base = np.full(periods[0], -1, dtype=np.int64)
+        base[maps[0]] = np.arange(steps[0].n)
+        plan.input_layout.insert(0, np.tile(base, vslots // periods[0]))
+        for s in vsteps:
+            s.plane_cts = [c + 1 for c in s.plane_cts]
     return plan
 
 
 def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
                   max_cts: int) -> None:
-    """Client-side layout of the input as planes; turns the input's only map into a planes step
-    (weights in the output's slot order, so any layout costs the same)."""
+    """Client-side layout of the input as planes for step ``si``: turns it into a planes step
+    reading its own input ciphertexts (weights in the output's slot order, so any layout costs
+    the same). Planes are packed ``per_ct`` to a ciphertext (folded back by the server) only as
+    far as needed to stay within ``max_cts`` ciphertexts, or as far as the slots allow."""
     st = plan.steps[si]
     m = m.tocsr()
     m.sort_indices()
@@ -592,8 +598,6 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
     p_out = st.period
     per_ct = min(next_pow2(math.ceil(k / max_cts)), vslots // p_out)
     n_cts = math.ceil(k / per_ct)
-    if n_cts > max_cts:
-        return
     layouts, weights = [], []
     for j in range(n_cts):
         idx = np.full(per_ct * p_out, -1, dtype=np.int64)
@@ -609,8 +613,9 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
     st.kind = "planes"
     st.planes = weights
     st.plane_folds = _folds(per_ct * p_out, p_out)
+    st.plane_cts = list(range(len(plan.input_layout), len(plan.input_layout) + n_cts))
     st.matvecs = []
-    plan.input_layout = layouts
+    plan.input_layout.extend(layouts)
 
 
 def batch_counts(lowered: Lowered, live: list[np.ndarray]) -> list[dict[str, int]]:

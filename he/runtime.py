@@ -274,8 +274,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             vals[si] = inputs[0]
             continue
         if st.kind == "planes":
-            acc = _accumulate(eng, (eng.mul_plain(ct, kern.planes[si, j])
-                                    for j, ct in enumerate(inputs)))
+            acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.planes[si, j])
+                                    for j, c in enumerate(st.plane_cts)))
             out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)

@@ -25,7 +25,11 @@ and the CKKS compiler:
   selection (each output copies at most one input element with weight 1: shifts, slices,
   padding), which is a reindexing of ciphertexts;
 * :func:`step_levels`: ``mul`` costs one level above the higher operand, ``mul_int`` none;
-* a value read by several consumers is materialised once as its own step.
+* a value read by several consumers is materialised once as its own step;
+* a map that reads the input only through a local affine map (each output reads at most
+  :data:`LOCAL_ROW_NNZ` input elements: a convolution, a patch embedding) is composed with it and
+  reads the input directly, one level earlier -- the client can then pre-arrange the input for it
+  (vector packing's input planes); steps left without readers are dropped.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ __all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "step
 PACKING_KINDS = ("vector", "batch")
 #: Integer factors at or above this magnitude are encoded like any other constant (one level).
 MAX_INTEGER_FACTOR = 2 ** 20
+#: A map of the input whose outputs each read at most this many input elements is *local*.
+LOCAL_ROW_NNZ = 64
 
 
 def integer_factor(value: np.ndarray | float) -> int | None:
@@ -94,6 +100,11 @@ def _eye(n: int) -> sp.csr_matrix:
 
 def _is_identity(m: sp.csr_matrix) -> bool:
     return m.shape[0] == m.shape[1] and (m - _eye(m.shape[0])).count_nonzero() == 0
+
+
+def _max_row_nnz(m: sp.csr_matrix) -> int:
+    m = m.tocsr()
+    return int(np.diff(m.indptr).max(initial=0))
 
 
 def _is_selection(m: sp.csr_matrix) -> bool:
@@ -206,8 +217,26 @@ def lower(program: PolyProgram) -> Lowered:
             (src, m), = f.terms.items()
             if _is_identity(m) and steps[src].n == f.n:
                 return src
+        f = _through_local_input_map(f)
         add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
         return len(steps) - 1
+
+    def _through_local_input_map(f: _Aff) -> _Aff:
+        if len(f.terms) != 1:
+            return f
+        (src, m), = f.terms.items()
+        s = steps[src]
+        if s.kind != "affine" or len(s.inputs) != 1 or steps[s.inputs[0]].kind != "input" \
+                or _is_identity(m):
+            return f
+        composed = (m @ s.terms[0]).tocsr()
+        composed.eliminate_zeros()
+        if _max_row_nnz(composed) > LOCAL_ROW_NNZ:
+            return f
+        bias = None if s.bias is None else m @ s.bias
+        if f.bias is not None:
+            bias = f.bias if bias is None else bias + f.bias
+        return _Aff({s.inputs[0]: composed}, bias, f.shape)
 
     def operand(j: int, shape: tuple[int, ...]) -> _Aff:
         f = vals[j]
@@ -257,4 +286,18 @@ def lower(program: PolyProgram) -> Lowered:
             val = _Aff({j: _eye(steps[j].n)}, None, shape)
         vals.append(val)
     out = materialise(vals[program.output])
-    return Lowered(steps, out)
+    return _drop_unread(steps, out)
+
+
+def _drop_unread(steps: list[Step], out: int) -> Lowered:
+    """Remove steps no other step (nor the output) reads; renumber the rest."""
+    keep = np.zeros(len(steps), dtype=bool)
+    keep[out] = True
+    keep[0] = True                      # the input stays, read or not
+    for i in range(len(steps) - 1, -1, -1):
+        if keep[i]:
+            keep[list(steps[i].inputs)] = True
+    new = np.cumsum(keep) - 1
+    kept = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
+                 st.factor) for st, k in zip(steps, keep) if k]
+    return Lowered(kept, int(new[out]))

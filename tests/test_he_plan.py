@@ -34,7 +34,9 @@ class Scale(nn.Module):
 
 
 class TokenMLP(nn.Module):
-    """Per-token channel maps (one map repeated over tokens), a square, a token-mixing head."""
+    """Per-token channel maps (one map repeated over tokens) between squares, a token-mixing
+    head. The first square keeps the channel map from reading the input directly (which the
+    client's input planes would make free in any layout)."""
 
     def __init__(self, tokens: int, dim: int, hidden: int, classes: int = 3) -> None:
         super().__init__()
@@ -43,8 +45,9 @@ class TokenMLP(nn.Module):
         self.head = nn.Linear(tokens * dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        return self.head((x + self.down(h * h)).flatten(1))
+        s = x * x
+        h = self.up(s)
+        return self.head((s + self.down(h * h)).flatten(1))
 
 
 def _roundtrip(prog: he.CompiledProgram, x: np.ndarray) -> np.ndarray:
