@@ -12,67 +12,130 @@ and server talk through files only:
 from __future__ import annotations
 
 import argparse
-import json
+import io
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from he.errors import InputShapeError, SerializationError
-from polynets.program import atomic_write_bytes
+from he.errors import InputShapeError, SecretKeyError, SerializationError
+from polynets.errors import CheckpointError, ConfigError, WriteError
+from polynets.program import (MAX_FILE_BYTES, atomic_write_bytes, load_npy_bytes,
+                              loads_json_strict, read_bytes_limited)
 
 __all__ = ["register"]
 
 _SECRET = "secret.ctx"
 _PUBLIC = "public.ctx"
+_MAX_ELEMENTS = 1 << 28
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 
 
-def _read(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise SerializationError(f"cannot read the {what} file {path!r}: {exc.strerror}") from exc
+def _read(path: str | os.PathLike, what: str) -> bytes:
+    """A regular file's bytes (directories, pipes and devices such as /dev/zero are refused)."""
+    return read_bytes_limited(path, f"{what} file", SerializationError, MAX_FILE_BYTES)
 
 
-def _load_array(path: str) -> np.ndarray:
-    """Read ``.npy`` (no pickle) or ``.csv`` (one sample per row) data."""
-    try:
-        if path.endswith(".csv"):
-            return np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
-        return np.load(path, allow_pickle=False).astype(np.float64)
-    except (OSError, ValueError) as exc:
-        raise InputShapeError(f"cannot read data from {path!r} (.npy or .csv expected): {exc}") \
-            from exc
+def _program(path: str) -> Any:
+    import he
+
+    return he.CompiledProgram.from_bytes(_read(path, "compiled program"))
+
+
+def _check_output(path: str) -> None:
+    """Refuse an output path that cannot be a file before any work is done."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise WriteError(f"cannot write {path!r}: it is a directory; name a file in it")
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+    if parent and not os.path.isdir(parent):
+        raise WriteError(f"cannot write {path!r}: {parent!r} is a file, not a directory")
+
+
+def _load_array(path: str, what: str) -> np.ndarray:
+    """Read ``.npy`` (numbers only, no pickle) or ``.csv`` (one sample per row) as float64."""
+    data = read_bytes_limited(path, f"{what} file", InputShapeError, MAX_FILE_BYTES)
+    if path.endswith(".csv"):
+        try:
+            arr = np.loadtxt(io.BytesIO(data), delimiter=",", dtype=np.float64, ndmin=2)
+        except (ValueError, UnicodeDecodeError, IndexError) as exc:
+            raise InputShapeError(f"cannot read {what} from {path!r}: expected comma-separated "
+                                  f"numbers, one sample per row ({exc})") from exc
+    else:
+        arr = load_npy_bytes(data, f"{what} file {path!r} (.npy or .csv expected)",
+                             InputShapeError)
+        if arr.dtype.kind not in "biuf":
+            raise InputShapeError(f"{what} file {path!r} holds {arr.dtype} data; expected numbers")
+        arr = arr.astype(np.float64)
+    if arr.ndim < 2 or arr.shape[0] < 1:
+        raise InputShapeError(f"{what} in {path!r} has shape {arr.shape}; expected a batch of "
+                              f"samples, shape (B, *sample_shape) with B >= 1")
+    if not np.all(np.isfinite(arr)):
+        raise InputShapeError(f"{what} in {path!r} holds NaN or infinite values")
+    return arr
+
+
+def _as_batch(arr: np.ndarray, shape: tuple[int, ...], path: str, what: str) -> np.ndarray:
+    """``arr`` as ``(B, *shape)``: exact for .npy; a .csv row is one flattened sample."""
+    if tuple(arr.shape[1:]) == tuple(shape):
+        return arr
+    size = math.prod(shape)
+    if path.endswith(".csv") and arr.ndim == 2 and arr.shape[1] == size:
+        return arr.reshape((arr.shape[0],) + tuple(shape))
+    dims = ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
+    raise InputShapeError(f"{what} in {path!r} has shape {arr.shape}; expected (B, {dims})"
+                          + (f" or, for .csv, rows of {size} values" if path.endswith(".csv")
+                             else ""))
 
 
 def _shape(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(t) for t in text.replace("x", ",").split(",") if t.strip())
+        shape = tuple(int(t) for t in text.replace("x", ",").split(",") if t.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"shape must look like 1,28,28, got {text!r}") from exc
+    if not shape or any(d < 1 for d in shape) or math.prod(shape) > _MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(f"shape must be positive sizes such as 1,28,28 (at most "
+                                         f"{_MAX_ELEMENTS} elements), got {text!r}")
+    return shape
 
 
 def _load_model(spec: str, model_args: str | None) -> Any:
-    from polynets.checkpoint import build_model, load_model
+    """A checkpoint file, or a registered model name built with the JSON ``--model-args``."""
+    from polynets.checkpoint import build_model, check_model_kwargs, load_model, model_builder
 
-    if os.path.exists(spec):
+    if os.path.lexists(spec):
+        if model_args:
+            raise ConfigError("--model-args applies to a model name; a checkpoint brings its own "
+                              "arguments")
         return load_model(spec)
-    kwargs = json.loads(model_args) if model_args else {}
-    return build_model(spec, **kwargs).eval()
+    if os.sep in spec or spec.endswith(_CHECKPOINT_SUFFIXES):
+        raise CheckpointError(f"no checkpoint at {spec}: the file does not exist")
+    try:
+        model_builder(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{spec!r} is neither a checkpoint file nor a known model name: "
+                          f"{exc}") from exc
+    kwargs: Any = {}
+    if model_args:
+        kwargs = loads_json_strict(model_args, "--model-args", ConfigError, max_bytes=1 << 16,
+                                   max_depth=8)
+    return build_model(spec, **check_model_kwargs(kwargs, "--model-args")).eval()
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a checkpoint (or a registered model name) to a CKKS program file."""
     import he
 
+    _check_output(args.output)
     model = _load_model(args.model, args.model_args)
-    calib = _load_array(args.calibration) if args.calibration else None
+    calib = _load_array(args.calibration, "calibration data") if args.calibration else None
     if args.input_shape:
         shape = args.input_shape
         if calib is not None:
-            calib = calib.reshape((-1,) + shape)
+            calib = _as_batch(calib, shape, args.calibration, "calibration data")
         example = calib[:1] if calib is not None else np.zeros((1,) + shape)
     elif calib is not None:
         example = calib[:1]
@@ -87,33 +150,48 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _client(program: Any, keys: str, create: bool) -> Any:
+    """The client of the key set in ``keys``: loaded from its secret context, or (``create``)
+    a new key set. A secret context without its public context gets the public one written
+    again; a public context without the secret one is refused (its secret key is gone)."""
     import he
 
-    secret = Path(keys) / _SECRET
-    if secret.exists():
-        return he.Client.from_secret_context(program, _read(str(secret), "secret key"))
+    folder = Path(keys)
+    secret, public = folder / _SECRET, folder / _PUBLIC
+    if folder.exists() and not folder.is_dir():
+        raise SerializationError(f"--keys {keys!r} is a file; it must name a key directory")
+    if secret.exists() or secret.is_symlink():
+        client = he.Client.from_secret_context(program, _read(secret, "secret key"))
+        if create and not public.exists():
+            atomic_write_bytes(public, client.public_context())
+            print(f"wrote the missing public context {public} of key set {client.key_id}")
+        return client
     if not create:
-        raise SerializationError(f"no keys in {keys!r} (expected {secret}); run "
-                                 f"'polynets encrypt' with --keys {keys} first")
+        raise SecretKeyError(f"no keys in {keys!r} (expected {secret}); run 'polynets encrypt' "
+                             f"with --keys {keys} first")
+    if public.exists():
+        raise SecretKeyError(f"{keys!r} holds {_PUBLIC} but not {_SECRET}: the secret key of "
+                             f"that key set is gone, so its results could never be decrypted; "
+                             f"restore {secret}, or remove {public} to make a new key set")
     client = he.Client(program)
-    os.makedirs(keys, exist_ok=True)
-    atomic_write_bytes(secret, client.secret_context())
-    os.chmod(secret, 0o600)
-    atomic_write_bytes(Path(keys) / _PUBLIC, client.public_context())
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(f"cannot create the key directory {keys!r}: {exc.strerror}") from exc
+    atomic_write_bytes(secret, client.secret_context(), private=True)
+    atomic_write_bytes(public, client.public_context())
     print(f"made a new key set {client.key_id} in {keys}/ ({_SECRET} stays here; send "
           f"{_PUBLIC} to the server)")
     return client
 
 
 def cmd_encrypt(args: argparse.Namespace) -> int:
-    """Client: encrypt data (.npy/.csv, shape (B, *input_shape)) with the key set in --keys."""
-    import he
-
-    prog = he.load_program(args.program)
+    """Client: encrypt data (.npy shape (B, *input_shape), or .csv one sample per row) with the
+    key set in --keys."""
+    _check_output(args.output)
+    prog = _program(args.program)
+    x = _as_batch(_load_array(args.input, "input data"), prog.input_shape, args.input,
+                  "input data")
     client = _client(prog, args.keys, create=True)
-    x = _load_array(args.input)
-    if x.ndim == 2 and len(prog.input_shape) > 1:
-        x = x.reshape((x.shape[0],) + prog.input_shape)
     ct = client.encrypt(x, progress=True, workers=args.workers)
     atomic_write_bytes(args.output, ct.to_bytes())
     print(f"encrypted {len(ct)} samples -> {args.output}; public context: "
@@ -125,7 +203,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Server: run the compiled program on a ciphertext file with the public context only."""
     import he
 
-    prog = he.load_program(args.program)
+    _check_output(args.output)
+    prog = _program(args.program)
     server = he.Server(prog, _read(args.context, "public context"))
     out = server.run(_read(args.ciphertext, "ciphertext"), progress=True, workers=args.workers)
     atomic_write_bytes(args.output, out.to_bytes())
@@ -135,9 +214,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_decrypt(args: argparse.Namespace) -> int:
     """Client: decrypt a result file; write .npy or .csv and print the predictions."""
-    import he
-
-    prog = he.load_program(args.program)
+    if args.output:
+        _check_output(args.output)
+    prog = _program(args.program)
     client = _client(prog, args.keys, create=False)
     y = client.decrypt(_read(args.result, "result"))
     if args.output:
@@ -145,8 +224,6 @@ def cmd_decrypt(args: argparse.Namespace) -> int:
             text = "\n".join(",".join(f"{v:.8g}" for v in row) for row in y.reshape(len(y), -1))
             atomic_write_bytes(args.output, (text + "\n").encode())
         else:
-            import io
-
             buf = io.BytesIO()
             np.save(buf, y, allow_pickle=False)
             atomic_write_bytes(args.output, buf.getvalue())
@@ -182,7 +259,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("encrypt", help="client: encrypt data, make or reuse keys",
                               description=cmd_encrypt.__doc__)
     p.add_argument("program", help="compiled program file")
-    p.add_argument("input", help=".npy or .csv data, shape (B, *input_shape)")
+    p.add_argument("input", help=".npy data of shape (B, *input_shape), or .csv with one "
+                                 "flattened sample per row")
     p.add_argument("--keys", required=True, help="key directory (created if missing)")
     p.add_argument("-o", "--output", required=True, help="ciphertext file to write")
     p.add_argument("--workers", type=int, default=1,

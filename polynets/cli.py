@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polynets.errors import ConfigError, PolynetsError
+from polynets.errors import CheckpointError, ConfigError, PolynetsError
 
 __all__ = ["PLUGINS", "build_parser", "main"]
 
@@ -73,6 +73,14 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
         kwargs.update(patch_size=2 if info.img_size % 4 == 0 else 1, embed_dim=64, depth=4, init="trunc_normal")
     kwargs.update(user)
     return kwargs
+
+
+def _run_info(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """The dataset record a checkpoint was trained with (an empty dict when there is none)."""
+    info = checkpoint["extra"].get("run_info") or {}
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: extra['run_info'] must be a dict, got {type(info).__name__}")
+    return info
 
 
 def _load_data(args: argparse.Namespace, run_info: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
@@ -168,7 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from polynets.checkpoint import load_checkpoint, load_model
     from polynets.train import TrainConfig, Trainer
 
-    run_info = load_checkpoint(args.checkpoint)["extra"].get("run_info") or {}
+    run_info = _run_info(load_checkpoint(args.checkpoint), args.checkpoint)
     model = load_model(args.checkpoint)
     train_ds, test_ds, info = _load_data(args, run_info)
     trainer = Trainer(model, TrainConfig(batch_size=args.batch_size, device=args.device, progress=False))
@@ -194,7 +202,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
     if certify is None:
         raise ConfigError("this polynets installation has no certifier (polynets.certify)")
     if args.checkpoint:
-        shape = (load_checkpoint(args.checkpoint)["extra"].get("run_info") or {}).get("input_shape")
+        shape = _run_info(load_checkpoint(args.checkpoint), args.checkpoint).get("input_shape")
+        if shape is not None and not (isinstance(shape, list) and 0 < len(shape) <= 8 and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 1 << 16 for d in shape)):
+            raise CheckpointError(f"{args.checkpoint}: the recorded input shape {shape!r} is not a list of "
+                                  "positive sizes; pass --input-shape C,H,W")
         model = load_model(args.checkpoint)
     else:
         if not args.model:
@@ -208,6 +220,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--input-shape expects comma-separated integers such as 1,8,8, got "
                               f"{args.input_shape!r}") from exc
+        if not shape or any(d < 1 or d > 1 << 16 for d in shape):
+            raise ConfigError(f"--input-shape expects positive sizes such as 1,8,8, got {args.input_shape!r}")
     if not shape:
         raise ConfigError("the input shape is unknown; pass --input-shape C,H,W (one sample, no batch dimension)")
     example = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
@@ -367,8 +381,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except PolynetsError as exc:
-        print(f"polynets: error: {exc}", file=sys.stderr)
+        print(f"polynets: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"polynets: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's message (a multi-line one, e.g. a certificate, is kept whole but indented)."""
+    return str(exc).replace("\n", "\n  ")
 
 
 if __name__ == "__main__":

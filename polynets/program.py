@@ -48,7 +48,7 @@ import numpy as np
 from polynets.errors import ProgramFormatError, ShapeError, WriteError
 
 __all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
-           "read_bytes_limited", "loads_json_strict"]
+           "read_bytes_limited", "loads_json_strict", "load_npy_bytes"]
 
 OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const", "gather")
 _ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
@@ -529,31 +529,44 @@ def _read_npz(data: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def _read_npy(f: Any, size: int, name: str) -> np.ndarray:
-    """Read one ``.npy`` member of ``size`` bytes after checking its header's dtype and shape."""
-    major, _ = np.lib.format.read_magic(f)
-    if major == 1:
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=1 << 16)
-    elif major in (2, 3):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=1 << 16)
-    else:
-        raise ProgramFormatError(f"program array {name!r}: unknown .npy version {major}")
+def _read_npy(f: Any, size: int, name: str,
+              error: Callable[[str], Exception] = ProgramFormatError,
+              what: str = "program array") -> np.ndarray:
+    """Read one ``.npy`` stream of ``size`` bytes after checking its header's dtype and shape
+    against ``size`` (so a header claiming a huge shape fails before anything is allocated)."""
+    label = f"{what} {name!r}" if name else what
+    try:
+        major, _ = np.lib.format.read_magic(f)
+        if major == 1:
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f, max_header_size=1 << 16)
+        elif major in (2, 3):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=1 << 16)
+        else:
+            raise error(f"{label}: unknown .npy version {major}")
+    except (ValueError, SyntaxError, TypeError, OverflowError, EOFError, struct_error) as exc:
+        raise error(f"{label}: not a .npy array ({exc})") from exc
     if dtype.hasobject or dtype.kind not in _ARRAY_KINDS or dtype.subdtype is not None \
             or dtype.names is not None:
-        raise ProgramFormatError(f"program array {name!r} has dtype {dtype}; only numbers load")
+        raise error(f"{label} has dtype {dtype}; only numbers load")
     if len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
-        raise ProgramFormatError(f"program array {name!r}: invalid shape {shape}")
+        raise error(f"{label}: invalid shape {shape}")
     nbytes = math.prod(shape) * dtype.itemsize
     header_size = f.tell()
     if header_size + nbytes != size:
-        raise ProgramFormatError(f"program array {name!r}: its header says shape {shape} "
-                                 f"({nbytes} bytes of {dtype}) but the archive holds "
-                                 f"{size - header_size}")
+        raise error(f"{label}: its header says shape {shape} ({nbytes} bytes of {dtype}) but "
+                    f"{max(size - header_size, 0)} bytes follow it")
     raw = f.read(nbytes)
     if len(raw) != nbytes:
-        raise ProgramFormatError(f"program array {name!r} is truncated")
+        raise error(f"{label} is truncated")
     arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
     return arr.copy(order="K")
+
+
+def load_npy_bytes(data: bytes, what: str,
+                   error: Callable[[str], Exception] = ProgramFormatError) -> np.ndarray:
+    """The array in ``.npy`` bytes (numbers only, no pickle), its header checked against the
+    data before anything is allocated; anything else raises ``error(message)``."""
+    return _read_npy(io.BytesIO(data), len(data), "", error, what)
 
 
 def read_bytes_limited(path: str | os.PathLike, what: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import pickle
 import random
 
@@ -138,3 +140,138 @@ def test_rng_state_round_trip_reproduces_all_generators():
     second = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(first[0], second[0])
     assert np.array_equal(first[1], second[1]) and first[2] == second[2]
+
+
+# ---------------------------------------------------------------------------- untrusted files
+def _forge(path, ckpt: dict, **changes) -> None:
+    """A checkpoint with ``changes`` whose digest is recomputed, as a deliberate editor would."""
+    from polynets.checkpoint import _payload_digest
+
+    payload = {**ckpt, **changes}
+    payload["digest"] = _payload_digest(payload)
+    torch.save(payload, path)
+
+
+def _flipped(data: bytes, byte: int, bit: int = 0) -> bytes:
+    out = bytearray(data)
+    out[byte] ^= 1 << bit
+    return bytes(out)
+
+
+def _fuzz(path, tmp_path, positions) -> tuple[int, int]:
+    """Load every single-bit flip / truncation; each must fail with CheckpointError or load the
+    very same checkpoint (a flip in zip padding nothing reads)."""
+    from polynets.checkpoint import _payload_digest
+
+    data = path.read_bytes()
+    reference = _payload_digest(load_checkpoint(path))
+    target, refused, same = tmp_path / "mutated.pt", 0, 0
+    for mutated in positions(data):
+        target.write_bytes(mutated)
+        try:
+            ckpt = load_checkpoint(target)
+        except CheckpointError:
+            refused += 1
+            continue
+        assert _payload_digest(ckpt) == reference, "a corrupted checkpoint loaded different contents"
+        same += 1
+    return refused, same
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_flipped_bits_and_truncations_are_refused_never_loaded_as_other_weights(tmp_path):
+    torch.manual_seed(0)
+    path = save_checkpoint(tmp_path / "c.pt", model=tiny_classifier(), model_name="test_tiny_classifier",
+                           model_kwargs={"in_features": 4}, rng=False)
+    refused, same = _fuzz(path, tmp_path, lambda d: itertools.chain(
+        (_flipped(d, i, i % 8) for i in range(0, len(d), 3)), (d[:cut] for cut in range(0, len(d), 17))))
+    assert refused > 400 and refused + same > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_every_bit_flip_and_truncation_of_a_checkpoint_is_refused_or_harmless(monet_checkpoint, tmp_path):
+    _, path = monet_checkpoint
+    refused, _ = _fuzz(path, tmp_path, lambda d: itertools.chain(
+        (_flipped(d, i // 8, i % 8) for i in range(0, 8 * len(d), 29)), (d[:cut] for cut in range(0, len(d), 13))))
+    assert refused > 1000
+
+
+def test_edited_tensors_are_refused_by_the_digest(monet_checkpoint, tmp_path):
+    _, path = monet_checkpoint
+    ckpt = load_checkpoint(path)
+    name = next(iter(ckpt["model"]))
+    ckpt["model"][name] = ckpt["model"][name] + 1e-3
+    torch.save(ckpt, tmp_path / "edited.pt")
+    with pytest.raises(CheckpointError, match="do not match the digest"):
+        load_checkpoint(tmp_path / "edited.pt")
+    del ckpt["digest"]
+    torch.save(ckpt, tmp_path / "stripped.pt")
+    with pytest.raises(CheckpointError, match="digest"):
+        load_checkpoint(tmp_path / "stripped.pt")
+
+
+def test_version_1_checkpoints_without_a_digest_still_load(monet_checkpoint, tmp_path):
+    model, path = monet_checkpoint
+    ckpt = load_checkpoint(path)
+    del ckpt["digest"]
+    torch.save({**ckpt, "version": 1}, tmp_path / "v1.pt")
+    x = torch.randn(2, 1, 8, 8)
+    assert torch.equal(load_model(tmp_path / "v1.pt")(x), model.eval()(x))
+    _forge(tmp_path / "v3.pt", ckpt, version=3)
+    with pytest.raises(CheckpointError, match="version 3"):
+        load_checkpoint(tmp_path / "v3.pt")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ([1, 2], "JSON object"),
+    ("embed_dim=64", "JSON object"),
+    ({"embed_dim": 200000}, "parameters and buffers"),
+    ({"depth": 10 ** 9}, "out of range"),
+    ({"embed_dim": float("inf")}, "finite"),
+    ({"embed_dim": "x" * 5000}, "characters"),
+    ({"embed_dim": {"a": [[[[1]]]]}}, "number, string"),
+    ({"not an identifier": 1}, "not an argument name"),
+    ({"embed_dim": torch.zeros(3)}, "number, string"),
+    ({"no_such_argument": 1}, "does not accept"),
+    ({"patch_size": 3}, "cannot be built|do not fit"),
+])
+def test_model_kwargs_are_validated_before_anything_is_built(monet_checkpoint, tmp_path, kwargs, message):
+    _, path = monet_checkpoint
+    ckpt = load_checkpoint(path)
+    merged = {**KWARGS, **kwargs} if isinstance(kwargs, dict) else kwargs
+    _forge(tmp_path / "k.pt", ckpt, model_kwargs=merged)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path / "k.pt")
+
+
+def test_wrong_types_in_a_checkpoint_are_checkpoint_errors(monet_checkpoint, tmp_path):
+    _, path = monet_checkpoint
+    ckpt = load_checkpoint(path)
+    for changes in ({"model_name": 5}, {"model": [1, 2]}, {"model": {"w": 3}}, {"extra": [1]}):
+        _forge(tmp_path / "t.pt", ckpt, **changes)
+        with pytest.raises(CheckpointError):
+            load_model(tmp_path / "t.pt")
+
+
+def test_directories_fifos_and_devices_are_not_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_checkpoint(tmp_path / "fifo")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_checkpoint("/dev/zero")
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        load_checkpoint(tmp_path / "f" / "last.pt")
+
+
+def test_build_model_refuses_sizes_that_would_exhaust_memory():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="parameters and buffers"):
+        pn.checkpoint.build_model("monet", **{**KWARGS, "embed_dim": 200000})
+    assert time.perf_counter() - start < 5
+    assert sum(p.numel() for p in pn.checkpoint.build_model("monet", **KWARGS).parameters()) > 0

@@ -112,3 +112,118 @@ def test_sequence_model_gets_the_sequence_geometry():
     assert kwargs == {"seq_len": 8, "in_features": 8, "num_classes": 10, "dim": 16}
     _, _, images = load_dataset("digits")
     assert cli.model_kwargs_for("monet_t", images, {}) == {"num_classes": 10, "in_chans": 1, "img_size": 8}
+
+
+# ---------------------------------------------------------------------------- misuse of the encrypted-inference commands
+@pytest.fixture(scope="module")
+def he_files(tmp_path_factory):
+    """A compiled program, data, a key set, an input and a result ciphertext in one directory."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    he = pytest.importorskip("he")
+
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    root = tmp_path_factory.mktemp("he_cli")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
+    x = torch.randn(4, 6)
+    he.compile(model, x, packing="batch").save(root / "m.he")
+    np.save(root / "x.npy", x.numpy())
+    np.save(root / "wide.npy", np.zeros((4, 7)))
+    np.save(root / "flat.npy", np.zeros((4, 2, 3)))
+    np.save(root / "scalar.npy", np.float64(1.0))
+    np.save(root / "strings.npy", np.array(["a", "b"]))
+    (root / "x.csv").write_text("\n".join(",".join(str(v) for v in row) for row in x.numpy().tolist()))
+    (root / "text.csv").write_text("a,b,c\n")
+    (root / "file").write_text("x")
+    torch.save({"model": "nothing"}, root / "foreign.pt")
+    keys = str(root / "keys")
+    assert cli.main(["encrypt", str(root / "m.he"), str(root / "x.npy"), "--keys", keys, "-o",
+                     str(root / "x.ct")]) == 0
+    assert cli.main(["run", str(root / "m.he"), str(root / "x.ct"), "--context", f"{keys}/public.ctx", "-o",
+                     str(root / "y.ct")]) == 0
+    return root
+
+
+def _fails_cleanly(argv, capsys, message):
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err and err[-1].startswith("polynets: error: ") and "Traceback" not in "\n".join(err)
+    assert message in err[-1], err[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["encrypt", "{r}/m.he", "{r}/x.npy", "--keys", "{r}/keys", "-o", "{r}"], "is a directory"),
+    (["encrypt", "{r}/m.he", "{r}/x.npy", "--keys", "{r}/keys", "-o", "{r}/file/x.ct"], "is a file"),
+    (["encrypt", "{r}/m.he", "{r}/x.npy", "--keys", "{r}/file", "-o", "{r}/o.ct"], "is a file"),
+    (["encrypt", "{r}/m.he", "{r}/wide.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "expected (B, 6,)"),
+    (["encrypt", "{r}/m.he", "{r}/flat.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "expected (B, 6,)"),
+    (["encrypt", "{r}/m.he", "{r}/scalar.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "expected a batch"),
+    (["encrypt", "{r}/m.he", "{r}/strings.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "only numbers"),
+    (["encrypt", "{r}/m.he", "{r}/text.csv", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "comma-separated"),
+    (["encrypt", "{r}/m.he", "{r}/missing.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "does not exist"),
+    (["encrypt", "/dev/zero", "{r}/x.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "not a regular file"),
+    (["encrypt", "{r}/x.npy", "{r}/x.npy", "--keys", "{r}/keys", "-o", "{r}/o.ct"], "bad magic"),
+    (["run", "{r}/m.he", "/dev/zero", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct"], "not a regular file"),
+    (["run", "{r}/m.he", "{r}", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct"], "is a directory"),
+    (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/secret.ctx", "-o", "{r}/o.ct"], "secret key"),
+    (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/keys"], "is a directory"),
+    (["run", "{r}/m.he", "{r}/y.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct"], "input ciphertext"),
+    (["decrypt", "{r}/m.he", "/dev/zero", "--keys", "{r}/keys"], "not a regular file"),
+    (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/nokeys"], "no keys"),
+    (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/keys", "-o", "{r}/file/y.npy"], "is a file"),
+    (["compile", "{r}/missing.pt", "-o", "{r}/z.he", "--input-shape", "6"], "no checkpoint at"),
+    (["compile", "{r}/foreign.pt", "-o", "{r}/z.he", "--input-shape", "6"], "not a polynets checkpoint"),
+    (["compile", "{r}", "-o", "{r}/z.he", "--input-shape", "6"], "is a directory"),
+    (["compile", "no_such_model", "-o", "{r}/z.he", "--input-shape", "6"], "neither a checkpoint"),
+    (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--model-args", "[1, 2]"], "JSON object"),
+    (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--model-args", "{oops"], "malformed JSON"),
+    (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--model-args", '{"embed_dim": 200000}'],
+     "refusing to build"),
+    (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--calibration", "{r}/x.npy"],
+     "expected (B, 1, 8, 8)"),
+    (["compile", "monet", "-o", "{r}/z.he", "--calibration", "{r}/scalar.npy"], "expected a batch"),
+    (["compile", "monet", "-o", "{r}", "--input-shape", "1,8,8"], "is a directory"),
+])
+def test_misused_encrypted_inference_commands_fail_with_one_line(he_files, capsys, argv, message):
+    _fails_cleanly([a.replace("{r}", str(he_files)) for a in argv], capsys, message)
+
+
+def test_a_missing_eval_checkpoint_is_reported_as_missing(tmp_path, capsys):
+    _fails_cleanly(["eval", str(tmp_path / "missing.pt")], capsys, "does not exist")
+    _fails_cleanly(["certify", str(tmp_path / "missing.pt")], capsys, "does not exist")
+    _fails_cleanly(["eval", str(tmp_path)], capsys, "is a directory")
+
+
+def test_encrypt_repairs_a_missing_public_context_and_refuses_a_lost_secret_key(he_files, tmp_path, capsys):
+    import shutil
+
+    keys = tmp_path / "keys"
+    shutil.copytree(he_files / "keys", keys)
+    (keys / "public.ctx").unlink()
+    assert cli.main(["encrypt", str(he_files / "m.he"), str(he_files / "x.csv"), "--keys", str(keys),
+                     "-o", str(tmp_path / "x.ct")]) == 0
+    assert "missing public context" in capsys.readouterr().out
+    assert (keys / "public.ctx").read_bytes() == (he_files / "keys" / "public.ctx").read_bytes()
+    assert cli.main(["run", str(he_files / "m.he"), str(tmp_path / "x.ct"), "--context", str(keys / "public.ctx"),
+                     "-o", str(tmp_path / "y.ct")]) == 0
+    (keys / "secret.ctx").unlink()
+    _fails_cleanly(["encrypt", str(he_files / "m.he"), str(he_files / "x.npy"), "--keys", str(keys), "-o",
+                    str(tmp_path / "z.ct")], capsys, "secret key of that key set is gone")
+    assert not (tmp_path / "z.ct").exists()
+
+
+def test_key_files_are_private_and_public_files_follow_the_umask(he_files):
+    import os
+
+    assert (he_files / "keys" / "secret.ctx").stat().st_mode & 0o777 == 0o600
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("keys/public.ctx", "x.ct", "y.ct", "m.he"):
+        assert (he_files / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
