@@ -102,7 +102,7 @@ class _TokenConv(nn.Module):
 
 
 class PADRe(nn.Module):
-    """PADRe mixer: ``O = [sum_i w_i * Z_i] V + b``, ``Z_1 = A_1 X B_1``,
+    """PADRe mixer: ``O = [sum_i w_i * Z_i (+ L)] V + b``, ``Z_1 = A_1 X B_1``,
     ``Z_{i+1} = (C_i Z_i D_i) * (A_{i+1} X B_{i+1})``.
 
     Args:
@@ -122,6 +122,9 @@ class PADRe(nn.Module):
             tokens; ``"position"``: Eq. 6's per-token weights ``W[m, n, i]``, which fix the token
             shape to ``token_shape``.
         token_shape: ``(H, W)`` (2-D) or ``N`` (1-D), only with ``weights="position"``.
+        constant: add Eq. 6's degree-0 term ``L`` to ``P``, shaped like one ``w_i`` (per
+            channel, or per token and channel with ``weights="position"``). Default False:
+            the output projection's bias gives the constant (Section 4.1).
         causal: 1-D only: pad on the left so token ``t`` reads tokens ``t - k + 1 .. t``
             (default False: centred padding).
         out_features: ``G``, the width of the output projection ``V`` (default ``dim``).
@@ -140,7 +143,8 @@ class PADRe(nn.Module):
     def __init__(self, dim: int, *, degree: int = 2, kernel_size: int = 11,
                  spatial_dims: int = 2, token_mixing: str = "depthwise", z_mixing: bool = True,
                  first_order: bool = False, weights: str = "channel",
-                 token_shape: int | Sequence[int] | None = None, causal: bool = False,
+                 token_shape: int | Sequence[int] | None = None, constant: bool = False,
+                 causal: bool = False,
                  out_features: int | None = None, proj: bool = True, norm: str = "none",
                  bias: bool = False) -> None:
         super().__init__()
@@ -189,6 +193,7 @@ class PADRe(nn.Module):
         self.terms = tuple(range(0 if self.first_order else 1, d))  # 0-based degrees - 1
         wshape = (len(self.terms), c) + (self.token_shape or (1,) * spatial_dims)
         self.w = nn.Parameter(torch.ones(wshape))
+        self.constant = nn.Parameter(torch.zeros(wshape[1:])) if constant else None
         self.proj = nn.Linear(c, self.out_features) if proj else nn.Identity()
         self.reset_parameters()
 
@@ -202,6 +207,8 @@ class PADRe(nn.Module):
         for m in (self.token_mix, *self.z_token):
             m.reset_parameters()
         nn.init.ones_(self.w)
+        if self.constant is not None:
+            nn.init.zeros_(self.constant)
         if isinstance(self.proj, nn.Linear):
             self.proj.reset_parameters()
 
@@ -232,6 +239,8 @@ class PADRe(nn.Module):
             z = z * ys[i]
             term = self.w[self.terms.index(i)] * z
             out = term if out is None else out + term
+        if self.constant is not None:
+            out = out + self.constant
         return self.proj(out.movedim(1, -1))
 
 

@@ -36,7 +36,7 @@ def _randomise(m: torch.nn.Module, seed: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name.endswith("w"):
+            if name.endswith("w") or name == "constant":
                 p.copy_(torch.randn(p.shape, generator=g))
         for b in m.modules():
             if isinstance(b, torch.nn.modules.batchnorm._BatchNorm):
@@ -80,8 +80,9 @@ def test_program_simulation_equals_forward_and_certificate_gives_the_degree(
 
 @pytest.mark.parametrize("kwargs", [
     dict(spatial_dims=1, causal=True),
-    dict(weights="position", token_shape=(4, 4)),
+    dict(weights="position", token_shape=(4, 4), constant=True),
     dict(norm="batch", degree=3, first_order=True),
+    dict(constant=True, proj=False),
 ])
 def test_options_trace_to_the_same_function(kwargs):
     torch.manual_seed(0)
@@ -89,6 +90,14 @@ def test_options_trace_to_the_same_function(kwargs):
     x = _input(m)
     _assert_close(pn.trace(m, x).simulate(x), _reference(m, x))
     assert pn.certify(m, x).degree == m.degree
+
+
+def test_constant_term_is_the_output_at_zero_input():
+    m = PADRe(3, kernel_size=3, weights="position", token_shape=(2, 2), constant=True,
+              proj=False)
+    with torch.no_grad():
+        m.constant.copy_(torch.randn(3, 2, 2))
+        torch.testing.assert_close(m(torch.zeros(1, 2, 2, 3))[0], m.constant.permute(1, 2, 0))
 
 
 def test_without_first_order_the_degree_two_mixer_is_homogeneous():
@@ -139,7 +148,7 @@ def test_shared_token_kernels_are_one_per_map():
 
 def test_backward_reaches_every_parameter():
     m = PADRe(4, degree=3, kernel_size=3, first_order=True, weights="position",
-              token_shape=(3, 3))
+              token_shape=(3, 3), constant=True)
     m(torch.randn(2, 3, 3, 4)).square().sum().backward()
     for name, p in m.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
