@@ -2,21 +2,30 @@
 
 Recipe of :class:`EquationDiscovery.fit`:
 
-1. Train a :class:`~polynets.PolyNODE` (Mu-Layers, degree ``>= degree``) on the trajectories
-   through ``torchdiffeq.odeint`` over short windows, in standardised units.
-2. Expand it exactly with :func:`symbolic.to_sympy`, map it back to the original units and keep
-   the monomials of total degree ``<= degree``: a dense polynomial field close to the data.
-3. Refine all library coefficients by trajectory matching (Levenberg-Marquardt with forward
-   sensitivities, multiple shooting over windows, :mod:`symbolic.shooting`).
-4. Backward elimination: drop every term whose share of its equation on the data is below
-   ``threshold``; when none is, drop the least significant term of each equation whose z-score
-   (coefficient / standard error from the Gauss-Newton covariance) is below ``significance``;
-   refit the survivors by trajectory matching; repeat until every term is large and significant.
+1. **Starts.** (a) Train a :class:`~polynets.PolyNODE` (Mu-Layers, degree ``>= degree``) on
+   the trajectories over short windows in standardised units and expand it exactly with
+   :func:`symbolic.to_sympy`, back in the data's units: a dense polynomial field close to the
+   data; if it cannot be refined, the dense integral-form least squares takes its place.
+   (b) Sequentially thresholded weak-form least squares over a grid of thresholds
+   (:mod:`symbolic.weak`): sparse supports with their coefficients.
+2. **Safe trajectory fits.** Every start is refined by trajectory matching (multiple shooting,
+   :mod:`symbolic.shooting`). A start that blows up within the windows is retried on windows
+   half as long (down to 5 samples), then lengthened again from the shorter fit.
+3. **Backward elimination** from each refined start: drop every term whose share of its
+   equation on the data is below ``threshold``; when none is, drop the least significant term of
+   each equation whose z-score (coefficient / standard error from the Gauss-Newton covariance,
+   with the residual variance estimated from the fit, so no noise level is needed) is below
+   ``significance``; refit; repeat until every term is large and significant.
+4. **Selection** among the candidates by the Bayesian information criterion of the trajectory
+   fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
+   so on exact data the sparsest exact model wins), all evaluated on the same windows.
+5. A final refit on longer windows (``polish``) when it converges as well.
 
 No knowledge of the true support is used anywhere. On exact data the kept coefficients are the
 least-squares trajectory fit, accurate to the integration tolerance; with noise it is a
 maximum-likelihood fit of the states (Gaussian noise), far less biased than regression on
-finite-difference derivatives.
+finite-difference derivatives. A :class:`~symbolic.errors.FitError` is raised only when no start
+can be integrated over even the shortest windows, with what to change.
 """
 
 from __future__ import annotations
@@ -29,20 +38,43 @@ import numpy as np
 import sympy
 import torch
 from scipy.integrate import solve_ivp
-from tqdm.auto import tqdm
+from sklearn.base import BaseEstimator
+from threadpoolctl import threadpool_limits
 
+from polynets.errors import PolynetsError
 from symbolic.errors import ExpressionError, FitError, NotFittedError, SymbolicDataError
 from symbolic.expand import default_variables, to_sympy
 from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
-from symbolic.shooting import ShootingResult, fit_trajectories, make_windows
+from symbolic.shooting import EXACT_RMS, ShootingResult, fit_trajectories, make_windows
+from symbolic.weak import sparse_supports
 
 __all__ = ["EquationDiscovery"]
 
+MIN_WINDOW = 5
+"""Shortest multiple-shooting window (samples) a blowing-up start is retried on."""
 
-class EquationDiscovery:
-    """Sparse polynomial ODE discovery with a Poly-NODE, exact expansion and trajectory refits.
+
+MAX_SPARSE_START = 0.5
+"""Weak-form supports with more than this fraction of the library are left to the dense start."""
+
+SEARCH_RTOL_FACTOR = 1e-3
+MAX_SEARCH_RTOL = 1e-6
+
+
+def information_criterion(res: ShootingResult, terms: int) -> float:
+    """BIC of a trajectory fit: ``N ln(max(RSS / N, EXACT_RMS^2)) + terms ln N``."""
+    n = max(res.n_residuals, 1)
+    return n * math.log(max(res.rss / n, EXACT_RMS**2)) + terms * math.log(n)
+
+
+class EquationDiscovery(BaseEstimator):
+    """Sparse polynomial ODE discovery with a Poly-NODE, weak-form starts and trajectory refits.
+
+    A scikit-learn estimator: the constructor only stores its arguments, ``fit(t, X)`` learns
+    and returns self, fitted state ends with an underscore (``clone``, ``get_params``,
+    ``set_params``, ``check_is_fitted`` work).
 
     Args:
         degree: maximal total degree of the monomial library (constant term included).
@@ -52,13 +84,15 @@ class EquationDiscovery:
         significance: terms whose z-score stays below this are dropped (one per equation and
             round, least significant first).
         noise: optional noise level as a fraction of each variable's standard deviation; when
-            given it floors the residual variance used for z-scores.
+            given it floors the residual variance used for z-scores. Not needed: by default the
+            variance is estimated from the fit.
         window: samples per multiple-shooting window of the trajectory refits (None: whole
             trajectories).
-        polish: once the support is fixed, refit once more on windows ``polish`` times longer
+        polish: once the model is chosen, refit once more on windows ``polish`` times longer
             (more samples per fitted initial state: lower variance under noise); the longer fit
             is kept only if it converges to a residual level no worse than 1.5x per sample.
             ``1`` skips it.
+        sparse_starts: also start from sequentially thresholded weak-form supports.
         hidden, node_steps, node_window, lr: Poly-NODE width, training steps, training window
             (samples) and learning rate.
         snap_tol: if set, coefficients within this relative distance of a number with at most
@@ -68,35 +102,30 @@ class EquationDiscovery:
         seed: seed of the Poly-NODE initialisation and batches.
 
     Fitted attributes: ``coef_`` (p, dim) over the monomials ``library_`` (p, dim exponents),
-    ``model_`` the trained Poly-NODE, ``node_exprs_`` its exact expansion in the data's units,
-    ``start_`` which dense fit seeded the elimination (``"node"``, or ``"lstsq"``, the
-    integral-form least squares, when the fit started from the Poly-NODE failed or did not
-    converge and the other did better), ``rounds_`` the terms and
-    residual per elimination round, ``x0_`` the fitted window starts, ``fit_window_`` the final
-    window length, ``timings_`` seconds spent.
+    ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
+    exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
+    ``"lstsq"`` the dense integral-form least squares, or ``"weak"``), ``candidates_`` one
+    record per start (terms, RSS, criterion, window, converged, or the error), ``rounds_`` the
+    terms and residual per elimination round of the chosen model, ``result_`` its
+    :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
+    ``x0_`` the fitted window starts, ``fit_window_`` the final window length, ``timings_``
+    seconds spent.
     """
 
     def __init__(self, degree: int = 2, *, variables: Sequence[str] | None = None,
                  threshold: float = 1e-3, significance: float = 4.0, noise: float | None = None,
-                 window: int | None = 50, polish: int = 2, hidden: int = 16,
-                 node_steps: int = 100, node_window: int = 6, lr: float = 2e-2,
-                 snap_tol: float | None = None,
-                 rtol: float = 1e-10, atol: float = 1e-12, progress: bool = True,
-                 seed: int = 0) -> None:
-        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-            raise ExpressionError(f"degree must be a positive int, got {degree!r}")
-        for name, value in (("threshold", threshold), ("significance", significance)):
-            if not np.isfinite(value) or value < 0:
-                raise ExpressionError(f"{name} must be a non-negative number, got {value!r}")
-        if noise is not None and (not np.isfinite(noise) or noise < 0):
-            raise ExpressionError(f"noise must be a non-negative fraction, got {noise!r}")
+                 window: int | None = 50, polish: int = 2, sparse_starts: bool = True,
+                 hidden: int = 16, node_steps: int = 100, node_window: int = 6,
+                 lr: float = 2e-2, snap_tol: float | None = None, rtol: float = 1e-10,
+                 atol: float = 1e-12, progress: bool = True, seed: int = 0) -> None:
         self.degree = degree
-        self.variables = None if variables is None else [str(v) for v in variables]
-        self.threshold = float(threshold)
-        self.significance = float(significance)
+        self.variables = variables
+        self.threshold = threshold
+        self.significance = significance
         self.noise = noise
         self.window = window
         self.polish = polish
+        self.sparse_starts = sparse_starts
         self.hidden = hidden
         self.node_steps = node_steps
         self.node_window = node_window
@@ -108,6 +137,22 @@ class EquationDiscovery:
         self.seed = seed
 
     # ------------------------------------------------------------------------------------ fit
+    def _validate(self) -> None:
+        degree = self.degree
+        if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 1:
+            raise ExpressionError(f"degree must be a positive int, got {degree!r}")
+        for name in ("threshold", "significance"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.number)) or not np.isfinite(value) \
+                    or value < 0:
+                raise ExpressionError(f"{name} must be a non-negative number, got {value!r}")
+        if self.noise is not None and (not np.isfinite(self.noise) or self.noise < 0):
+            raise ExpressionError(f"noise must be a non-negative fraction, got {self.noise!r}")
+        if self.window is not None and (isinstance(self.window, bool) or int(self.window) < 3):
+            raise ExpressionError(f"window must be None or an int >= 3, got {self.window!r}")
+        if isinstance(self.polish, bool) or int(self.polish) < 1:
+            raise ExpressionError(f"polish must be an int >= 1, got {self.polish!r}")
+
     def _train_node(self, trajectories: list[tuple[np.ndarray, np.ndarray]],
                     syms: list[sympy.Symbol]) -> np.ndarray:
         """Train a Poly-NODE in standardised units; its expansion in the data's units (p, d)."""
@@ -142,46 +187,51 @@ class EquationDiscovery:
         return coef
 
     def _refit(self, coef: np.ndarray, active: np.ndarray, x0: np.ndarray | None,
-               window: int | None = None) -> ShootingResult:
-        return fit_trajectories(self.library_, coef, active, self.trajectories_,
-                                window=window or self.window, x0=x0, rtol=self.rtol,
-                                atol=self.atol)
+               window: int | None, *, exact: bool = False) -> ShootingResult:
+        """Trajectory fit; while searching, the integration tolerance follows the residual
+        level (``SEARCH_RTOL_FACTOR`` times the residual RMS, at most ``MAX_SEARCH_RTOL``), so
+        noisy data is not integrated to 1e-10; ``exact`` uses ``rtol`` and ``atol``."""
+        rtol = self.rtol if exact else self._search_rtol
+        res = fit_trajectories(self.library_, coef, active, self.trajectories_, window=window,
+                               x0=x0, rtol=rtol, atol=self.atol * rtol / self.rtol)
+        rms = math.sqrt(res.rss / max(res.n_residuals, 1))
+        self._search_rtol = max(self._search_rtol,
+                                min(MAX_SEARCH_RTOL, SEARCH_RTOL_FACTOR * rms))
+        return res
 
-    def fit(self, t: Any, X: Any, noise: float | None = None) -> "EquationDiscovery":
-        """Discover ``dx/dt = f(x)`` from ``t`` (n,) and ``X`` (n, dim), or lists of them.
+    def _fit_safely(self, coef: np.ndarray, active: np.ndarray) -> ShootingResult:
+        """Trajectory fit on the configured windows; a start that blows up is fitted on windows
+        half as long (down to ``MIN_WINDOW`` samples), then refit on the configured windows
+        from there when that works. Raises FitError when even the shortest windows blow up."""
+        window = self.window
+        while True:
+            try:
+                res = self._refit(coef, active, None, window)
+                break
+            except FitError:
+                longest = max(len(t) for t, _ in self.trajectories_) if window is None \
+                    else int(window)
+                if longest <= MIN_WINDOW:
+                    raise
+                window = max(MIN_WINDOW, longest // 2)
+        while window != self.window:
+            window = self.window if window is None or self.window is None \
+                else min(int(self.window), 2 * int(window))
+            try:
+                longer = self._refit(res.coef, active, None, window)
+            except FitError:
+                break
+            res = longer
+        return res
 
-        ``noise`` (fraction of each variable's std) overrides the constructor's. Returns self.
-        """
-        start = time.perf_counter()
-        trajectories = as_trajectories(t, X, min_points=5)
-        dim = trajectories[0][1].shape[1]
-        names = self.variables or default_variables(dim)
-        if len(names) != dim:
-            raise SymbolicDataError(f"X has {dim} state columns but {len(names)} variable "
-                                    f"names were given: {names}")
-        noise = self.noise if noise is None else noise
-        syms = as_symbols(names)
-        self.variables_ = syms
-        self.trajectories_ = trajectories
-        self.library_ = monomial_exponents(dim, self.degree)
-        stacked = np.concatenate([Xi for _, Xi in trajectories])
-        p = len(self.library_)
-        active = np.ones((p, dim), dtype=bool)
-        node_coef = self._train_node(trajectories, syms)
-        node_time = time.perf_counter() - start
-        self.start_ = "node"
-        try:
-            res = self._refit(node_coef, active, None)
-        except FitError:
-            res = None
-        if res is None or not res.converged:
-            field = PolyField(syms, self.library_, np.zeros((p, dim)))
-            fallback = self._refit(lstsq_integral(field, active, trajectories), active, None)
-            if res is None or fallback.rss < res.rss:
-                res, self.start_ = fallback, "lstsq"
-        field = PolyField(syms, self.library_, res.coef)
+    def _eliminate(self, res: ShootingResult, active: np.ndarray,
+                   noise: float | None) -> tuple[ShootingResult, np.ndarray, list[dict]]:
+        """Backward elimination by share and z-score from a fitted dense or sparse start."""
+        active = active.copy()
+        stacked = np.concatenate([Xi for _, Xi in self.trajectories_])
+        field = PolyField(self.variables_, self.library_, res.coef)
         rounds = [{"terms": int(active.sum()), "rss": res.rss}]
-        bar = tqdm(desc="sparsify", unit="round", disable=not self.progress, leave=False)
+        dim = active.shape[1]
         while True:
             field.coef = res.coef
             scales = term_scales(field, stacked)
@@ -191,25 +241,121 @@ class EquationDiscovery:
             drop = active & (scales < self.threshold)
             if not drop.any():
                 for i in range(dim):
-                    weak = active[:, i] & (z[:, i] < self.significance)
-                    if weak.any():
-                        drop[int(np.argmin(np.where(weak, z[:, i], np.inf))), i] = True
+                    weak = np.nonzero(active[:, i] & (z[:, i] < self.significance))[0]
+                    if len(weak) and active[:, i].sum() > 1:
+                        # least significant first; ties (unidentifiable terms) smallest first
+                        drop[weak[np.lexsort((scales[weak, i], z[weak, i]))[0]], i] = True
             if not drop.any():
                 break
-            active &= ~drop
-            res = self._refit(res.coef, active, res.x0)
-            rounds.append({"terms": int(active.sum()), "rss": res.rss})
-            bar.update(1)
-            bar.set_postfix(terms=int(active.sum()))
-        bar.close()
-        self.fit_window_ = self.window
-        if self.window is not None and self.polish > 1:
             try:
-                longer = self._refit(res.coef, active, None, window=self.window * self.polish)
+                try:
+                    res = self._refit(res.coef, active & ~drop, res.x0, res.window)
+                except FitError:
+                    res = self._fit_safely(res.coef, active & ~drop)
+            except FitError:
+                break                       # the smaller model blows up: keep the last one
+            active &= ~drop
+            rounds.append({"terms": int(active.sum()), "rss": res.rss})
+        return res, active, rounds
+
+    def fit(self, t: Any, X: Any, noise: float | None = None) -> "EquationDiscovery":
+        """Discover ``dx/dt = f(x)`` from ``t`` (n,) and ``X`` (n, dim), or lists of them
+        (each trajectory with its own, possibly irregular, sample times).
+
+        ``noise`` (fraction of each variable's std) overrides the constructor's. Returns self.
+        BLAS runs on one thread meanwhile (the many small dense solves are several times
+        slower with more).
+        """
+        with threadpool_limits(limits=1):
+            return self._fit(t, X, noise)
+
+    def _fit(self, t: Any, X: Any, noise: float | None) -> "EquationDiscovery":
+        start = time.perf_counter()
+        self._validate()
+        trajectories = as_trajectories(t, X, min_points=5)
+        dim = trajectories[0][1].shape[1]
+        names = [str(v) for v in self.variables] if self.variables is not None \
+            else default_variables(dim)
+        if len(names) != dim:
+            raise SymbolicDataError(f"X has {dim} state columns but {len(names)} variable "
+                                    f"names were given: {names}")
+        noise = self.noise if noise is None else noise
+        syms = as_symbols(names)
+        self.variables_ = syms
+        self.trajectories_ = trajectories
+        self.library_ = monomial_exponents(dim, int(self.degree))
+        self._search_rtol = float(self.rtol)
+        p = len(self.library_)
+        full = np.ones((p, dim), dtype=bool)
+        field = PolyField(syms, self.library_, np.zeros((p, dim)))
+        timings: dict[str, float] = {}
+
+        candidates: list[dict] = []
+        explored: set[bytes] = set()
+
+        def attempt(label: str, coef: Any, active: np.ndarray) -> dict:
+            record: dict = {"start": label, "start_terms": int(active.sum())}
+            candidates.append(record)
+            began = time.perf_counter()
+            try:
+                coef = coef() if callable(coef) else coef
+                if not np.all(np.isfinite(coef)):
+                    raise FitError(f"the {label} start has non-finite coefficients")
+                res = self._fit_safely(coef, active)
+                record["start_converged"] = res.converged
+                if not res.converged and active.all():
+                    raise FitError(f"the dense fit did not converge ({res.message}); a stalled "
+                                   f"dense fit is no basis for elimination")
+                res, kept, rounds = self._eliminate(res, active, noise)
+            except (FitError, PolynetsError, np.linalg.LinAlgError) as exc:
+                record.update(error=str(exc), seconds=time.perf_counter() - began)
+                return record
+            record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
+                          rss=res.rss, window=res.window,
+                          converged=res.converged, result=res, active=kept, rounds=rounds,
+                          support=kept.tobytes())
+            return record
+
+        dense = attempt("node", lambda: self._train_node(trajectories, syms), full)
+        timings["node"] = time.perf_counter() - start
+        if "error" in dense:
+            attempt("lstsq", lambda: lstsq_integral(field, full, trajectories), full)
+        explored.add(full.tobytes())
+        if self.sparse_starts:
+            for active, coef in sparse_supports(field, trajectories):
+                key = active.tobytes()
+                if key in explored or any(c.get("support") == key for c in candidates) or \
+                        active.sum() > MAX_SPARSE_START * active.size:
+                    continue
+                explored.add(key)
+                attempt("weak", coef, active)
+        fitted = [c for c in candidates if "result" in c]
+        if not fitted:
+            reasons = "; ".join(f"{c['start']}: {c['error']}" for c in candidates)
+            raise FitError(
+                f"no start could be integrated over windows of {MIN_WINDOW} samples ({reasons})."
+                f" The data may be sampled too coarsely for its time scales, or not come from a "
+                f"polynomial ODE of degree <= {self.degree}: sample more densely, raise degree, "
+                f"or remove outliers")
+        self._select(fitted)
+        best = min(fitted, key=lambda c: c["criterion"])
+        res, active = best["result"], best["active"]
+        self.start_ = best["start"]
+        self.rounds_ = best["rounds"]
+        self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
+                                                                    "support")}
+                            for c in candidates]
+        if self._search_rtol > self.rtol:
+            res = self._refit(res.coef, active, res.x0, res.window, exact=True)
+        self.fit_window_ = res.window
+        if self.window is not None and self.polish > 1 and res.window == self.window:
+            try:
+                longer = self._refit(res.coef, active, None, self.window * int(self.polish),
+                                     exact=True)
                 if longer.converged and longer.rss / longer.n_residuals <= \
                         1.5 * res.rss / res.n_residuals:
                     res = longer
-                    self.fit_window_ = self.window * self.polish
+                    self.fit_window_ = longer.window
             except FitError:
                 pass
         coef = res.coef
@@ -218,13 +364,31 @@ class EquationDiscovery:
         self.coef_ = coef
         self.x0_ = res.x0
         self.result_ = res
-        self.rounds_ = rounds
-        self.timings_ = {"node": node_time, "total": time.perf_counter() - start}
+        self.converged_ = res.converged
+        timings["total"] = time.perf_counter() - start
+        self.timings_ = timings
         return self
 
+    def _select(self, fitted: list[dict]) -> None:
+        """Set every candidate's ``criterion`` (BIC) on the configured windows; a candidate
+        fitted on shorter windows is refit on them first (if it blows up there, it is compared on
+        its own windows)."""
+        for c in fitted:
+            res = c["result"]
+            if res.window != self.window:
+                try:
+                    res = self._refit(res.coef, c["active"], None, self.window)
+                    c["result"], c["window"], c["rss"] = res, res.window, res.rss
+                except FitError:
+                    pass
+            c["criterion"] = information_criterion(res, int(c["active"].sum()))
+
     # ------------------------------------------------------------------------------- results
+    def __sklearn_is_fitted__(self) -> bool:
+        return hasattr(self, "coef_")
+
     def _check(self) -> None:
-        if not hasattr(self, "coef_"):
+        if not self.__sklearn_is_fitted__():
             raise NotFittedError("this EquationDiscovery is not fitted yet; call fit(t, X) first")
 
     @property
@@ -239,6 +403,7 @@ class EquationDiscovery:
 
     def equations(self) -> list[sympy.Eq]:
         """``[Eq(dx/dt, f_x), ...]`` with ``dx/dt`` a sympy Symbol."""
+        self._check()
         return [sympy.Eq(derivative_symbol(v), e) for v, e in zip(self.variables_, self.rhs())]
 
     def coefficients(self) -> list[dict[str, float]]:
@@ -299,10 +464,6 @@ class EquationDiscovery:
         if not hasattr(self, "coef_"):
             return f"EquationDiscovery(degree={self.degree}, not fitted)"
         return to_string(self.rhs(), self.variables_)
-
-    def __repr__(self) -> str:
-        return (f"EquationDiscovery(degree={self.degree}, threshold={self.threshold}, "
-                f"significance={self.significance}, window={self.window})")
 
     def print(self, digits: int = 6) -> None:
         """Print one ``dx/dt = ...`` line per equation."""

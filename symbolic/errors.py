@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+
 from polynets.errors import PolynetsError
 
 
@@ -21,9 +23,11 @@ class ExpressionError(SymbolicError, ValueError):
     """Expressions or variable names do not fit what was asked (wrong count, unknown symbols)."""
 
 
-class NotFittedError(SymbolicError, RuntimeError):
-    """A result was requested from an estimator before ``fit`` was called."""
+class NotFittedError(SymbolicError, SklearnNotFittedError, RuntimeError):
+    """A result was requested from an estimator before ``fit`` was called (also a
+    scikit-learn ``NotFittedError``)."""
 
 
 class FitError(SymbolicError, RuntimeError):
-    """A numerical fit could not produce a finite result (diverged or singular)."""
+    """A numerical fit could not produce a finite result (diverged or singular); the message
+    says why and what to change."""

@@ -1,14 +1,21 @@
-"""Trajectory matching of sparse polynomial ODEs: Levenberg-Marquardt over short windows.
+"""Trajectory matching of sparse polynomial ODEs: multiple shooting with SciPy's trust region.
 
 Model: ``dx/dt = phi(x) @ C`` where only the entries of ``C`` (p, dim) marked ``active`` are
 free. The samples of every trajectory are cut into windows of at most ``window`` samples; each
 window starts from its own free initial state (multiple shooting), so chaotic systems fit too.
-The residual is ``(x_model(t_j) - X_j) / scale`` over all samples; its Jacobian comes from the
-forward sensitivity equations ``dS/dt = J_f S + df/dtheta``, integrated together with the state
-by SciPy's DOP853 in float64 at tight tolerances (for these small systems at rtol 1e-10 this is
-one to two orders of magnitude faster than a torch right-hand side under torchdiffeq), and
-Levenberg-Marquardt steps minimise it. The result carries the Gauss-Newton covariance of the
-coefficients, from which z-scores follow.
+Every window is integrated on its own time grid, so trajectories sampled with different time
+steps or irregularly fit together; windows with identical relative grids share one batched
+integration. The residual is ``(x_model(t_j) - X_j) / scale`` over all samples; its Jacobian
+comes from the forward sensitivity equations ``dS/dt = J_f S + df/dtheta``, integrated together
+with the state by SciPy's DOP853 in float64 at tight tolerances. The Jacobian is block-sparse
+(dense in the coefficients, one ``dim x dim`` block per window in the initial states) and is
+handed to :func:`scipy.optimize.least_squares` (trust-region reflective) as a sparse matrix.
+
+The result says honestly whether the fit converged: the solver must stop on one of its tolerance
+tests *and* the final point must be stationary (the residual nearly orthogonal to every Jacobian
+column) or reproduce the data to integration accuracy. A trust region that collapsed against a
+blow-up, or an exhausted evaluation budget, is reported as not converged. The result carries the
+Gauss-Newton covariance of the coefficients, from which z-scores follow.
 """
 
 from __future__ import annotations
@@ -16,11 +23,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 from scipy.integrate import solve_ivp
+from scipy.optimize import least_squares
+from threadpoolctl import threadpool_limits
 
 from symbolic.errors import FitError
 
-__all__ = ["ShootingResult", "fit_trajectories", "make_windows"]
+__all__ = ["ShootingResult", "fit_trajectories", "group_windows", "make_windows"]
+
+STATIONARY_COSINE = 1e-4
+"""A fit is stationary when no Jacobian column has a cosine with the residual above this."""
+
+EXACT_RMS = 1e-7
+"""... or when the residual RMS (in units of each variable's std) is below this."""
+
+DENSE_ENTRIES = 4_000_000
+"""Up to this many Jacobian entries the trust-region steps are exact (SVD of the dense
+Jacobian: fastest and most accurate for small problems); above it the sparse Jacobian goes to
+LSMR, whose cost scales with its non-zeros."""
+
+NULL_EIGENVALUE = 1e-9
+"""Eigenvalues of the coefficients' correlation-scaled information matrix below this fraction
+of the largest span directions the data cannot identify."""
+
+LSMR_OPTIONS = {"atol": 1e-14, "btol": 1e-14, "conlim": 1e14, "maxiter": 2000}
 
 
 @dataclass
@@ -30,7 +57,9 @@ class ShootingResult:
     ``coef`` (p, dim) fitted coefficients (zero where inactive); ``zscore`` (p, dim) the
     coefficient over its standard error (NaN where inactive); ``x0`` (windows, dim) the fitted
     window initial states; ``rss`` the weighted residual sum of squares over ``n_residuals``
-    residuals; ``sigma2`` its per-degree-of-freedom variance.
+    residuals; ``sigma2`` its per-degree-of-freedom variance; ``converged`` whether the solver
+    stopped on a tolerance at a stationary point; ``status``/``message`` the solver's own report;
+    ``window`` the window length used.
     """
 
     coef: np.ndarray
@@ -42,6 +71,9 @@ class ShootingResult:
     sigma2: float
     iterations: int
     converged: bool
+    status: int = 0
+    message: str = ""
+    window: int | None = None
 
 
 class _Sensitivity:
@@ -58,6 +90,7 @@ class _Sensitivity:
         self.k, self.i = np.nonzero(active)
         self.q = len(self.k)
         self.d = self.E.shape[1]
+        self.others = [np.delete(np.arange(self.d), j) for j in range(self.d)]
         self.shape = (windows, self.d, 1 + self.q + self.d)
         self.evaluations = 0
 
@@ -70,8 +103,7 @@ class _Sensitivity:
         pwm1 = x[:, None, :] ** self.Em1
         dphi = np.empty_like(pw)                                             # (W, p, d)
         for j in range(self.d):
-            others = np.delete(pw, j, axis=2).prod(axis=2)
-            dphi[..., j] = self.E[:, j] * pwm1[..., j] * others
+            dphi[..., j] = self.E[:, j] * pwm1[..., j] * pw[..., self.others[j]].prod(axis=2)
         out = np.empty_like(s)
         out[..., 0] = phi @ self.C
         jac = np.einsum("wkj,ki->wij", dphi, self.C)                         # (W, d, d)
@@ -84,7 +116,8 @@ def make_windows(trajectories: list[tuple[np.ndarray, np.ndarray]],
                  window: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Cut each trajectory into consecutive windows of at most ``window`` samples (>= 3 each).
 
-    ``window=None`` keeps every trajectory whole. Returns ``(t_window, X_window)`` pairs.
+    ``window=None`` keeps every trajectory whole. Returns ``(t_window, X_window)`` pairs; every
+    window keeps its own sample times.
     """
     out = []
     for t, X in trajectories:
@@ -96,8 +129,19 @@ def make_windows(trajectories: list[tuple[np.ndarray, np.ndarray]],
     return out
 
 
+def group_windows(windows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[int]]:
+    """Indices of windows that share one relative time grid ``t - t[0]`` (to 1e-12 of the
+    longest window span), so they can be integrated as one batch on that grid."""
+    span = max(float(tw[-1] - tw[0]) for tw, _ in windows) or 1.0
+    keys: dict[tuple, list[int]] = {}
+    for wi, (tw, _) in enumerate(windows):
+        rel = np.round((tw - tw[0]) / span, 12)
+        keys.setdefault((len(rel),) + tuple(rel.tolist()), []).append(wi)
+    return list(keys.values())
+
+
 def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float, atol: float,
-               method: str, max_evaluations: int = 200_000) -> np.ndarray | None:
+               method: str, max_evaluations: int) -> np.ndarray | None:
     """Integrate the sensitivity system; None when it blows up or the solver fails.
 
     Returns the solution at ``t_rel`` with shape (T, *s0.shape).
@@ -117,129 +161,195 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
         with np.errstate(over="ignore", invalid="ignore"):
             sol = solve_ivp(guarded, (0.0, float(t_rel[-1])), s0.reshape(-1), method=method,
                             t_eval=t_rel, rtol=rtol, atol=atol, events=escape)
-    except (OverflowError, FloatingPointError, ValueError):
+    except (OverflowError, FloatingPointError, ValueError, np.linalg.LinAlgError):
         return None
     if sol.status != 0 or sol.y.shape[1] != len(t_rel) or not np.all(np.isfinite(sol.y)):
         return None
     return sol.y.T.reshape((len(t_rel),) + s0.shape)
 
 
-def _evaluate(exps: np.ndarray, coef: np.ndarray, x0: np.ndarray, active: np.ndarray,
-              windows: list[tuple[np.ndarray, np.ndarray]], groups: list[list[int]],
-              scale: np.ndarray, rtol: float, atol: float, method: str,
-              budget: int = 200_000) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """Residuals (N,), Jacobian (N, q + W * d) and right-hand-side evaluations used at
-    (coef, x0); None if integration fails or needs more than ``budget`` evaluations."""
-    d, nw = exps.shape[1], len(windows)
-    res_parts, jac_parts = [], []
-    used = 0
-    for group in groups:
-        rhs = _Sensitivity(exps, coef, active, len(group))
-        q = rhs.q
-        t_rel = windows[group[0]][0] - windows[group[0]][0][0]
-        s0 = np.zeros(rhs.shape)
-        s0[:, :, 0] = x0[group]
-        s0[:, :, 1 + q:] = np.eye(d)
-        sol = _integrate(rhs, s0, t_rel, rtol, atol, method, max(budget - used, 1))
-        used += rhs.evaluations
-        if sol is None:
-            return None                                     # sol: (T, G, d, 1 + q + d)
-        for g, wi in enumerate(group):
-            data = windows[wi][1]                           # (T, d)
-            res_parts.append(((sol[:, g, :, 0] - data) / scale).reshape(-1))
-            block = np.zeros((sol.shape[0] * d, q + nw * d))
-            block[:, :q] = (sol[:, g, :, 1:1 + q] / scale[None, :, None]).reshape(-1, q)
-            block[:, q + wi * d:q + (wi + 1) * d] = \
-                (sol[:, g, :, 1 + q:] / scale[None, :, None]).reshape(-1, d)
-            jac_parts.append(block)
-    return np.concatenate(res_parts), np.concatenate(jac_parts, axis=0), used
+class _Shooting:
+    """Residuals and block-sparse Jacobian of the multiple-shooting problem in ``theta`` =
+    (active coefficients, window initial states), with the last evaluation cached."""
+
+    def __init__(self, exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
+                 windows: list[tuple[np.ndarray, np.ndarray]], scale: np.ndarray, rtol: float,
+                 atol: float, method: str):
+        self.exps, self.active, self.windows = exps, active, windows
+        self.template = np.where(active, coef, 0.0)
+        self.scale, self.rtol, self.atol, self.method = scale, rtol, atol, method
+        self.groups = group_windows(windows)
+        self.d = exps.shape[1]
+        self.q = int(active.sum())
+        d, q = self.d, self.q
+        self.order = [wi for group in self.groups for wi in group]
+        lengths = np.array([len(windows[wi][0]) for wi in self.order])
+        self.n_res = int(lengths.sum()) * d
+        self.n_par = q + len(windows) * d
+        # sparsity pattern: every residual row depends on all q coefficients and on the d
+        # initial states of its own window
+        rows_c, cols_c, rows_x, cols_x = [], [], [], []
+        start = 0
+        for wi, length in zip(self.order, lengths):
+            rows = start + np.arange(length * d)
+            rows_c.append(np.repeat(rows, q))
+            cols_c.append(np.tile(np.arange(q), len(rows)))
+            rows_x.append(np.repeat(rows, d))
+            cols_x.append(np.tile(q + wi * d + np.arange(d), len(rows)))
+            start += length * d
+        self.rows = np.concatenate(rows_c + rows_x)
+        self.cols = np.concatenate(cols_c + cols_x)
+        self.budget = 200_000
+        self.cache: tuple[bytes, tuple[np.ndarray, sparse.csr_matrix] | None] | None = None
+
+    def unpack(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        c = self.template.copy()
+        c[self.active] = theta[:self.q]
+        return c, theta[self.q:].reshape(-1, self.d)
+
+    def evaluate(self, theta: np.ndarray) -> tuple[np.ndarray, sparse.csr_matrix] | None:
+        key = theta.tobytes()
+        if self.cache is not None and self.cache[0] == key:
+            return self.cache[1]
+        coef, x0 = self.unpack(theta)
+        d, q = self.d, self.q
+        res, jac_c, jac_x = [], [], []
+        used = 0
+        out: tuple[np.ndarray, sparse.csr_matrix] | None = None
+        rows = self.active.any(axis=1)       # monomials no equation uses need no evaluation
+        for group in self.groups:
+            rhs = _Sensitivity(self.exps[rows], coef[rows], self.active[rows], len(group))
+            t_rel = self.windows[group[0]][0] - self.windows[group[0]][0][0]
+            s0 = np.zeros(rhs.shape)
+            s0[:, :, 0] = x0[group]
+            s0[:, :, 1 + q:] = np.eye(d)
+            sol = _integrate(rhs, s0, t_rel, self.rtol, self.atol, self.method,
+                             max(self.budget - used, 1))
+            used += rhs.evaluations
+            if sol is None:                                 # sol: (T, G, d, 1 + q + d)
+                break
+            for g, wi in enumerate(group):
+                res.append(((sol[:, g, :, 0] - self.windows[wi][1]) / self.scale).reshape(-1))
+                jac_c.append((sol[:, g, :, 1:1 + q] / self.scale[None, :, None]).reshape(-1))
+                jac_x.append((sol[:, g, :, 1 + q:] / self.scale[None, :, None]).reshape(-1))
+        else:
+            data = np.concatenate(jac_c + jac_x)
+            jac = sparse.csr_matrix((data, (self.rows, self.cols)),
+                                    shape=(self.n_res, self.n_par))
+            out = (np.concatenate(res), jac)
+            self.used = used
+        self.cache = (key, out)
+        return out
+
+    def residuals(self, theta: np.ndarray) -> np.ndarray:
+        out = self.evaluate(theta)
+        return np.full(self.n_res, np.inf) if out is None else out[0]
+
+    def jacobian(self, theta: np.ndarray) -> sparse.csr_matrix:
+        out = self.evaluate(theta)
+        if out is None:
+            raise FitError("the trajectory fit asked for a Jacobian where the model blows up")
+        return out[1]
+
+
+def _stationary(r: np.ndarray, jac: sparse.csr_matrix) -> bool:
+    """True when the residual reproduces the data to integration accuracy or is nearly
+    orthogonal to every Jacobian column (a first-order stationary point)."""
+    rnorm = float(np.linalg.norm(r))
+    if rnorm <= EXACT_RMS * np.sqrt(max(r.size, 1)):
+        return True
+    colnorm = np.sqrt(np.asarray(jac.multiply(jac).sum(axis=0)).ravel())
+    cosine = np.abs(jac.T @ r) / (colnorm * rnorm + 1e-300)
+    return bool(np.all(cosine <= STATIONARY_COSINE))
+
+
+def _coefficient_covariance(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
+    """``[(J^T J)^+]`` restricted to the q coefficients, by the Schur complement over the
+    block-diagonal initial-state part (one small block per window). (q, q)"""
+    jtj = (jac.T @ jac).tocsr()
+    A = jtj[:q, :q].toarray()
+    B = jtj[:q, q:].toarray()
+    D = jtj[q:, q:].tocsr()
+    n = D.shape[0]
+    schur = A
+    if n:
+        blocks = D.toarray().reshape(n // d, d, n // d, d)[np.arange(n // d), :, np.arange(n // d)]
+        inv = np.linalg.pinv(blocks)                                     # (W, d, d)
+        Bw = B.reshape(q, n // d, d).transpose(1, 0, 2)                  # (W, q, d)
+        schur = A - np.einsum("wqd,wde,wpe->qp", Bw, inv, Bw)
+    return np.linalg.pinv(schur)
+
+
+def _unidentifiable(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
+    """(q,) True for coefficients that lie in the null space of the information matrix (a
+    library collinear on the trajectories, e.g. under a conservation law): the data cannot tell
+    them from combinations of the others, so their z-score is 0."""
+    info = np.linalg.pinv(_coefficient_covariance(jac, q, d))
+    scale = np.sqrt(np.maximum(np.diag(info), 1e-300))
+    vals, vecs = np.linalg.eigh(info / np.outer(scale, scale))
+    null = vecs[:, vals <= NULL_EIGENVALUE * max(float(vals.max()), 1e-300)]
+    return np.sum(null**2, axis=1) > 0.01
 
 
 def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                      trajectories: list[tuple[np.ndarray, np.ndarray]], *,
                      window: int | None = None, x0: np.ndarray | None = None,
                      rtol: float = 1e-10, atol: float = 1e-12, method: str = "DOP853",
-                     max_iter: int = 60, tol: float = 1e-10) -> ShootingResult:
+                     max_iter: int = 100, tol: float = 1e-10) -> ShootingResult:
     """Fit the active coefficients of ``dx/dt = phi(x) @ coef`` to trajectories.
 
     ``exps`` (p, d) monomial exponents, ``coef`` (p, d) initial coefficients, ``active`` (p, d)
-    bool mask of free entries, ``trajectories`` a list of ``(t (n,), X (n, d))``. ``x0``
-    (windows, d) optional initial guesses of the window starts (default: the first sample of
-    each window). Levenberg-Marquardt until the relative cost change falls below ``tol``.
+    bool mask of free entries (none: only the window starts are fitted), ``trajectories`` a list
+    of ``(t (n,), X (n, d))``, each with its own sample times. ``x0`` (windows, d) optional
+    initial guesses of the window starts (default: the first sample of each window).
+    ``scipy.optimize.least_squares`` (trust region reflective, sparse Jacobian) with ``ftol`` =
+    ``xtol`` = ``gtol`` = ``tol`` and at most ``max_iter`` evaluations. Raises
+    :class:`FitError` when the starting model blows up on the windows.
     """
     exps = np.asarray(exps, dtype=np.int64)
-    coef = np.where(active, np.asarray(coef, dtype=np.float64), 0.0)
     active = np.asarray(active, dtype=bool)
+    coef = np.where(active, np.asarray(coef, dtype=np.float64), 0.0)
     windows = make_windows(trajectories, window)
     d = exps.shape[1]
     scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
     scale = np.where(scale > 0, scale, 1.0)
-    keys: dict[tuple, list[int]] = {}
-    for wi, (tw, _) in enumerate(windows):
-        rel = tw - tw[0]
-        keys.setdefault((len(rel),) + tuple(np.round(rel / max(rel[-1], 1e-300), 9)),
-                        []).append(wi)
-    groups = list(keys.values())
-    x = np.array([X[0] for _, X in windows]) if x0 is None else np.array(x0, dtype=np.float64)
-    q = int(active.sum())
-    theta = np.concatenate([coef[active], x.reshape(-1)])
-
-    def unpack(th: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        c = np.zeros_like(coef)
-        c[active] = th[:q]
-        return c, th[q:].reshape(-1, d)
-
-    current = _evaluate(exps, *unpack(theta), active, windows, groups, scale, rtol, atol, method)
-    if current is None:
-        current = _evaluate(exps, *unpack(theta), active, windows, groups, scale, rtol, atol,
-                            "LSODA")
-        if current is None:
-            raise FitError("the initial polynomial model blows up on the data's time span; "
-                           "start from smaller coefficients or use shorter windows")
-    r, jac, used = current
+    start = np.array([X[0] for _, X in windows]) if x0 is None else \
+        np.array(x0, dtype=np.float64).reshape(len(windows), d)
+    theta = np.concatenate([coef[active], start.reshape(-1)])
+    problem = None
+    for solver in (method, "LSODA"):
+        problem = _Shooting(exps, coef, active, windows, scale, rtol, atol, solver)
+        if problem.evaluate(theta) is not None:
+            break
+    else:
+        longest = max(len(tw) for tw, _ in windows)
+        raise FitError(f"the starting polynomial model blows up within windows of {longest} "
+                       f"samples; start from other coefficients or use shorter windows")
+    problem.budget = max(5000, 20 * problem.used)
+    dense = problem.n_res * problem.n_par <= DENSE_ENTRIES
+    jac = (lambda th: problem.jacobian(th).toarray()) if dense else problem.jacobian
+    with threadpool_limits(limits=1):
+        sol = least_squares(problem.residuals, theta, jac=jac, method="trf", x_scale="jac",
+                            tr_solver="exact" if dense else "lsmr",
+                            tr_options={} if dense else LSMR_OPTIONS,
+                            ftol=tol, xtol=tol, gtol=tol, max_nfev=max_iter)
+    final = problem.evaluate(sol.x)
+    if final is None:
+        raise FitError("the trajectory fit ended where the model blows up")
+    r, jac = final
+    c, x = problem.unpack(sol.x)
+    q = problem.q
     cost = float(r @ r)
-    lam = 1e-3
-    converged = False
-    it = 0
-    for it in range(1, max_iter + 1):
-        g = jac.T @ r
-        h = jac.T @ jac
-        diag = np.diag(h).copy()
-        diag[diag <= 0] = 1.0
-        improved = False
-        while lam < 1e12:
-            try:
-                step = np.linalg.solve(h + lam * np.diag(diag), -g)
-            except np.linalg.LinAlgError:
-                lam *= 10.0
-                continue
-            trial = theta + step
-            out = _evaluate(exps, *unpack(trial), active, windows, groups, scale, rtol, atol,
-                            method, budget=max(5000, 20 * used))
-            if out is not None and float(out[0] @ out[0]) < cost:
-                new_cost = float(out[0] @ out[0])
-                rel_change = (cost - new_cost) / max(cost, 1e-300)
-                small_step = np.linalg.norm(step) <= 1e-10 * (np.linalg.norm(theta) + 1e-10)
-                theta, (r, jac, used), cost = trial, out, new_cost
-                lam = max(lam / 10.0, 1e-12)
-                improved = True
-                if rel_change < tol or small_step:
-                    converged = True
-                break
-            lam *= 10.0
-        if not improved:
-            converged = True
-            break
-        if converged:
-            break
-    c, x = unpack(theta)
-    n_res, n_par = r.size, theta.size
+    n_res, n_par = r.size, sol.x.size
     sigma2 = cost / max(n_res - n_par, 1)
     zscore = np.full(coef.shape, np.nan)
-    try:
-        cov = np.linalg.pinv(jac.T @ jac)[:q, :q] * sigma2
-        se = np.sqrt(np.maximum(np.diag(cov), 1e-300))
-        zscore[active] = theta[:q] / se
-    except np.linalg.LinAlgError:
-        pass
-    return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, it, converged)
+    if q:
+        try:
+            cov = _coefficient_covariance(jac, q, d) * sigma2
+            se = np.sqrt(np.maximum(np.diag(cov), 1e-300))
+            zscore[active] = np.where(_unidentifiable(jac, q, d), 0.0, sol.x[:q] / se)
+        except np.linalg.LinAlgError:
+            pass
+    converged = bool(sol.status > 0 and _stationary(r, jac))
+    return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, int(sol.nfev), converged,
+                          int(sol.status), str(sol.message), window)

@@ -16,8 +16,9 @@ from scipy.integrate import solve_ivp
 
 from symbolic.errors import SymbolicDataError
 
-__all__ = ["System", "Trajectory", "SYSTEMS", "generate", "lotka_volterra", "van_der_pol",
-           "lorenz", "cubic_oscillator"]
+__all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "generate", "lotka_volterra",
+           "van_der_pol", "lorenz", "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator",
+           "fitzhugh_nagumo", "duffing", "rossler", "chen", "hopf"]
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,130 @@ cubic_oscillator = System(
     ({"x**3": -0.1, "y**3": 2.0}, {"x**3": -2.0, "y**3": -0.1}), (2.0, 0.0), 25.0, 500, 3)
 """Damped cubic oscillator: dx/dt = -0.1 x^3 + 2 y^3, dy/dt = -2 x^3 - 0.1 y^3."""
 
-SYSTEMS: dict[str, System] = {s.name: s for s in (lotka_volterra, van_der_pol, lorenz,
-                                                   cubic_oscillator)}
+
+def _sir(x: np.ndarray) -> np.ndarray:
+    beta, gamma = 3.0, 1.0
+    return np.array([-beta * x[0] * x[1], beta * x[0] * x[1] - gamma * x[1], gamma * x[1]])
+
+
+sir = System(
+    "sir", ("S", "I", "R"), _sir,
+    ({"I*S": -3.0}, {"I*S": 3.0, "I": -1.0}, {"I": 1.0}), (0.99, 0.01, 0.0), 10.0, 500, 2)
+"""SIR epidemic (fractions of the population): beta=3, gamma=1; S + I + R = 1 is conserved, so
+the library {1, S, I, R, ...} is collinear on the data. 500 points on [0, 10]."""
+
+_LV4_R = (1.0, 0.72, 1.53, 1.27)
+_LV4_A = ((1.0, 1.09, 1.52, 0.0), (0.0, 1.0, 0.44, 1.36), (2.33, 0.0, 1.0, 0.47),
+          (1.21, 0.51, 0.35, 1.0))
+
+
+def _lv4(x: np.ndarray) -> np.ndarray:
+    r, a = np.array(_LV4_R), np.array(_LV4_A)
+    return r * x * (1.0 - a @ x)
+
+
+def _lv4_truth() -> tuple[dict[str, float], ...]:
+    names = ("x1", "x2", "x3", "x4")
+    out = []
+    for i, (r, row) in enumerate(zip(_LV4_R, _LV4_A)):
+        eq = {names[i]: r}
+        for j, a in enumerate(row):
+            if a:
+                term = f"{names[i]}**2" if i == j else \
+                    "*".join(sorted((names[i], names[j])))
+                eq[term] = -r * a
+        out.append(eq)
+    return tuple(out)
+
+
+lotka_volterra_4 = System(
+    "lotka_volterra_4", ("x1", "x2", "x3", "x4"), _lv4, _lv4_truth(), (0.3, 0.2, 0.3, 0.2),
+    50.0, 1000, 2)
+"""Competitive 4-species Lotka-Volterra (Vano et al. 2006, chaotic): dx_i/dt = r_i x_i
+(1 - sum_j a_ij x_j); 1000 points on [0, 50]."""
+
+
+def _brusselator(x: np.ndarray) -> np.ndarray:
+    a, b = 1.0, 3.0
+    return np.array([a - (b + 1.0) * x[0] + x[0] ** 2 * x[1], b * x[0] - x[0] ** 2 * x[1]])
+
+
+brusselator = System(
+    "brusselator", ("x", "y"), _brusselator,
+    ({"1": 1.0, "x": -4.0, "x**2*y": 1.0}, {"x": 3.0, "x**2*y": -1.0}), (1.0, 1.0), 20.0, 500,
+    3)
+"""Brusselator with a=1, b=3 (limit cycle); 500 points on [0, 20]."""
+
+
+def _fhn(x: np.ndarray) -> np.ndarray:
+    a, b, eps, current = 0.7, 0.8, 0.08, 0.5
+    return np.array([x[0] - x[0] ** 3 / 3.0 - x[1] + current, eps * (x[0] + a - b * x[1])])
+
+
+fitzhugh_nagumo = System(
+    "fitzhugh_nagumo", ("v", "w"), _fhn,
+    ({"1": 0.5, "v": 1.0, "w": -1.0, "v**3": -1.0 / 3.0},
+     {"1": 0.056, "v": 0.08, "w": -0.064}), (-1.0, 1.0), 100.0, 1000, 3)
+"""FitzHugh-Nagumo: dv/dt = v - v^3/3 - w + I, dw/dt = eps (v + a - b w) with a=0.7, b=0.8,
+eps=0.08, I=0.5 (relaxation oscillations); 1000 points on [0, 100]."""
+
+
+def _duffing(x: np.ndarray) -> np.ndarray:
+    delta, alpha, beta = 0.1, -1.0, 1.0
+    return np.array([x[1], -delta * x[1] - alpha * x[0] - beta * x[0] ** 3])
+
+
+duffing = System(
+    "duffing", ("x", "y"), _duffing,
+    ({"y": 1.0}, {"x": 1.0, "y": -0.1, "x**3": -1.0}), (0.5, 1.2), 30.0, 600, 3)
+"""Damped double-well Duffing oscillator: dx/dt = y, dy/dt = -0.1 y + x - x^3; 600 points on
+[0, 30] from (0.5, 1.2)."""
+
+
+def _rossler(x: np.ndarray) -> np.ndarray:
+    a, b, c = 0.2, 0.2, 5.7
+    return np.array([-x[1] - x[2], x[0] + a * x[1], b + x[2] * (x[0] - c)])
+
+
+rossler = System(
+    "rossler", ("x", "y", "z"), _rossler,
+    ({"y": -1.0, "z": -1.0}, {"x": 1.0, "y": 0.2}, {"1": 0.2, "x*z": 1.0, "z": -5.7}),
+    (1.0, 1.0, 0.0), 50.0, 1000, 2)
+"""Rossler attractor a=b=0.2, c=5.7; 1000 points on [0, 50]."""
+
+
+def _chen(x: np.ndarray) -> np.ndarray:
+    a, b, c = 35.0, 3.0, 28.0
+    return np.array([a * (x[1] - x[0]), (c - a) * x[0] - x[0] * x[2] + c * x[1],
+                     x[0] * x[1] - b * x[2]])
+
+
+chen = System(
+    "chen", ("x", "y", "z"), _chen,
+    ({"x": -35.0, "y": 35.0}, {"x": -7.0, "x*z": -1.0, "y": 28.0}, {"x*y": 1.0, "z": -3.0}),
+    (-10.0, 0.0, 37.0), 5.0, 1000, 2)
+"""Chen attractor a=35, b=3, c=28; 1000 points on [0, 5]."""
+
+
+def _hopf(x: np.ndarray) -> np.ndarray:
+    mu, omega = 0.5, 1.0
+    r2 = x[0] ** 2 + x[1] ** 2
+    return np.array([mu * x[0] - omega * x[1] - x[0] * r2, omega * x[0] + mu * x[1] - x[1] * r2])
+
+
+hopf = System(
+    "hopf", ("x", "y"), _hopf,
+    ({"x": 0.5, "y": -1.0, "x**3": -1.0, "x*y**2": -1.0},
+     {"x": 1.0, "y": 0.5, "x**2*y": -1.0, "y**3": -1.0}), (2.0, 0.0), 20.0, 500, 3)
+"""Hopf normal form mu=0.5, omega=1 (limit cycle of radius sqrt(0.5)); 500 points on [0, 20]
+from (2, 0)."""
+
+PROJECT_SYSTEMS: tuple[str, ...] = ("lotka_volterra", "van_der_pol", "lorenz", "cubic_oscillator")
+"""The systems the discovery defaults were developed on; the others are held out."""
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    lotka_volterra, van_der_pol, lorenz, cubic_oscillator, sir, lotka_volterra_4, brusselator,
+    fitzhugh_nagumo, duffing, rossler, chen, hopf)}
 
 
 def generate(system: System | str, *, n: int | None = None, t_end: float | None = None,
