@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 import os
 from typing import Any
@@ -20,8 +21,8 @@ from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
-from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, next_pow2,
-                     search_layouts)
+from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan,
+                     choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import live_rows
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.lowering import Lowered, integer_factor, lower, step_levels
@@ -32,6 +33,7 @@ __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES
 #: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
 PACKINGS = ("vector", "batch")
 OBJECTIVES = ("latency", "throughput")
+_OBJECTIVE_WORDS = {"latency": "round trip", "throughput": "seconds per sample"}
 
 
 def _program_digest(program: PolyProgram) -> str:
@@ -129,8 +131,10 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
         plaintexts.append((c["plaintexts"], lin))
     total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
     k = plan.interleave
-    return {"seconds_per_ciphertext": seconds, "samples_per_ciphertext": k,
-            "seconds_per_sample": seconds / k, "counts": total,
+    client = len(plan.input_layout) * costs.seconds("encrypt", ring, _limbs(params, 0))
+    return {"seconds_per_ciphertext": seconds, "client_seconds": client,
+            "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
+            "seconds_per_sample": (seconds + client) / k, "counts": total,
             "server_memory_bytes": _server_memory(params, plaintexts, len(plan.rotations()),
                                                   len(plan.steps))}
 
@@ -147,8 +151,10 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         seconds += costs.price(c, ring, _limbs(params, lin))
         widest = max(widest, int(rows.sum()))
     total = {k: sum(c[k] for c in counts) for k in counts[0]}
-    return {"seconds_per_ciphertext": seconds, "samples_per_ciphertext": params.slots,
-            "seconds_per_sample": seconds / params.slots, "counts": total,
+    client = int(live[0].sum()) * costs.seconds("encrypt", ring, _limbs(params, 0))
+    return {"seconds_per_ciphertext": seconds, "client_seconds": client,
+            "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
+            "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
             "server_memory_bytes": _server_memory(params, [], 0, 2 * widest)}
 
 
@@ -185,12 +191,15 @@ class CompiledProgram:
             self.plan = _plan
         elif packing == "vector":
             orders = self.options.get("layouts")
+            per_ct = self.options.get("planes_per_ct")
             self.plan = build_vector_plan(
                 self.lowered, params.slots,
                 None if orders is None else [None if o is None else tuple(o) for o in orders],
                 interleave=self.options.get("interleave"),
                 output_shape=tuple(program.output_shape),
-                max_input_ciphertexts=int(self.options["max_input_ciphertexts"]))
+                max_input_ciphertexts=int(self.options["max_input_ciphertexts"]),
+                planes_per_ct=None if per_ct is None else {int(k): int(v)
+                                                           for k, v in per_ct.items()})
         else:
             live = live_rows(self.lowered)
             self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
@@ -351,6 +360,17 @@ def _calibration_data(program: PolyProgram, example_input: Any, calibration: Any
     return np.asarray(data, dtype=np.float64)
 
 
+def _objective_cost(predicted: dict[str, Any], objective: str, batch_size: int | None) -> float:
+    """Predicted seconds the objective minimises: one round trip (latency), or per sample when
+    requests of ``batch_size`` samples (default: full ciphertexts) are sent (throughput)."""
+    if objective == "latency":
+        return float(predicted["round_trip_seconds"])
+    if batch_size is None:
+        return float(predicted["seconds_per_sample"])
+    groups = math.ceil(batch_size / predicted["samples_per_ciphertext"])
+    return groups * float(predicted["round_trip_seconds"]) / batch_size
+
+
 def _dense_widest(lowered: Lowered) -> int:
     return max(next_pow2(st.n) for st in lowered.steps)
 
@@ -386,17 +406,38 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                                    ring, _limbs(_p, level))
 
             orders, _ = search_layouts(lowered, slots, price)
-            plan = build_vector_plan(lowered, slots, orders, interleave=samples,
-                                     output_shape=tuple(program.output_shape),
-                                     max_input_ciphertexts=int(options["max_input_ciphertexts"]))
+            objective = options["objective"]
+            batch_size = options.get("batch_size")
+            most = slots // widest_period(lowered, orders)
+            tries = [samples] if samples is not None else \
+                [most >> i for i in range(most.bit_length())][:8]
+            best: tuple[float, Any, Any, Any] | None = None
+            for k in tries:
+                per_ct = choose_plane_packing(
+                    lowered, orders, slots // k,
+                    lambda counts, _p=params: costs.price(counts, ring, _limbs(_p, 0)))
+                trial = build_vector_plan(
+                    lowered, slots, orders, interleave=k,
+                    output_shape=tuple(program.output_shape),
+                    max_input_ciphertexts=int(options["max_input_ciphertexts"]),
+                    planes_per_ct=per_ct)
+                predicted = _predict_vector(trial, params, costs)
+                score = _objective_cost(predicted, objective, batch_size)
+                if best is None or score < best[0]:
+                    best = (score, trial, per_ct, predicted)
+            assert best is not None
+            score, plan, per_ct, predicted = best
             opts["layouts"] = [None if o is None else list(o) for o in orders]
+            opts["planes_per_ct"] = {str(i): v for i, v in per_ct.items()}
             opts["interleave"] = plan.interleave
-            opts["predicted"] = _predict_vector(plan, params, costs)
+            opts["predicted"] = predicted
             changed = sum(o is not None for o in orders)
             opts["why"] = (f"layouts searched under the cost model ({costs.source}): "
                            f"{changed} of {len(orders)} values in a strided layout; widest "
-                           f"value {plan.widest} slots, so {plan.interleave} sample(s) share "
-                           f"each ciphertext")
+                           f"value {plan.widest} slots, room for {most} samples per "
+                           f"ciphertext; {plan.interleave} chosen for {objective} "
+                           f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client "
+                           f"encryption included)")
         else:
             opts["predicted"] = _predict_batch(lowered, live_rows(lowered), params, costs)
             opts["why"] = "one sample per slot; dead inputs and outputs skipped"
@@ -411,6 +452,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             packing: str = "vector", objective: str = "latency", precision_bits: int = 16,
             ring_degree: int | None = None, scale_bits: int | None = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
+            batch_size: int | None = None,
             cost_model: CostModel | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
@@ -423,14 +465,18 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             interleaved per ciphertext as the widest value leaves room for), ``"batch"``
             (throughput: one sample per slot) or ``"auto"`` (the cost model picks for
             ``objective``; ``prog.plan.why`` says why).
-        objective: ``"latency"`` (least time per ciphertext) or ``"throughput"`` (least time per
-            sample); used by ``packing="auto"``.
+        objective: ``"latency"`` (least predicted round trip, client encryption and server, for
+            one ciphertext) or ``"throughput"`` (least predicted time per sample); picks the
+            packing when ``packing="auto"`` and the samples per ciphertext in vector packing.
         precision_bits: wanted output precision, in bits relative to the output range.
         ring_degree, scale_bits: overrides of the automatic choice (still 128-bit secure).
         max_input_ciphertexts: input ciphertexts per sample the client may send so that the
             first map needs no rotation (vector packing).
-        samples_per_ciphertext: vector packing's interleave (a power of two); default the most
-            that fit.
+        samples_per_ciphertext: vector packing's interleave (a power of two); default: the one
+            the cost model predicts best for ``objective`` (more samples per ciphertext leave
+            fewer slots to pack the client's input planes).
+        batch_size: with ``objective="throughput"``, the samples a client sends at once (a
+            partly filled ciphertext costs as much as a full one); default: full ciphertexts.
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
 
     Raises:
@@ -443,6 +489,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                                   f"got {packing!r}")
     if objective not in OBJECTIVES:
         raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if batch_size is not None and int(batch_size) < 1:
+        raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
     if samples_per_ciphertext is not None and (
             int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
             int(samples_per_ciphertext) - 1)):
@@ -456,7 +504,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
     rms = [float(np.sqrt(np.mean(np.square(v)))) if v.size else 0.0 for v in values]
     options = {"precision_bits": int(precision_bits),
-               "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective}
+               "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
+               "batch_size": None if batch_size is None else int(batch_size)}
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     lowered = lower(program)
@@ -473,13 +522,13 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     if not found:
         assert error is not None
         raise error
-    key = "seconds_per_ciphertext" if objective == "latency" else "seconds_per_sample"
-    best = min(found, key=lambda p: p.plan.predicted[key])
+    scores = [_objective_cost(p.plan.predicted, objective, batch_size) for p in found]
+    best = found[int(np.argmin(scores))]
     if packing == "auto":
-        others = "; ".join(f"{p.packing}: {p.plan.predicted[key]:.3g} s "
-                           f"(N={p.params.poly_modulus_degree})" for p in found)
-        why = (f"packing='auto', objective={objective!r}: predicted {key.replace('_', ' ')} "
-               f"{others} -> {best.packing}; " + best.plan.why)
+        others = "; ".join(f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree})"
+                           for p, s in zip(found, scores))
+        why = (f"packing='auto', objective={objective!r}: predicted "
+               f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; " + best.plan.why)
         best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
                                {**best.options, "why": why}, best.certificate,
                                _lowered=best.lowered,

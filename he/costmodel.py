@@ -8,7 +8,8 @@ interpolates linearly between them (costs grow about linearly in the limbs; key 
 
 Primitives: ``rotate`` (one key-switched rotation), ``mul_plain`` (ciphertext x plaintext),
 ``mul_ct`` (ciphertext x ciphertext + relinearisation), ``rescale``, ``add`` (ciphertext +
-ciphertext) and ``encode`` (one slot vector to a plaintext).
+ciphertext), ``encode`` (one slot vector to a plaintext) and, on the client, ``encrypt`` (encode,
+encrypt with the secret key and serialise one input ciphertext).
 
 :func:`measure` times the primitives on this machine (about half a minute);
 :func:`default_model` returns the table cached by :func:`calibrate` on this machine
@@ -31,7 +32,7 @@ import numpy as np
 
 __all__ = ["PRIMITIVES", "CostModel", "measure", "calibrate", "default_model", "cache_path"]
 
-PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode")
+PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt")
 _SHIPPED = Path(__file__).with_name("cost_table.json")
 
 
@@ -102,6 +103,7 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
     """Time SEAL's primitives on this machine at several limb counts per ring."""
     import tenseal.sealapi as seal
 
+    from he.backend import save_object
     from he.params import MAX_MODULUS_BITS
 
     table: dict[int, dict[str, list[tuple[int, float]]]] = {}
@@ -112,6 +114,7 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
         enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40] * primes + [60]))
         ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
         keygen = seal.KeyGenerator(ctx)
+        sk = keygen.secret_key()
         pk = seal.PublicKey()
         keygen.create_public_key(pk)
         rk = seal.RelinKeys()
@@ -120,7 +123,7 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
         keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
         encoder = seal.CKKSEncoder(ctx)
         ev = seal.Evaluator(ctx)
-        encryptor = seal.Encryptor(ctx, pk)
+        encryptor = seal.Encryptor(ctx, pk, sk)
         values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
         reps = max(2, 65536 // ring)
         ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
@@ -142,6 +145,7 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                     "add": lambda: ev.add(ct, ct, out),
                     "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
                     "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
+                    "encrypt": lambda: save_object(encryptor.encrypt_symmetric(encoder_pt)),
                 }
                 for op, fn in timings.items():
                     ops[op].append((limbs, _time(fn, reps)))

@@ -1,9 +1,11 @@
 """``polynets demo``: train, certify, compile and classify encrypted digits end to end.
 
 On scikit-learn's bundled 8x8 digits (no download): train a small MONet with BatchNorm (which
-folds into the affine maps), print its polynomial certificate, compile it to CKKS, classify the
-encrypted test images through a client/server split that only exchanges bytes, and print
-plaintext vs encrypted accuracy, latency, throughput and the parameters chosen.
+folds into the affine maps), print its polynomial certificate, compile it to CKKS (the compiler
+picks the packing, the layouts and how many images share a ciphertext from its cost model),
+classify the encrypted test images through a client/server split that only exchanges bytes, time
+one image alone, and print plaintext vs encrypted accuracy, latency, throughput, the plan and the
+parameters chosen.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class DemoResult:
     acc_plain: float
     acc_encrypted: float
     agreement: float
-    batch_seconds: float
-    vector_ms_per_image: float | None
+    seconds: float
+    latency_ms: float | None
+    packing: str
     params: str
 
 
@@ -65,7 +68,7 @@ def _accuracy(logits: np.ndarray, y: np.ndarray) -> float:
 
 
 def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int = 16,
-             vector_samples: int = 1, seed: int = 0, progress: bool = True,
+             vector_samples: int = 3, seed: int = 0, progress: bool = True,
              echo: Any = print) -> DemoResult:
     """Run the whole story; ``quick`` trains briefly on a tiny model and encrypts 40 images."""
     import torch
@@ -95,9 +98,10 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
     echo("== 2. certify: is it a polynomial of its input?")
     echo(str(pn.certify(model, torch.as_tensor(xte[:1]))))
 
-    echo("== 3. compile to CKKS (parameters chosen from depth and calibrated ranges)")
+    echo("== 3. compile to CKKS: parameters, packing and layouts chosen by the cost model")
     t0 = time.perf_counter()
-    prog = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="batch")
+    prog = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="auto",
+                      objective="throughput", batch_size=len(xte))
     echo(prog.summary())
     echo(f"   compiled in {time.perf_counter() - t0:.2f} s")
 
@@ -105,10 +109,12 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
     client = he.Client(prog)
     public = client.public_context()
     server = he.Server(he.CompiledProgram.from_bytes(prog.to_bytes()), public)
-    echo(f"   public context {len(public) / 2 ** 20:.1f} MiB (public + relinearisation keys, "
-         f"no secret key)")
+    echo(f"   public context {len(public) / 2 ** 20:.1f} MiB (public, relinearisation and "
+         f"{len(prog.plan.rotations())} Galois keys, no secret key)")
 
-    echo(f"== 5. classify {len(xte)} encrypted test images (batch packing: one image per slot)")
+    k = prog.samples_per_ciphertext
+    echo(f"== 5. classify {len(xte)} encrypted test images ({prog.packing} packing, {k} images "
+         f"per ciphertext)")
     t0 = time.perf_counter()
     ct_bytes = client.encrypt(xte).to_bytes()
     t1 = time.perf_counter()
@@ -118,32 +124,44 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
     t3 = time.perf_counter()
     acc_enc = _accuracy(dec, yte)
     agree = float(np.mean(dec.argmax(1) == plain.argmax(1)))
-    batch_s = t3 - t0
-    echo(f"   encrypt {t1 - t0:.1f} s ({len(ct_bytes) / 2 ** 20:.1f} MiB), server {t2 - t1:.1f} s, "
-         f"decrypt {t3 - t2:.2f} s -> {len(xte) / batch_s:.1f} images/s")
+    total_s = t3 - t0
+    echo(f"   encrypt {t1 - t0:.1f} s ({len(ct_bytes) / 2 ** 20:.1f} MiB), server {t2 - t1:.1f} s "
+         f"(predicted {prog.plan.predicted['seconds_per_ciphertext'] * -(-len(xte) // k):.1f} s), "
+         f"decrypt {t3 - t2:.2f} s -> {len(xte) / total_s:.1f} images/s")
 
-    vec_ms = None
+    latency_ms = None
     if vector_samples > 0:
-        echo(f"== 6. latency: vector packing (one image per ciphertext), {vector_samples} image(s)")
-        vprog = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="vector")
-        vclient = he.Client(vprog)
-        vserver = he.Server(vprog, vclient.public_context())
-        xs = xte[:vector_samples]
-        t0 = time.perf_counter()
-        vdec = vclient.decrypt(vserver.run(vclient.encrypt(xs).to_bytes()).to_bytes())
-        vec_ms = (time.perf_counter() - t0) / len(xs) * 1e3
-        same = bool(np.all(vdec.argmax(1) == plain[:len(xs)].argmax(1)))
-        echo(f"   {vec_ms:.0f} ms per image round trip; N={vprog.params.poly_modulus_degree}, "
-             f"argmax agrees with plaintext: {same}")
+        echo(f"== 6. latency: compile for objective='latency' and time {vector_samples} image(s) "
+             f"alone, one round trip each")
+        fast = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="auto",
+                          objective="latency")
+        echo(fast.summary().splitlines()[2])
+        fclient = he.Client(fast)
+        fserver = he.Server(fast, fclient.public_context())
+        times = []
+        for i in range(vector_samples):
+            t0 = time.perf_counter()
+            one = fclient.decrypt(fserver.run(fclient.encrypt(xte[i:i + 1]).to_bytes())
+                                  .to_bytes())
+            times.append(time.perf_counter() - t0)
+            if one.argmax(1)[0] != dec[i].argmax():
+                echo(f"   image {i}: the latency program's class differs from the batch run's")
+        latency_ms = float(np.median(times)) * 1e3
+        echo(f"   {latency_ms:.0f} ms per image round trip (encrypt, server, decrypt; predicted "
+             f"{fast.plan.predicted['round_trip_seconds'] * 1e3:.0f} ms); "
+             f"N={fast.params.poly_modulus_degree}, {fast.samples_per_ciphertext} image(s) per "
+             f"ciphertext")
 
     echo("== result")
     echo(f"   plaintext accuracy  {100 * acc_plain:.2f}%")
     echo(f"   encrypted accuracy  {100 * acc_enc:.2f}%  (argmax agreement {100 * agree:.2f}%, "
          f"max |plain - decrypted| {np.max(np.abs(plain - dec)):.2e})")
-    echo(f"   throughput          {len(xte) / batch_s:.1f} images/s (batch packing)" +
-         (f"; latency {vec_ms:.0f} ms/image (vector packing)" if vec_ms is not None else ""))
+    echo(f"   throughput          {len(xte) / total_s:.1f} images/s ({prog.packing} packing, "
+         f"{k} per ciphertext)" +
+         (f"; latency {latency_ms:.0f} ms per image alone" if latency_ms is not None else ""))
     echo(f"   parameters          {prog.params}")
-    return DemoResult(len(xte), acc_plain, acc_enc, agree, batch_s, vec_ms, str(prog.params))
+    return DemoResult(len(xte), acc_plain, acc_enc, agree, total_s, latency_ms, prog.packing,
+                      str(prog.params))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,8 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny model, 3 epochs, 40 test images, no vector timing")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 30)")
     parser.add_argument("--embed-dim", type=int, default=16, help="MONet width (default 16)")
-    parser.add_argument("--vector-samples", type=int, default=1,
-                        help="images to time in vector packing (0 to skip; default 1)")
+    parser.add_argument("--vector-samples", type=int, default=3,
+                        help="images timed alone, one round trip each (0 to skip; default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

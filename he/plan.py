@@ -40,7 +40,8 @@ import scipy.sparse as sp
 from polynets.lowering import Lowered, Step, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "candidate_orders",
-           "layout_groups", "search_layouts", "build_vector_plan", "matvec_counts",
+           "layout_groups", "search_layouts", "build_vector_plan", "choose_plane_packing",
+           "widest_period", "matvec_counts",
            "batch_counts"]
 
 Order = tuple[int, ...] | None
@@ -516,14 +517,49 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     return [best_choice[group[i]] for i in range(len(steps))], best_cost
 
 
+def widest_period(lowered: Lowered, orders: Sequence[Order]) -> int:
+    """Slots the widest value needs in the given layouts (a power of two)."""
+    return max(next_pow2(_width(st.shape, o)) for st, o in zip(lowered.steps, orders))
+
+
+def choose_plane_packing(lowered: Lowered, orders: Sequence[Order], vslots: int,
+                         price: Callable[[dict[str, int]], float], *,
+                         max_planes: int = 64) -> dict[int, int]:
+    """Planes per input ciphertext for every planes step: ``per_ct`` planes in one ciphertext
+    cost the client ``ceil(k / per_ct)`` encryptions and the server ``log2(per_ct)`` folds;
+    ``price(counts)`` prices both (primitives ``encrypt``, ``mul_plain``, ``rotate``, ``add``)."""
+    out = {}
+    for si in _planes_readers(lowered, max_planes):
+        st = lowered.steps[si]
+        k = int(np.diff(st.terms[0].tocsr().indptr).max())
+        p_out = next_pow2(_width(st.shape, orders[si]))
+        best = None
+        per_ct = 1
+        while per_ct * p_out <= vslots:
+            n_cts = math.ceil(k / per_ct)
+            folds = len(_folds(per_ct * p_out, p_out))
+            cost = price({"encrypt": n_cts, "mul_plain": n_cts, "add": n_cts + folds,
+                          "rotate": folds})
+            if best is None or cost < best[0]:
+                best = (cost, per_ct)
+            if per_ct >= k:
+                break
+            per_ct *= 2
+        out[si] = best[1] if best is not None else 1
+    return out
+
+
 def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
                       interleave: int | None = None, output_shape: tuple[int, ...] = (),
-                      max_planes: int = 64, max_input_ciphertexts: int = 8) -> VectorPlan:
+                      max_planes: int = 64, max_input_ciphertexts: int = 8,
+                      planes_per_ct: dict[int, int] | None = None) -> VectorPlan:
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
-    value leaves room for. ``max_input_ciphertexts``: input ciphertexts per sample and planes
-    step beyond which planes are packed several to a ciphertext (the server folds them).
+    value leaves room for. ``planes_per_ct``: planes per input ciphertext of each planes step
+    (see :func:`choose_plane_packing`); for the others, as few as keep the step within
+    ``max_input_ciphertexts`` ciphertexts. Steps that read the same arrangement of the input
+    share its ciphertexts.
     """
     steps = lowered.steps
     orders = list(orders) if orders is not None else [None] * len(steps)
@@ -574,7 +610,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         vsteps.append(vs)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders)
     for si in planes_at:
-        _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts * k)
+        _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
+                      (planes_per_ct or {}).get(si))
     if any(0 in s.inputs and s.kind != "planes" for s in vsteps) or not plan.input_layout:
         base = np.full(periods[0], -1, dtype=np.int64)
         base[maps[0]] = np.arange(steps[0].n)
@@ -585,7 +622,7 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
 
 
 def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
-                  max_cts: int) -> None:
+                  max_cts: int, per_ct: int | None = None) -> None:
     """Client-side layout of the input as planes for step ``si``: turns it into a planes step
     reading its own input ciphertexts (weights in the output's slot order, so any layout costs
     the same). Planes are packed ``per_ct`` to a ciphertext (folded back by the server) only as
@@ -596,9 +633,11 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
     nnz = np.diff(m.indptr)
     k = int(nnz.max())
     p_out = st.period
-    per_ct = min(next_pow2(math.ceil(k / max_cts)), vslots // p_out)
+    if per_ct is None:
+        per_ct = next_pow2(math.ceil(k / max_cts))
+    per_ct = max(1, min(per_ct, vslots // p_out))
     n_cts = math.ceil(k / per_ct)
-    layouts, weights = [], []
+    weights, cts = [], []
     for j in range(n_cts):
         idx = np.full(per_ct * p_out, -1, dtype=np.int64)
         w = np.zeros(per_ct * p_out)
@@ -608,14 +647,20 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
             cols = m.indices[m.indptr[rows] + plane]
             idx[t * p_out + st.slots_of[rows]] = cols
             w[t * p_out + st.slots_of[rows]] = m.data[m.indptr[rows] + plane]
-        layouts.append(np.tile(idx, vslots // (per_ct * p_out)))
+        layout = np.tile(idx, vslots // (per_ct * p_out))
+        # another planes step may read the same arrangement of the input: share its ciphertext
+        same = next((c for c, other in enumerate(plan.input_layout)
+                     if np.array_equal(other, layout)), None)
+        if same is None:
+            plan.input_layout.append(layout)
+            same = len(plan.input_layout) - 1
+        cts.append(same)
         weights.append(w)
     st.kind = "planes"
     st.planes = weights
     st.plane_folds = _folds(per_ct * p_out, p_out)
-    st.plane_cts = list(range(len(plan.input_layout), len(plan.input_layout) + n_cts))
+    st.plane_cts = cts
     st.matvecs = []
-    plan.input_layout.extend(layouts)
 
 
 def batch_counts(lowered: Lowered, live: list[np.ndarray]) -> list[dict[str, int]]:
