@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from polynets.errors import CheckpointError, ConfigError
+from polynets.errors import CheckpointError, ConfigError, PolynetsError
 from polynets.program import atomic_write_bytes
 
 __all__ = [
@@ -175,6 +175,8 @@ def build_model(name: str, *, max_elements: int = MAX_MODEL_ELEMENTS, **kwargs: 
     except _TooLarge as exc:
         raise ConfigError(f"model {name!r} with arguments {_short(kwargs)} would hold {exc}; "
                           f"refusing to build it") from None
+    except PolynetsError:
+        raise
     except TypeError as exc:
         raise ConfigError(f"model {name!r} does not accept arguments {sorted(kwargs)}: {exc}") from exc
     except (ValueError, AssertionError, MemoryError, OverflowError, ZeroDivisionError, KeyError,

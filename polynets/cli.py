@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polynets.errors import CheckpointError, ConfigError, PolynetsError
+from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError
 
 __all__ = ["PLUGINS", "build_parser", "main"]
 
@@ -129,6 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from polynets.checkpoint import build_model
     from polynets.train import TrainConfig, Trainer
 
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out!r} is a file; it must name a run directory")
     train_ds, test_ds, info = _load_data(args)
     if args.max_train_samples:
         from torch.utils.data import Subset
@@ -234,7 +236,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a run's training curves (loss, accuracy, learning rate) to a PNG."""
     from polynets.plot import plot_run
 
-    print(plot_run(args.run, args.output))
+    if not Path(args.run).is_dir():
+        raise DataError(f"{args.run} is not a run directory; expected one written by `polynets train --out DIR`")
+    try:
+        print(plot_run(args.run, args.output))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"the metrics log in {args.run} is malformed ({type(exc).__name__}: {exc}); expected the "
+                        "metrics.jsonl written by `polynets train`") from exc
     return 0
 
 

@@ -227,3 +227,15 @@ def test_key_files_are_private_and_public_files_follow_the_umask(he_files):
     os.umask(mask)
     for name in ("keys/public.ctx", "x.ct", "y.ct", "m.he"):
         assert (he_files / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+
+
+def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_bytes(b"\xbe\xef")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(b"\xbe\xef\n")
+    _fails_cleanly(["train", "--out", str(tmp_path / "file")], capsys, "is a file")
+    _fails_cleanly(["train", "--model-arg", "embed_dim=200000"], capsys, "refusing to build")
+    _fails_cleanly(["plot", str(tmp_path / "file")], capsys, "not a run directory")
+    _fails_cleanly(["plot", str(tmp_path / "run")], capsys, "malformed")
+    _fails_cleanly(["eval", "/dev/zero"], capsys, "not a regular file")
+    _fails_cleanly(["certify", "--model", "monet", "--input-shape", "0,8"], capsys, "positive sizes")

@@ -21,6 +21,8 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import he
@@ -167,8 +169,10 @@ def test_a_secret_key_smuggled_into_a_public_context_is_refused(setup):
         {**public_blobs, "relin_keys": public_blobs["relin_keys"] + [sk]},
         {**public_blobs, "galois_keys": [sk, sk]},
     ]
+    for name in ("public_key", "relin_keys", "galois_keys"):  # in a slot of the schema: SEAL
+        smuggled.append({**public_blobs, name: [sk]})          # refuses it as that key type
     for blobs in smuggled:
-        with pytest.raises(he.SerializationError, match="blob"):
+        with pytest.raises(he.SerializationError, match="blob|malformed"):
             he.Server(prog, _forge_blobs("public-context", head, blobs))
     with pytest.raises(he.SecretKeyError):
         he.Server(prog, _forge_blobs("secret-context", head, secret_blobs))
@@ -244,6 +248,32 @@ def test_pack_round_trips_and_refuses_blobs_outside_the_schema():
         pack("compiled-program", {"x": float("inf")}, {"program": [b""]})
     assert set(BLOB_SCHEMAS) == {"public-context", "secret-context", "compiled-program",
                                  "ciphertext"}
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.text(max_size=20)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4), max_leaves=20)
+
+
+@settings(max_examples=40)
+@given(st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("kind", "blobs")), _JSON,
+                       max_size=5), st.binary(max_size=64))
+def test_any_json_header_round_trips(header, blob):
+    head, blobs = unpack(pack("compiled-program", header, {"program": [blob]}),
+                         "compiled-program", "program")
+    assert {k: v for k, v in head.items() if k not in ("kind", "blobs")} == header
+    assert blobs == {"program": [blob]}
+
+
+@settings(max_examples=60)
+@given(st.binary(max_size=300), st.binary(max_size=64))
+def test_arbitrary_bytes_are_serialization_errors(garbage, body):
+    for data in (garbage, b"PNHE\x02" + garbage, _forge(garbage, body)):
+        with pytest.raises(he.SerializationError):
+            unpack(data, ("ciphertext", "public-context", "secret-context", "compiled-program"),
+                   "data")
 
 
 def test_header_field_helpers_check_types_and_bounds():
@@ -475,6 +505,30 @@ def test_failed_writes_leave_nothing_behind_and_name_the_problem(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
+def test_a_writer_killed_before_it_renames_leaves_a_temporary_file_the_next_write_removes(
+        tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    target = tmp_path / "program.npz"
+    package = os.path.dirname(pn.__file__)  # the module alone, without importing torch
+    code = ("import os, signal, sys, types\n"
+            f"sys.modules['polynets'] = types.ModuleType('polynets')\n"
+            f"sys.modules['polynets'].__path__ = [{package!r}]\n"
+            "import polynets.program as p\n"
+            "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"p.atomic_write_bytes({str(target)!r}, b'x' * 100000)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert run.returncode == -signal.SIGKILL
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert len(left) == 1 and not target.exists()
+    old = time.time() - 3600
+    os.utime(left[0], (old, old))
+    atomic_write_bytes(target, b"complete")
+    assert [p.name for p in tmp_path.iterdir()] == ["program.npz"]
+
+
 def test_temporary_files_of_killed_writers_are_removed_by_the_next_write(tmp_path):
     dead = tmp_path / ".tmp-out.bin.999999999.abc"
     alive = tmp_path / f".tmp-out.bin.{os.getppid()}.abc"
@@ -489,3 +543,35 @@ def test_temporary_files_of_killed_writers_are_removed_by_the_next_write(tmp_pat
     assert not dead.exists()
     assert alive.exists() and recent.exists() and other.exists()
     assert (tmp_path / "out.bin").read_bytes() == b"new"
+
+
+# ---------------------------------------------------------------------------- larger corpora (CI)
+@pytest.mark.slow
+def test_every_bit_flip_of_a_compiled_program_and_its_program_file(setup, program):
+    data = setup["prog"].to_bytes()
+    n = _all_refused(data, he.CompiledProgram.from_bytes, he.SerializationError,
+                     flips=8 * len(data), stride=1)
+    raw = program.to_bytes()
+    x = np.random.default_rng(0).standard_normal((5, 3))
+    reference = program.run(x)
+    for bit in range(8 * len(raw)):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        try:
+            again = PolyProgram.from_bytes(bytes(flipped))
+        except ProgramFormatError:
+            continue
+        assert np.array_equal(again.run(x), reference), f"bit {bit}"
+    assert n > 8 * len(data)
+
+
+@pytest.mark.slow
+def test_many_bit_flips_and_truncations_of_ciphertexts_and_contexts(setup):
+    prog, server, client = setup["prog"], setup["server"], setup["client"]
+    n = _all_refused(setup["ct"], server.run, he.SerializationError, flips=20000, stride=97)
+    n += _all_refused(setup["out"], client.decrypt, he.SerializationError, flips=20000, stride=97)
+    n += _all_refused(setup["public"], lambda b: he.Server(prog, b), he.SerializationError,
+                      flips=3000, stride=4099)
+    n += _all_refused(setup["secret"], lambda b: unpack(b, "secret-context", "context"),
+                      he.SerializationError, flips=3000, stride=4099)
+    assert n > 50000
