@@ -248,10 +248,7 @@ class EquationDiscovery(BaseEstimator):
             if not drop.any():
                 break
             try:
-                try:
-                    res = self._refit(res.coef, active & ~drop, res.x0, res.window)
-                except FitError:
-                    res = self._fit_safely(res.coef, active & ~drop)
+                res = self._refit(res.coef, active & ~drop, res.x0, res.window)
             except FitError:
                 break                       # the smaller model blows up: keep the last one
             active &= ~drop

@@ -22,11 +22,11 @@ __all__ = ["weak_system", "weak_lstsq", "sparse_supports"]
 THRESHOLDS = (0.002, 0.01, 0.03, 0.1, 0.3)
 """Term sizes relative to the largest term of the equation tried by the thresholding."""
 
+HALF_WIDTHS = (8, 24)
+"""Half widths (samples) of the weak form's test functions."""
+
 RESIDUALS = (1e-6, 1e-3, 1e-2, 3e-2, 0.1)
 """Relative weak-form residuals at which forward selection stops, one support each."""
-
-RIDGE = 0.0
-"""Ridge on the unit-norm columns while thresholding (tames near-collinear libraries)."""
 
 
 def weak_system(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]], *,
@@ -53,18 +53,13 @@ def weak_system(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarra
     return np.array(rows).reshape(-1, field.exps.shape[0]), np.array(rhs).reshape(-1, field.dim)
 
 
-def _lstsq(G: np.ndarray, b: np.ndarray, cols: np.ndarray, ridge: float = 0.0) -> np.ndarray:
-    """Least squares on the columns ``cols`` of ``G``, scaled to unit norm, with an optional
-    ridge ``ridge * ||b||^2`` on the scaled coefficients."""
+def _lstsq(G: np.ndarray, b: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Least squares on the columns ``cols`` of ``G``, scaled to unit norm."""
     out = np.zeros(G.shape[1])
     if len(cols):
         norms = np.linalg.norm(G[:, cols], axis=0)
         norms = np.where(norms > 0, norms, 1.0)
-        A, rhs = G[:, cols] / norms, b
-        if ridge > 0:
-            A = np.vstack([A, np.sqrt(ridge) * np.eye(len(cols))])
-            rhs = np.concatenate([b, np.zeros(len(cols))])
-        sol, *_ = np.linalg.lstsq(A, rhs, rcond=1e-12)
+        sol, *_ = np.linalg.lstsq(G[:, cols] / norms, b, rcond=1e-12)
         out[cols] = sol / norms
     return out
 
@@ -110,18 +105,30 @@ def forward_path(G: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, float]]
 
 def sparse_supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]],
                     thresholds: tuple[float, ...] = THRESHOLDS,
-                    residuals: tuple[float, ...] = RESIDUALS, ridge: float = RIDGE,
+                    residuals: tuple[float, ...] = RESIDUALS,
+                    half_widths: tuple[int, ...] = HALF_WIDTHS,
                     iterations: int = 10) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Distinct ``(active (p, dim), coef (p, dim))`` from the weak form: sequentially
-    thresholded least squares (a term is kept while ``|c| RMS(monomial)`` is at least
-    ``threshold`` times the largest term's), then forward selection stopped at each relative
-    residual of ``residuals``; sparsest first within each family."""
-    G, b = weak_system(field, trajectories)
+    """Distinct ``(active (p, dim), coef (p, dim))`` from the weak form with test functions of
+    each half width in ``half_widths`` (narrow ones resolve fast dynamics, wide ones average
+    noise): sequentially thresholded least squares (a term is kept while ``|c| RMS(monomial)``
+    is at least ``threshold`` times the largest term's), then forward selection stopped at each
+    relative residual of ``residuals``."""
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    seen: set[bytes] = set()
+    for half_width in half_widths:
+        G, b = weak_system(field, trajectories, half_width=half_width)
+        _supports(field, trajectories, G, b, thresholds, residuals, iterations, out, seen)
+    return out
+
+
+def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]],
+              G: np.ndarray, b: np.ndarray, thresholds: tuple[float, ...],
+              residuals: tuple[float, ...], iterations: int,
+              out: list[tuple[np.ndarray, np.ndarray]], seen: set[bytes]) -> None:
+    """Append the supports of one weak system ``G``, ``b`` not in ``seen`` to ``out``."""
     X = np.concatenate([Xi for _, Xi in trajectories])
     theta = field.theta(X)                                            # (N, p)
     rms_m = np.sqrt(np.mean(theta**2, axis=0))                        # (p,)
-    out: list[tuple[np.ndarray, np.ndarray]] = []
-    seen: set[bytes] = set()
     p, d = field.exps.shape[0], field.dim
     for threshold in thresholds:
         active = np.ones((p, d), dtype=bool)
@@ -129,7 +136,7 @@ def sparse_supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.nd
         for i in range(d):
             keep = np.ones(p, dtype=bool)
             for _ in range(iterations):
-                c = _lstsq(G, b[:, i], np.nonzero(keep)[0], ridge)
+                c = _lstsq(G, b[:, i], np.nonzero(keep)[0])
                 size = np.abs(c) * rms_m
                 new = keep & (size >= threshold * size.max())
                 if not new.any():
@@ -155,4 +162,3 @@ def sparse_supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.nd
             coef = np.stack([_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
                              for i in range(d)], axis=1)
             out.append((active, coef))
-    return out

@@ -128,3 +128,22 @@ def test_new_benchmark_systems_have_consistent_truth():
         field = PolyField.from_exprs(exprs, syms)
         np.testing.assert_allclose(field(traj.clean), np.array([system.rhs(x) for x in
                                                                 traj.clean]), atol=1e-9)
+
+
+def test_conservation_law_sir_is_recovered_exactly_despite_its_collinear_library():
+    traj = generate("sir")                     # S + I + R = 1: the library is collinear
+    model = EquationDiscovery(degree=2, variables=traj.system.variables, node_steps=30,
+                              progress=False).fit(traj.t, traj.X)
+    rel, missed, spurious = _errors(model.coefficients(), traj.truth)
+    assert (missed, spurious) == (0, 0) and rel < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, noise", [("sir", 0.05), ("brusselator", 0.05),
+                                         ("hopf", 0.1)])
+def test_held_out_systems_with_noise_give_a_model_with_the_right_terms(name, noise):
+    traj = generate(name, noise=noise, seed=0)
+    model = EquationDiscovery(degree=traj.system.degree, variables=traj.system.variables,
+                              progress=False).fit(traj.t, traj.X)
+    rel, missed, spurious = _errors(model.coefficients(), traj.truth)
+    assert (missed, spurious) == (0, 0) and rel < 0.1
