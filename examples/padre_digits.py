@@ -5,7 +5,9 @@ the library's trainer on scikit-learn's digits, prints the test accuracy and the
 (a polynomial of degree ``(2 * degree) ** depth``), and with ``--encrypt N`` classifies N test
 images under CKKS and reports the agreement with the plaintext model.
 
-    python examples/padre_digits.py [--epochs 30] [--degree 2] [--encrypt 0] [--out runs/padre]
+    python examples/padre_digits.py [--epochs 30] [--degree 2] [--depth 4] [--encrypt 0]
+
+``--depth 1 --embed-dim 16 --encrypt 100`` gives a model shallow enough for CKKS (8 levels).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--embed-dim", type=int, default=64)
     ap.add_argument("--kernel-size", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, auto (CUDA > MPS > CPU)")
     ap.add_argument("--encrypt", type=int, default=0, help="test images to classify encrypted")
     ap.add_argument("--out", help="run directory for checkpoints and metrics")
     args = ap.parse_args()
@@ -36,7 +39,7 @@ def main() -> None:
     model = timm.create_model("padre_vit_mini", degree=args.degree, depth=args.depth,
                               embed_dim=args.embed_dim, kernel_size=args.kernel_size)
     config = pn.TrainConfig(epochs=args.epochs, batch_size=64, lr=2e-3, warmup_epochs=2,
-                            device="cpu", seed=args.seed, progress=False, out_dir=args.out)
+                            device=args.device, seed=args.seed, progress=False, out_dir=args.out)
     trainer = pn.Trainer(model, config, model_name="padre_vit_mini",
                          model_kwargs={"degree": args.degree, "depth": args.depth,
                                        "embed_dim": args.embed_dim,
