@@ -161,9 +161,15 @@ def _client(program: Any, keys: str, create: bool) -> Any:
         raise SerializationError(f"--keys {keys!r} is a file; it must name a key directory")
     if secret.exists() or secret.is_symlink():
         client = he.Client.from_secret_context(program, _read(secret, "secret key"))
-        if create and not public.exists():
-            atomic_write_bytes(public, client.public_context())
-            print(f"wrote the missing public context {public} of key set {client.key_id}")
+        if create:
+            expected = client.public_context()
+            if not public.exists():
+                atomic_write_bytes(public, expected)
+                print(f"wrote the missing public context {public} of key set {client.key_id}")
+            elif _read(public, "public context") != expected:
+                atomic_write_bytes(public, expected)
+                print(f"replaced {public}: it did not belong to the key set in {secret}; send the "
+                      f"new one to the server")
         return client
     if not create:
         raise SecretKeyError(f"no keys in {keys!r} (expected {secret}); run 'polynets encrypt' "

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from polynets.errors import ShapeError
+from polynets.errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:
     from polynets.program import PolyProgram
@@ -39,6 +39,9 @@ class ProgramModule(nn.Module):
         super().__init__()
         self.program = program
         self.dtype = dtype or torch.float64
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(f"to_torch(dtype=...) needs a real floating-point dtype such as "
+                              f"torch.float64, got {dtype!r}")
         self._consts = nn.ParameterList()
         self._slots: list[dict[str, int]] = []
         for node in program.nodes:

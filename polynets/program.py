@@ -102,7 +102,8 @@ def _linear(v: np.ndarray, axis: int, weight: np.ndarray, bias: np.ndarray | Non
 def _numeric_input(x: Any) -> np.ndarray:
     """``x`` as an array the interpreter evaluates: float64, or ``object`` for expressions."""
     if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        x = x.numpy() if x.is_complex() else x.double().numpy()
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as exc:
@@ -325,9 +326,13 @@ class PolyProgram:
         ``x``: array-like or tensor of shape ``(B, *input_shape[1:])``; returns the shape of
         ``model(x)``.
         """
-        if hasattr(x, "detach"):
-            x = x.detach().cpu().double().numpy()
-        return self.run(np.asarray(x, dtype=np.float64))  # type: ignore[return-value]
+        arr = _numeric_input(x)
+        if arr.dtype == object:
+            try:
+                arr = arr.astype(np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ShapeError(f"simulate needs real numbers, got objects ({exc})") from exc
+        return self.run(arr)  # type: ignore[return-value]
 
     def __call__(self, x: Any) -> np.ndarray:
         return self.simulate(x)
@@ -476,7 +481,10 @@ def _node_from_spec(i: int, spec: Any, files: dict[str, np.ndarray]) -> Node:
             if name not in files:
                 raise ProgramFormatError(f"{where}: array {name!r} of attribute {key!r} is "
                                          f"missing from the file")
-            attrs[key] = files[name]
+            array = files[name]
+            if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+                raise ProgramFormatError(f"{where}: attribute {key!r} holds NaN or infinite values")
+            attrs[key] = array
         elif key in _ARRAY_ATTRS and value is not None:
             raise ProgramFormatError(f"{where}: attribute {key!r} must name an array")
         elif value is None or isinstance(value, (int, float, str, bool)):

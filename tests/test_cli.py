@@ -213,6 +213,11 @@ def test_encrypt_repairs_a_missing_public_context_and_refuses_a_lost_secret_key(
     assert (keys / "public.ctx").read_bytes() == (he_files / "keys" / "public.ctx").read_bytes()
     assert cli.main(["run", str(he_files / "m.he"), str(tmp_path / "x.ct"), "--context", str(keys / "public.ctx"),
                      "-o", str(tmp_path / "y.ct")]) == 0
+    (keys / "public.ctx").write_bytes(b"the public context of another key set")
+    assert cli.main(["encrypt", str(he_files / "m.he"), str(he_files / "x.npy"), "--keys", str(keys),
+                     "-o", str(tmp_path / "x.ct")]) == 0
+    assert "did not belong to the key set" in capsys.readouterr().out
+    assert (keys / "public.ctx").read_bytes() == (he_files / "keys" / "public.ctx").read_bytes()
     (keys / "secret.ctx").unlink()
     _fails_cleanly(["encrypt", str(he_files / "m.he"), str(he_files / "x.npy"), "--keys", str(keys), "-o",
                     str(tmp_path / "z.ct")], capsys, "secret key of that key set is gone")

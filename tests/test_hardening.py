@@ -575,3 +575,24 @@ def test_many_bit_flips_and_truncations_of_ciphertexts_and_contexts(setup):
     n += _all_refused(setup["secret"], lambda b: unpack(b, "secret-context", "context"),
                       he.SerializationError, flips=3000, stride=4099)
     assert n > 50000
+
+
+def test_simulate_and_to_torch_refuse_what_they_cannot_compute(program):
+    x = torch.tensor([[1.0, -2.0, 0.5]])
+    assert np.array_equal(program.simulate(x.to(torch.bfloat16)), program.simulate(x.double()))
+    assert np.array_equal(program.simulate(torch.tensor([[1, 0, 1]])), program.run(np.array([[1.0, 0, 1]])))
+    with pytest.raises(ShapeError, match="complex"):
+        program.simulate(torch.ones(1, 3, dtype=torch.complex64))
+    with pytest.raises(ShapeError, match="complex"):
+        program.simulate(np.ones((1, 3), dtype=complex))
+    with pytest.raises(pn.ConfigError, match="floating-point"):
+        program.to_torch(torch.int64)
+
+
+def test_program_files_with_non_finite_weights_are_refused(program):
+    members = _members(program.to_bytes())
+    name = next(k for k in members if k.endswith("_weight"))
+    weight = np.load(io.BytesIO(members[name]))
+    weight.flat[0] = np.inf
+    with pytest.raises(ProgramFormatError, match="NaN or infinite"):
+        PolyProgram.from_bytes(_npz({**members, name: _npy(weight)}))
