@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError
+from polynets.program import loads_json_strict
 
 __all__ = ["PLUGINS", "build_parser", "main"]
 
@@ -31,18 +32,25 @@ TIMM_SIZE_KEYS = ("num_classes", "in_chans", "img_size")
 
 # ------------------------------------------------------------------------------ helpers
 def parse_model_args(items: Sequence[str] | None) -> dict[str, Any]:
-    """``["embed_dim=64", "depth=[2,2]", "norm=batch"]`` -> dict; values are JSON when they parse, else strings."""
+    """``["embed_dim=64", "depth=[2,2]", "norm=batch"]`` -> dict; values are JSON when they parse, else strings.
+
+    Lists and objects must be valid JSON within bounds (see :func:`~polynets.checkpoint.check_model_kwargs`).
+    """
+    from polynets.checkpoint import check_model_kwargs
+
     out: dict[str, Any] = {}
     for item in items or ():
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--model-arg expects KEY=VALUE (e.g. embed_dim=64), got {item!r}")
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value = loads_json_strict(raw, f"--model-arg {key.strip()}", ConfigError, max_bytes=1 << 16, max_depth=8)
+        except ConfigError:
+            if raw.lstrip()[:1] in ("[", "{"):
+                raise
             value = {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
         out[key.strip()] = value
-    return out
+    return check_model_kwargs(out, "--model-arg")
 
 
 def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, Any]:

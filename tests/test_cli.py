@@ -244,3 +244,6 @@ def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
     _fails_cleanly(["plot", str(tmp_path / "run")], capsys, "malformed")
     _fails_cleanly(["eval", "/dev/zero"], capsys, "not a regular file")
     _fails_cleanly(["certify", "--model", "monet", "--input-shape", "0,8"], capsys, "positive sizes")
+    _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 100_000], capsys, "bytes of JSON")
+    _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 20 + "]" * 20], capsys, "nested")
+    _fails_cleanly(["train", "--model-arg", "depth=[1, 2"], capsys, "malformed JSON")
