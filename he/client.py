@@ -344,9 +344,12 @@ class Server:
 
     ``Server(program, public_context)``: ``public_context`` is :meth:`Client.public_context`'s
     bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
+    ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
+    beyond it are encoded at each use (default: half the memory available).
     """
 
-    def __init__(self, program: CompiledProgram, public_context: bytes):
+    def __init__(self, program: CompiledProgram, public_context: bytes, *,
+                 memory_budget: int | None = None):
         if not isinstance(public_context, (bytes, bytearray, memoryview)):
             raise SerializationError(f"Server needs the public context as bytes, got "
                                      f"{type(public_context).__name__}")
@@ -361,7 +364,7 @@ class Server:
         self.engine.galois_keys = gk
         self._encryptor = seal.Encryptor(self.engine.context, pk)
         self.context_bytes = len(public_context)
-        self.kernels = VectorKernels(self.engine, program.plan) \
+        self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
 
     def _encrypt_constant(self, value: float) -> Any:

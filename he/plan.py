@@ -37,12 +37,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from polynets.lowering import Lowered, Step, step_levels
+from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
 
-__all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "candidate_orders",
-           "layout_groups", "search_layouts", "build_vector_plan", "choose_plane_packing",
-           "widest_period", "matvec_counts",
-           "batch_counts"]
+__all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
+           "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
+           "choose_plane_packing", "widest_period", "matvec_counts", "batch_counts"]
 
 Order = tuple[int, ...] | None
 
@@ -370,8 +369,6 @@ class BatchPlan:
 def layout_groups(lowered: Lowered) -> list[int]:
     """Group id of every step: steps multiplied together, or summed without a map, share one
     layout (union-find over ``mul``, ``mul_int`` and all-identity affine steps)."""
-    from polynets.lowering import affine_is_free
-
     parent = list(range(len(lowered.steps)))
 
     def find(i: int) -> int:
@@ -411,9 +408,7 @@ def _slot_matrix(m: sp.csr_matrix, out_map: np.ndarray, out_width: int, in_map: 
 
 
 def _term_is_identity(m: sp.csr_matrix, out_map: np.ndarray, in_map: np.ndarray) -> bool:
-    from polynets.lowering import _is_identity
-
-    return _is_identity(m) and out_map.size == in_map.size and np.array_equal(out_map, in_map)
+    return is_identity(m) and out_map.size == in_map.size and np.array_equal(out_map, in_map)
 
 
 def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int], int], float],
@@ -448,8 +443,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
 
     memo: dict[tuple[Any, ...], float] = {}
     coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    from polynets.lowering import _is_identity
-    identity = {(si, t): _is_identity(m) for si, st in enumerate(steps)
+    identity = {(si, t): is_identity(m) for si, st in enumerate(steps)
                 for t, m in enumerate(st.terms)}
 
     term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
@@ -665,8 +659,6 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
 
 def batch_counts(lowered: Lowered, live: list[np.ndarray]) -> list[dict[str, int]]:
     """Primitive counts of every step in batch packing (one ciphertext per live element)."""
-    from polynets.lowering import affine_is_free
-
     out = []
     for si, st in enumerate(lowered.steps):
         rows = live[si]

@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from he.backend import Engine
-from he.plan import MatVec, VectorPlan
+from he.plan import VectorPlan
 from polynets.lowering import Lowered, Step, affine_is_free, integer_factor
 
 __all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
@@ -173,33 +174,81 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     return result
 
 
-class VectorKernels:
-    """Plaintexts of a vector plan, encoded once at the level where each is used (diagonals,
-    planes, biases), tiled to the plan's virtual slots and interleaved for its samples."""
+def available_memory() -> int:
+    """Bytes of memory available to this process now (``MemAvailable``), or the physical total."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
-    def __init__(self, eng: Engine, plan: VectorPlan):
-        self.diag: dict[tuple[int, int, int, int], Any] = {}
-        self.planes: dict[tuple[int, int], Any] = {}
-        self.bias: dict[int, Any] = {}
+
+class _Plaintexts:
+    """Plaintexts by key: encoded once while they fit the byte budget, else encoded at each use
+    (slower, but the server's memory stays within the budget)."""
+
+    def __init__(self, encode: Any, bytes_of: Any, budget: int):
+        self._encode = encode
+        self._bytes_of = bytes_of
+        self.budget = budget
+        self.kept_bytes = 0
+        self.lazy = 0
+        self._pt: dict[Any, Any] = {}
+        self._raw: dict[Any, tuple[np.ndarray, int]] = {}
+
+    def add(self, key: Any, vec: np.ndarray, level: int) -> None:
+        size = self._bytes_of(level)
+        if self.kept_bytes + size <= self.budget:
+            self._pt[key] = self._encode(vec, level)
+            self.kept_bytes += size
+        else:
+            self._raw[key] = (vec, level)
+            self.lazy += 1
+
+    def __getitem__(self, key: Any) -> Any:
+        pt = self._pt.get(key)
+        return pt if pt is not None else self._encode(*self._raw[key])
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._pt or key in self._raw
+
+
+class VectorKernels:
+    """Plaintexts of a vector plan (diagonals, planes, biases) at the level where each is used,
+    tiled to the plan's virtual slots and interleaved for its samples; encoded once while they
+    fit ``memory_budget`` bytes (default: half the memory available), encoded at each use
+    beyond it."""
+
+    def __init__(self, eng: Engine, plan: VectorPlan, memory_budget: int | None = None):
         self.interleave = plan.interleave
         vslots = plan.virtual_slots
+        budget = int(available_memory() // 2 if memory_budget is None else memory_budget)
+        n = eng.params.poly_modulus_degree
+        top = eng.params.levels + 1
 
         def encode(vec: np.ndarray, level: int) -> Any:
             full = np.repeat(np.tile(vec, vslots // vec.size), plan.interleave)
             return eng.encode_vector(full, level, eng.scales[level])
 
-        for si, st in enumerate(plan.steps):
+        store = _Plaintexts(encode, lambda level: n * (top - level) * 8, budget)
+        self.store = store
+        # the cheapest to keep first: plaintexts of late (low-limb) steps are the smallest
+        for si in sorted(range(len(plan.steps)), key=lambda i: -plan.steps[i].level):
+            st = plan.steps[si]
             lin = max((plan.steps[s].level for s in st.inputs), default=0)
             for ti, mv in enumerate(st.matvecs):
                 if mv is None:
                     continue
                 for gi, group in enumerate(mv.groups):
                     for b, vec in group.items():
-                        self.diag[si, ti, gi, b] = encode(vec, lin)
+                        store.add(("d", si, ti, gi, b), vec, lin)
             for j, w in enumerate(st.planes):
-                self.planes[si, j] = encode(w, 0)
+                store.add(("p", si, j), w, 0)
             if st.bias is not None:
-                self.bias[si] = encode(st.bias, st.level)
+                store.add(("b", si), st.bias, st.level)
 
 
 def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
@@ -239,7 +288,7 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[i
             for b, _ in group.items():
                 if (src, lin, b) not in rotated:
                     rotated[src, lin, b] = eng.rotate(x, b * k)
-                term = eng.mul_plain(rotated[src, lin, b], kern.diag[si, ti, gi, b])
+                term = eng.mul_plain(rotated[src, lin, b], kern.store["d", si, ti, gi, b])
                 if giant in sums:
                     eng.add_inplace(sums[giant], term)
                 else:
@@ -274,7 +323,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             vals[si] = inputs[0]
             continue
         if st.kind == "planes":
-            acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.planes[si, j])
+            acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
                                     for j, c in enumerate(st.plane_cts)))
             out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
@@ -285,7 +334,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         else:
             out = eng.mul_int(vals[st.inputs[0]], st.factor)
-        if si in kern.bias:
-            out = eng.add_plain(eng.lift(out, st.level), kern.bias[si])
+        if ("b", si) in kern.store:
+            out = eng.add_plain(eng.lift(out, st.level), kern.store["b", si])
         vals[si] = out
     return vals[plan.output]

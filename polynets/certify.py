@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from torch import nn
 
 from polynets.lowering import Lowered, affine_is_free, lower

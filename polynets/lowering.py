@@ -42,7 +42,8 @@ import scipy.sparse as sp
 
 from polynets.program import Node, PolyProgram
 
-__all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "step_levels",
+__all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "is_identity",
+           "step_levels",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
@@ -98,7 +99,8 @@ def _eye(n: int) -> sp.csr_matrix:
     return sp.identity(n, format="csr", dtype=np.float64)
 
 
-def _is_identity(m: sp.csr_matrix) -> bool:
+def is_identity(m: sp.csr_matrix) -> bool:
+    """True for a square identity matrix (a term that needs no multiplication)."""
     return m.shape[0] == m.shape[1] and (m - _eye(m.shape[0])).count_nonzero() == 0
 
 
@@ -116,7 +118,7 @@ def affine_is_free(step: Step, packing: str) -> bool:
     """True when the affine step needs no plaintext multiplication (so no level) in ``packing``."""
     if packing not in PACKING_KINDS:
         raise ValueError(f"packing must be one of {PACKING_KINDS}, got {packing!r}")
-    test = _is_selection if packing == "batch" else _is_identity
+    test = _is_selection if packing == "batch" else is_identity
     return all(test(m) for m in step.terms)
 
 
@@ -215,7 +217,7 @@ def lower(program: PolyProgram) -> Lowered:
     def materialise(f: _Aff) -> int:
         if len(f.terms) == 1 and f.bias is None:
             (src, m), = f.terms.items()
-            if _is_identity(m) and steps[src].n == f.n:
+            if is_identity(m) and steps[src].n == f.n:
                 return src
         f = _through_local_input_map(f)
         add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
@@ -227,7 +229,7 @@ def lower(program: PolyProgram) -> Lowered:
         (src, m), = f.terms.items()
         s = steps[src]
         if s.kind != "affine" or len(s.inputs) != 1 or steps[s.inputs[0]].kind != "input" \
-                or _is_identity(m):
+                or is_identity(m):
             return f
         composed = (m @ s.terms[0]).tocsr()
         composed.eliminate_zeros()
@@ -267,7 +269,7 @@ def lower(program: PolyProgram) -> Lowered:
             k = integer_factor(a["value"])
             src = next(iter(f.terms)) if len(f.terms) == 1 else None
             if k is not None and src is not None and f.bias is None \
-                    and _is_identity(f.terms[src]):
+                    and is_identity(f.terms[src]):
                 val = add_step(Step("mul_int", (src,), shape, factor=k))
             else:
                 v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()

@@ -271,3 +271,21 @@ def test_measured_costs_grow_with_the_limbs():
     rot = dict(model.table[8192]["rotate"])
     assert min(rot) == 1 and max(rot) >= 2
     assert model.seconds("rotate", 8192, max(rot)) > model.seconds("add", 8192, max(rot))
+
+
+def test_server_within_a_memory_budget_encodes_plaintexts_at_use_with_the_same_results():
+    torch.manual_seed(5)
+    model = TokenMLP(tokens=16, dim=8, hidden=24).eval()
+    x = torch.rand(3, 16, 8) * 2 - 1
+    prog = he.compile(model, x, packing="vector")
+    client = he.Client(prog)
+    public = client.public_context()
+    roomy = he.Server(prog, public)
+    tight = he.Server(prog, public, memory_budget=0)
+    assert roomy.kernels.store.lazy == 0 and roomy.kernels.store.kept_bytes > 0
+    assert tight.kernels.store.kept_bytes == 0 and tight.kernels.store.lazy > 0
+    ct = client.encrypt(x)
+    y_roomy = client.decrypt(roomy.run(ct))
+    y_tight = client.decrypt(tight.run(ct))
+    assert np.max(np.abs(y_tight - y_roomy)) <= 2 * prog.params.expected_error
+    assert np.max(np.abs(y_tight - prog.simulate(x))) <= prog.params.expected_error
