@@ -142,6 +142,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     else:
         raise InputShapeError("compile needs --input-shape (e.g. 1,28,28) or --calibration data")
     prog = he.compile(model, example.astype(np.float32), calibration=calib, packing=args.packing,
+                      objective=args.objective, batch_size=args.batch_size,
                       precision_bits=args.precision_bits)
     prog.save(args.output)
     print(prog.summary())
@@ -239,6 +240,18 @@ def cmd_decrypt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_costs(args: argparse.Namespace) -> int:
+    from he.costmodel import cache_path, calibrate
+
+    model = calibrate(args.output, progress=True)
+    for ring in sorted(model.table):
+        ops = ", ".join(f"{op} {model.seconds(op, ring, 2) * 1e3:.2f} ms"
+                        for op in model.table[ring])
+        print(f"N={ring} (2 primes): {ops}")
+    print(f"wrote {args.output or cache_path()}; he.compile now plans with these costs")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a small MONet on digits, certify, compile to CKKS, classify encrypted test images."""
     from he.demo import main
@@ -256,8 +269,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="compiled program file to write")
     p.add_argument("--input-shape", type=_shape, help="sample shape, e.g. 1,28,28")
     p.add_argument("--calibration", help=".npy/.csv samples used to size the parameters")
-    p.add_argument("--packing", choices=("vector", "batch"), default="vector",
-                   help="vector: one sample per ciphertext (latency); batch: one per slot")
+    p.add_argument("--packing", choices=("vector", "batch", "auto"), default="vector",
+                   help="vector (latency), batch (one sample per slot) or auto (the cost model "
+                        "picks for --objective)")
+    p.add_argument("--objective", choices=("latency", "throughput"), default="latency",
+                   help="what the cost model minimises: one round trip, or time per sample")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples sent at once, for --objective throughput (default: full "
+                        "ciphertexts)")
     p.add_argument("--precision-bits", type=int, default=16, help="wanted output precision")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
@@ -290,6 +309,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--keys", required=True, help="key directory used by 'polynets encrypt'")
     p.add_argument("-o", "--output", help="write outputs to .npy or .csv")
     p.set_defaults(func=cmd_decrypt)
+
+    p = subparsers.add_parser("he-costs", help="measure SEAL's primitive costs on this machine "
+                                               "for the compiler's cost model (about 30 s)")
+    p.add_argument("-o", "--output", default=None,
+                   help="where to write the table (default: the per-user cache he.compile reads)")
+    p.set_defaults(func=cmd_costs)
 
     p = subparsers.add_parser("demo", help="encrypted digits classification, end to end",
                               description=cmd_demo.__doc__)
