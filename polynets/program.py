@@ -59,7 +59,7 @@ _MAGIC = "polynets-program"
 
 MAX_FILE_BYTES = 1 << 32         # the largest file a loader reads (4 GiB)
 MAX_ARRAY_BYTES = 1 << 31        # decompressed size of all arrays of one program (2 GiB)
-MAX_NODE_ELEMENTS = 1 << 28      # elements of one value of one sample
+MAX_NODE_ELEMENTS = 1 << 26      # elements of one value of one sample (512 MiB in float64)
 MAX_RANK = 32
 MAX_JSON_BYTES = 1 << 26         # a JSON header (64 MiB)
 MAX_JSON_DEPTH = 64
