@@ -189,7 +189,7 @@ def test_ciphertext_groups_must_be_numbered_without_gaps(setup):
 
 
 def test_records_of_one_kind_are_refused_where_another_is_expected(setup):
-    prog, client, server = setup["prog"], setup["client"], setup["server"]
+    prog, server = setup["prog"], setup["server"]
     records = {"ciphertext": setup["ct"], "public-context": setup["public"],
                "secret-context": setup["secret"], "compiled-program": prog.to_bytes()}
     loaders = {"ciphertext": server.run, "public-context": lambda b: he.Server(prog, b),
