@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from polynets.errors import ProgramFormatError, ShapeError, WriteError
+from polynets.errors import PolynetsError, ProgramFormatError, ShapeError, WriteError
 
 __all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
            "read_bytes_limited", "loads_json_strict", "load_npy_bytes"]
@@ -551,8 +551,10 @@ def _read_npy(f: Any, size: int, name: str,
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f, max_header_size=1 << 16)
         else:
             raise error(f"{label}: unknown .npy version {major}")
-    except (ValueError, SyntaxError, TypeError, OverflowError, EOFError, struct_error) as exc:
-        raise error(f"{label}: not a .npy array ({exc})") from exc
+    except PolynetsError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - numpy's header parser raises many kinds on garbage
+        raise error(f"{label}: not a .npy array ({type(exc).__name__}: {exc})") from exc
     if dtype.hasobject or dtype.kind not in _ARRAY_KINDS or dtype.subdtype is not None \
             or dtype.names is not None:
         raise error(f"{label} has dtype {dtype}; only numbers load")

@@ -30,7 +30,8 @@ import polynets as pn
 from he.container import (BLOB_SCHEMAS, bool_field, dict_field, float_field, int_field,
                           list_field, pack, str_field, unpack)
 from polynets.errors import PolynetsError, ProgramFormatError, ShapeError, WriteError
-from polynets.program import PolyProgram, atomic_write_bytes, loads_json_strict
+from polynets.program import (PolyProgram, atomic_write_bytes, load_npy_bytes,
+                              loads_json_strict)
 
 
 class Square(nn.Module):
@@ -405,6 +406,24 @@ def test_an_npy_header_claiming_a_huge_shape_is_refused_before_allocation(progra
     assert time.perf_counter() - start < 1.0
     with pytest.raises(ProgramFormatError, match="dtype"):
         PolyProgram.from_bytes(_npz({**members, name: _npy(np.array(["a", "b"]))}))
+
+
+def test_every_bit_flip_and_truncation_of_an_npy_array_is_an_error_or_an_array():
+    data = _npy(np.arange(12.0).reshape(3, 4))
+    mutated = [data[:cut] for cut in range(len(data))]
+    for bit in range(8 * len(data)):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        mutated.append(bytes(flipped))
+    refused = 0
+    for blob in mutated:
+        try:
+            arr = load_npy_bytes(blob, "input data", he.InputShapeError)
+        except he.InputShapeError:
+            refused += 1
+            continue
+        assert arr.size == 12 and arr.dtype.kind in "biuf"
+    assert refused > len(data)
 
 
 def test_program_files_with_non_finite_weights_are_refused(program):
