@@ -243,6 +243,8 @@ def cmd_decrypt(args: argparse.Namespace) -> int:
 def cmd_costs(args: argparse.Namespace) -> int:
     from he.costmodel import cache_path, calibrate
 
+    if args.output:
+        _check_output(args.output)
     model = calibrate(args.output, progress=True)
     for ring in sorted(model.table):
         ops = ", ".join(f"{op} {model.seconds(op, ring, 2) * 1e3:.2f} ms"
