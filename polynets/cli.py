@@ -88,6 +88,13 @@ def _run_info(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
     info = checkpoint["extra"].get("run_info") or {}
     if not isinstance(info, dict):
         raise CheckpointError(f"{path}: extra['run_info'] must be a dict, got {type(info).__name__}")
+    expected = {"dataset": (str,), "data_dir": (str,), "seed": (int,), "test_size": (float, int),
+                "img_size": (int,)}
+    for key, types in expected.items():
+        value = info.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise CheckpointError(f"{path}: the recorded {key} {value!r} is not a {types[0].__name__}; pass "
+                                  f"--{key.replace('_', '-')} explicitly or use another checkpoint")
     return info
 
 

@@ -248,3 +248,16 @@ def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
     _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 100_000], capsys, "bytes of JSON")
     _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 20 + "]" * 20], capsys, "nested")
     _fails_cleanly(["train", "--model-arg", "depth=[1, 2"], capsys, "malformed JSON")
+
+
+def test_a_checkpoint_with_a_malformed_run_record_fails_with_one_line(tmp_path, capsys):
+    import torch
+
+    from polynets.checkpoint import load_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    for run_info in ({"dataset": ["digits"]}, {"dataset": "digits", "seed": "0"}, {"input_shape": "1,8,8"}, [1]):
+        path = save_checkpoint(tmp_path / "c.pt", model=model, model_name="monet", extra={"run_info": run_info})
+        assert load_checkpoint(path)["extra"]["run_info"] == run_info
+        command = "certify" if isinstance(run_info, dict) and "input_shape" in run_info else "eval"
+        _fails_cleanly([command, str(path)], capsys, "c.pt")
