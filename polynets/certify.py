@@ -19,10 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from polynets.lowering import Lowered, affine_is_free, lower
+from polynets.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, integer_factor,
+                               lower)
 from polynets.program import PolyProgram
 
-__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels"]
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels", "levels_exact"]
 
 
 @dataclass(frozen=True)
@@ -37,22 +38,37 @@ class NodeInfo:
 
 def analyse(program: PolyProgram) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
-    carries the CKKS ``levels`` and ``plain_mults`` of the whole program (:func:`lowered_levels`,
-    vector packing)."""
+    carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
+    lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program whose
+    largest value exceeds :data:`~polynets.lowering.EXACT_LOWERING_LIMIT` elements (too large
+    for any packing), the upper bound that counts every linear map and every non-integer
+    constant multiplication (:func:`levels_exact` tells which)."""
     infos: list[NodeInfo] = []
+    bound: list[tuple[int, int]] = []
     for node in program.nodes:
         ins = [infos[j] for j in node.inputs]
+        top = max((bound[j] for j in node.inputs), default=(0, 0))
         if node.op == "input":
             degree, depth = 1, 0
         elif node.op == "mul":
             degree, depth = ins[0].degree + ins[1].degree, max(s.depth for s in ins) + 1
+            top = (top[0] + 1, top[1])
         else:
             degree, depth = max(s.degree for s in ins), max(s.depth for s in ins)
-        infos.append(NodeInfo(degree, depth, 0, 0))
-    levels, plain = lowered_levels(lower(program))
-    out = infos[program.output]
-    infos[program.output] = NodeInfo(out.degree, out.depth, levels, plain)
+            if node.op == "linear" or (node.op == "mul_const"
+                                       and integer_factor(node.attrs["value"]) is None):
+                top = (top[0] + 1, top[1] + 1)
+        infos.append(NodeInfo(degree, depth, *top))
+        bound.append(top)
+    if levels_exact(program):
+        out = infos[program.output]
+        infos[program.output] = NodeInfo(out.degree, out.depth, *lowered_levels(lower(program)))
     return infos
+
+
+def levels_exact(program: PolyProgram) -> bool:
+    """Whether :func:`analyse` counts levels on the exact lowering (small enough programs)."""
+    return max(node.numel for node in program.nodes) <= EXACT_LOWERING_LIMIT
 
 
 def lowered_levels(lowered: Lowered, packing: str = "vector") -> tuple[int, int]:
@@ -86,6 +102,7 @@ class Certificate:
     degree: int | None = None
     depth: int | None = None
     levels: int | None = None
+    levels_exact: bool = True
     plain_mults: int | None = None
     offending: list[Any] = field(default_factory=list)
     program: PolyProgram | None = None
@@ -109,7 +126,9 @@ class Certificate:
             f"  degree:       {self.degree} (total degree of the output in the input)",
             f"  depth:        {self.depth} (longest chain of ciphertext-ciphertext products)",
             f"  CKKS levels:  {self.levels} on the longest path "
-            f"({self.depth} products + {self.plain_mults} plaintext multiplications)",
+            f"({self.depth} products + {self.plain_mults} plaintext multiplications)" +
+            ("" if self.levels_exact else " -- an upper bound: the model is too large to "
+             "lower exactly (and to encrypt)"),
             f"  program:      {sum(self.op_counts.values())} ops ({ops})",
         ])
 
@@ -135,5 +154,6 @@ def certify(model: nn.Module, example_input: Any) -> Certificate:
     program = optimize(PolyProgram(nodes, out, meta=meta))
     info = analyse(program)[program.output]
     return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
-                       levels=info.levels, plain_mults=info.plain_mults, program=program,
+                       levels=info.levels, levels_exact=levels_exact(program),
+                       plain_mults=info.plain_mults, program=program,
                        op_counts=program.op_counts())

@@ -43,7 +43,7 @@ import scipy.sparse as sp
 from polynets.program import Node, PolyProgram
 
 __all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "is_identity",
-           "step_levels",
+           "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
@@ -52,6 +52,11 @@ PACKING_KINDS = ("vector", "batch")
 MAX_INTEGER_FACTOR = 2 ** 20
 #: A map of the input whose outputs each read at most this many input elements is *local*.
 LOCAL_ROW_NNZ = 64
+#: Products whose bounded work exceeds this are not tried as local maps (too large to be).
+_LOCAL_PRODUCT_WORK = 4_000_000
+#: Programs whose largest value has more elements are not lowered exactly by ``pn.certify``
+#: (too large for any CKKS packing; the level count is then the per-node upper bound).
+EXACT_LOWERING_LIMIT = 2 ** 16
 
 
 def integer_factor(value: np.ndarray | float) -> int | None:
@@ -230,6 +235,12 @@ def lower(program: PolyProgram) -> Lowered:
         s = steps[src]
         if s.kind != "affine" or len(s.inputs) != 1 or steps[s.inputs[0]].kind != "input" \
                 or is_identity(m):
+            return f
+        # each output reads at most `bound` inputs; skip products too large to be local
+        inner = np.diff(s.terms[0].tocsr().indptr)
+        bound = abs(m).astype(bool).astype(np.int64) @ inner
+        if int(bound.max(initial=0)) > LOCAL_ROW_NNZ and int(bound.sum()) > \
+                _LOCAL_PRODUCT_WORK:
             return f
         composed = (m @ s.terms[0]).tocsr()
         composed.eliminate_zeros()

@@ -589,7 +589,8 @@ def _collapse_chain(nodes: list[Node], i: int, users: list[list[int]]) -> int | 
         return None
     src = nodes[cur]
     n_in, n_out = src.numel, n.numel
-    if n_in * n_out > _DENSE_LIMIT:
+    widest = max([n_in, n_out] + [nodes[k].numel for k in chain])
+    if (n_in + 1) * widest > _DENSE_LIMIT:     # the basis pushed through the chain, densely
         return None
     basis = np.concatenate([np.zeros((1, n_in)), np.eye(n_in)]).reshape((n_in + 1,) + src.shape)
     value = basis
