@@ -5,21 +5,26 @@ Recipe of :class:`EquationDiscovery.fit`:
 1. **Starts.** (a) Train a :class:`~polynets.PolyNODE` (Mu-Layers, degree ``>= degree``) on
    the trajectories over short windows in standardised units and expand it exactly with
    :func:`symbolic.to_sympy`, back in the data's units: a dense polynomial field close to the
-   data; if it cannot be refined, the dense integral-form least squares takes its place.
-   (b) Sequentially thresholded weak-form least squares over a grid of thresholds
-   (:mod:`symbolic.weak`): sparse supports with their coefficients.
+   data; if it fails, the dense integral-form least squares takes its place.
+   (b) Weak-form supports (:mod:`symbolic.weak`): sequentially thresholded least squares over a
+   grid of thresholds and forward selection over a grid of residual levels, at two test-function
+   widths, each support with its weak-form coefficients.
 2. **Safe trajectory fits.** Every start is refined by trajectory matching (multiple shooting,
    :mod:`symbolic.shooting`). A start that blows up within the windows is retried on windows
-   half as long (down to 5 samples), then lengthened again from the shorter fit.
+   half as long (down to 5 samples), then lengthened again from the shorter fit. A dense fit
+   that does not converge is not used (a stall is no basis for elimination).
 3. **Backward elimination** from each refined start: drop every term whose share of its
    equation on the data is below ``threshold``; when none is, drop the least significant term of
    each equation whose z-score (coefficient / standard error from the Gauss-Newton covariance,
-   with the residual variance estimated from the fit, so no noise level is needed) is below
-   ``significance``; refit; repeat until every term is large and significant.
+   with the residual variance estimated from the fit, so no noise level is needed; zero for
+   terms the data cannot identify, e.g. under a conservation law) is below ``significance``;
+   refit (from the weak-form fit of the smaller support if the warm start blows up); repeat
+   until every term is large and significant, or a smaller model blows up.
 4. **Selection** among the candidates by the Bayesian information criterion of the trajectory
    fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
    so on exact data the sparsest exact model wins), all evaluated on the same windows.
-5. A final refit on longer windows (``polish``) when it converges as well.
+5. A final refit at the full integration tolerance, and on longer windows (``polish``) when
+   that converges as well.
 
 No knowledge of the true support is used anywhere. On exact data the kept coefficients are the
 least-squares trajectory fit, accurate to the integration tolerance; with noise it is a
@@ -48,7 +53,7 @@ from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import EXACT_RMS, ShootingResult, fit_trajectories, make_windows
-from symbolic.weak import sparse_supports
+from symbolic.weak import sparse_supports, weak_lstsq
 
 __all__ = ["EquationDiscovery"]
 
@@ -58,6 +63,11 @@ MIN_WINDOW = 5
 
 MAX_SPARSE_START = 0.5
 """Weak-form supports with more than this fraction of the library are left to the dense start."""
+
+START_EVALUATIONS = 100
+WARM_EVALUATIONS = 30
+"""Residual evaluations of a trajectory fit from a start, and of a warm-started refit after
+dropping terms (one that does not converge in them is reported as such)."""
 
 SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
@@ -187,13 +197,15 @@ class EquationDiscovery(BaseEstimator):
         return coef
 
     def _refit(self, coef: np.ndarray, active: np.ndarray, x0: np.ndarray | None,
-               window: int | None, *, exact: bool = False) -> ShootingResult:
+               window: int | None, *, exact: bool = False,
+               max_iter: int = START_EVALUATIONS) -> ShootingResult:
         """Trajectory fit; while searching, the integration tolerance follows the residual
         level (``SEARCH_RTOL_FACTOR`` times the residual RMS, at most ``MAX_SEARCH_RTOL``), so
         noisy data is not integrated to 1e-10; ``exact`` uses ``rtol`` and ``atol``."""
         rtol = self.rtol if exact else self._search_rtol
         res = fit_trajectories(self.library_, coef, active, self.trajectories_, window=window,
-                               x0=x0, rtol=rtol, atol=self.atol * rtol / self.rtol)
+                               x0=x0, rtol=rtol, atol=self.atol * rtol / self.rtol,
+                               max_iter=max_iter)
         rms = math.sqrt(res.rss / max(res.n_residuals, 1))
         self._search_rtol = max(self._search_rtol,
                                 min(MAX_SEARCH_RTOL, SEARCH_RTOL_FACTOR * rms))
@@ -247,10 +259,18 @@ class EquationDiscovery(BaseEstimator):
                         drop[weak[np.lexsort((scales[weak, i], z[weak, i]))[0]], i] = True
             if not drop.any():
                 break
+            smaller = active & ~drop
             try:
-                res = self._refit(res.coef, active & ~drop, res.x0, res.window)
+                res = self._refit(res.coef, smaller, res.x0, res.window,
+                                  max_iter=WARM_EVALUATIONS)
             except FitError:
-                break                       # the smaller model blows up: keep the last one
+                # the warm start blows up without the dropped terms: start the smaller model
+                # from its own weak-form fit; if that blows up too, keep the last model
+                try:
+                    res = self._refit(weak_lstsq(field, smaller, self.trajectories_), smaller,
+                                      None, res.window)
+                except FitError:
+                    break
             active &= ~drop
             rounds.append({"terms": int(active.sum()), "rss": res.rss})
         return res, active, rounds

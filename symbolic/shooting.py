@@ -43,6 +43,9 @@ DENSE_ENTRIES = 4_000_000
 Jacobian: fastest and most accurate for small problems); above it the sparse Jacobian goes to
 LSMR, whose cost scales with its non-zeros."""
 
+BUDGET_FACTOR = 10
+"""Right-hand-side evaluations allowed per trial point, as a multiple of the start's."""
+
 NULL_EIGENVALUE = 1e-9
 """Eigenvalues of the coefficients' correlation-scaled information matrix below this fraction
 of the largest span directions the data cannot identify."""
@@ -286,7 +289,9 @@ def _unidentifiable(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
     them from combinations of the others, so their z-score is 0."""
     info = np.linalg.pinv(_coefficient_covariance(jac, q, d))
     scale = np.sqrt(np.maximum(np.diag(info), 1e-300))
-    vals, vecs = np.linalg.eigh(info / np.outer(scale, scale))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        corr = np.nan_to_num(info / scale[:, None] / scale[None, :], posinf=0.0, neginf=0.0)
+    vals, vecs = np.linalg.eigh(corr)
     null = vecs[:, vals <= NULL_EIGENVALUE * max(float(vals.max()), 1e-300)]
     return np.sum(null**2, axis=1) > 0.01
 
@@ -325,7 +330,9 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
         longest = max(len(tw) for tw, _ in windows)
         raise FitError(f"the starting polynomial model blows up within windows of {longest} "
                        f"samples; start from other coefficients or use shorter windows")
-    problem.budget = max(5000, 20 * problem.used)
+    # a trial point needing far more right-hand-side evaluations than the start is treated
+    # like a blow-up (the trust region shrinks) instead of being integrated at any cost
+    problem.budget = max(5000, BUDGET_FACTOR * problem.used)
     dense = problem.n_res * problem.n_par <= DENSE_ENTRIES
     jac = (lambda th: problem.jacobian(th).toarray()) if dense else problem.jacobian
     with threadpool_limits(limits=1):
