@@ -639,10 +639,10 @@ def test_every_bit_flip_of_a_compiled_program_and_its_program_file(setup, progra
 @pytest.mark.slow
 def test_many_bit_flips_and_truncations_of_ciphertexts_and_contexts(setup):
     prog, server, client = setup["prog"], setup["server"], setup["client"]
-    n = _all_refused(setup["ct"], server.run, he.SerializationError, flips=8000, stride=97)
-    n += _all_refused(setup["out"], client.decrypt, he.SerializationError, flips=8000, stride=97)
+    n = _all_refused(setup["ct"], server.run, he.SerializationError, flips=20000, stride=97)
+    n += _all_refused(setup["out"], client.decrypt, he.SerializationError, flips=20000, stride=97)
     n += _all_refused(setup["public"], lambda b: he.Server(prog, b), he.SerializationError,
                       flips=3000, stride=4099)
     n += _all_refused(setup["secret"], lambda b: unpack(b, "secret-context", "context"),
                       he.SerializationError, flips=3000, stride=4099)
-    assert n > 25000
+    assert n > 50000
