@@ -136,7 +136,10 @@ def unpack(data: Any, kind: str | tuple[str, ...], what: str
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise SerializationError(f"{what}: expected bytes, got {type(data).__name__}")
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(f"{what}: expected contiguous bytes ({exc})") from exc
     size = len(view)
     if size < _PREFIX or bytes(view[:4]) != _MAGIC:
         raise SerializationError(f"{what}: not polynets encrypted-inference data (bad magic or "

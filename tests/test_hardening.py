@@ -247,7 +247,7 @@ def test_malformed_headers_with_valid_digests_are_serialization_errors(setup, he
 
 @pytest.mark.parametrize("data", [b"", b"PNHE", b"PNHE\x01" + bytes(60), b"PNHE\x02" + bytes(40),
                                   b"XXXX\x02" + bytes(100), bytes(1000), b"PNHE\x02" + b"\xff" * 40,
-                                  "not bytes", None, 12])
+                                  "not bytes", None, 12, memoryview(np.arange(8)[::2])])
 def test_garbage_is_a_serialization_error(setup, data):
     for load in (he.Ciphertext.from_bytes, setup["server"].run, setup["client"].decrypt,
                  lambda b: he.Server(setup["prog"], b), he.CompiledProgram.from_bytes):
