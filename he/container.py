@@ -2,8 +2,10 @@
 
 Layout (version 2)::
 
-    b"PNHE" | version (1 byte) | BLAKE2b-256 of everything before it and of the header (32 bytes)
-           | header length (4 bytes, big-endian) | UTF-8 JSON header | blobs back to back
+    b"PNHE" | version (1 byte) | header digest (32 bytes) | header length (4 bytes, big-endian)
+           | UTF-8 JSON header | blobs back to back
+
+    header digest = BLAKE2b-256(magic + version + header length + header)
 
 The header holds ``kind``, the caller's fields and ``blobs``: for each blob name a list of
 ``[length, BLAKE2b-256 hex digest]``, one per blob. Reading checks, in this order and before any
