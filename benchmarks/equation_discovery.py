@@ -18,7 +18,7 @@ Metrics per cell: max relative coefficient error over the true terms (a missed t
 100 %), missed terms, spurious terms, wall time (PySINDy: per threshold grid). Prints a table and
 a summary and writes JSON (default ``benchmarks/results/equation_discovery.json``).
 
-Run: ``nice python benchmarks/equation_discovery.py`` (about 15 minutes on 2 cores);
+Run: ``nice python benchmarks/equation_discovery.py`` (about 8 minutes per seed on 2 idle cores);
 ``--systems``, ``--noise`` and ``--seeds`` shrink or grow the grid.
 """
 
