@@ -77,8 +77,10 @@ class Ciphertext:
                      n_samples=int(head["n_samples"]), groups=groups)
         except (KeyError, TypeError, ValueError) as exc:
             raise SerializationError(f"ciphertext: malformed header ({exc!r})") from exc
-        if ct.role not in ("input", "output") or n_groups < 1 or ct.n_samples < 1:
-            raise SerializationError("ciphertext: malformed header (role/groups/samples)")
+        if ct.role not in ("input", "output") or n_groups < 1 or ct.n_samples < 1 \
+                or n_groups != len(blobs) or ct.n_samples > 2 ** 31 - 1 \
+                or ct.packing not in ("vector", "batch"):
+            raise SerializationError("ciphertext: malformed header (role/groups/samples/packing)")
         return ct
 
     def _seal_groups(self, context: Any) -> list[list[Any]]:
@@ -117,6 +119,11 @@ def _check(ct: Ciphertext, prog: CompiledProgram, key_id: str, role: str, who: s
                                f"{prog.packing}")
     if ct.role != role:
         raise KeyMismatchError(f"{who}: expected an {role} ciphertext, got an {ct.role} one")
+    groups = -(-ct.n_samples // prog.samples_per_ciphertext)
+    if len(ct._groups) != groups:
+        raise SerializationError(f"{who}: {ct.n_samples} samples fill {groups} ciphertext "
+                                 f"group(s) of {prog.samples_per_ciphertext}, but the ciphertext "
+                                 f"holds {len(ct._groups)} (corrupted or edited header)")
 
 
 def _seal_call(fn: Callable[[], Any], what: str) -> Any:

@@ -26,7 +26,7 @@ from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan,
 from he.runtime import live_rows
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.lowering import Lowered, integer_factor, lower, step_levels
-from polynets.program import PolyProgram, atomic_write_bytes
+from polynets.program import PolyProgram, atomic_write_bytes, read_bytes_limited
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
 
@@ -301,7 +301,8 @@ class CompiledProgram:
                 raise SerializationError("compiled program: calibration does not match program")
             prog = cls(program, params, packing, calibration, dict(head["options"]),
                        str(head.get("certificate", "")))
-        except (KeyError, IndexError, TypeError, ValueError, ProgramFormatError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError,
+                ProgramFormatError) as exc:
             if isinstance(exc, SerializationError):
                 raise
             raise SerializationError(f"compiled program: malformed ({exc})") from exc
@@ -316,12 +317,12 @@ class CompiledProgram:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CompiledProgram":
+        """Read a regular file of bounded size (a FIFO or device is refused, never read) and
+        parse it with :meth:`from_bytes`."""
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise SerializationError(f"cannot read compiled program {os.fspath(path)!r}: "
-                                     f"{exc.strerror}; write one with 'polynets compile' or "
+            data = read_bytes_limited(path, "compiled program", SerializationError)
+        except SerializationError as exc:
+            raise SerializationError(f"{exc}; write one with 'polynets compile' or "
                                      f"CompiledProgram.save") from exc
         return cls.from_bytes(data)
 

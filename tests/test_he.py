@@ -327,7 +327,8 @@ def test_torch_simulation_and_decryption_agree_for_random_square_mlps(width, hid
 
 
 def test_missing_program_file_gives_a_clear_error(tmp_path):
-    with pytest.raises(he.SerializationError, match="cannot read compiled program"):
+    with pytest.raises(he.SerializationError,
+                       match="compiled program .*missing.he' does not exist; write one with"):
         he.load_program(tmp_path / "missing.he")
 
 
