@@ -272,7 +272,9 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "rss_after_keys_and_server_mib": rss, "predicted_memory_mib":
             pred["server_memory_bytes"] / 2 ** 20, "params": str(prog.params),
             "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
-            "plan": prog.summary().splitlines()[2].strip(), "counts": pred["counts"],
+            "plan": next(line.strip() for line in prog.summary().splitlines()
+                         if line.strip().startswith("vector plan")),
+            "why": prog.plan.why, "counts": pred["counts"],
             "layouts": prog.plan.orders}
 
 
