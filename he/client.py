@@ -10,7 +10,6 @@ context that contains one.
 from __future__ import annotations
 
 import math
-import secrets
 import warnings
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ import tenseal.sealapi as seal
 
 from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram
-from he.container import pack, unpack
+from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        SecretKeyError, SerializationError)
 from he.parallel import fork_map, resolve_workers
@@ -160,13 +159,15 @@ class Client:
                 self.galois_keys = seal.GaloisKeys()
                 elements = galois_elements(steps, program.params.poly_modulus_degree)
                 keygen.create_galois_keys(elements, self.galois_keys)
-            self.key_id = secrets.token_hex(8)
+            self._public_key_bytes = save_object(self.public_key)
+            self.key_id = key_set_id(self._public_key_bytes)
         else:
             head, blobs = _unpack_context(_secret, ("secret-context",), program)
             self.key_id = str(head["key_id"])
             self._secret_key = load_object(seal.SecretKey, ctx, blobs["secret_key"][0],
                                            "secret key")
             self.public_key, self.relin_keys, self.galois_keys = _load_public(ctx, blobs)
+            self._public_key_bytes = bytes(blobs["public_key"][0])
         # the key owner encrypts with the secret key: half the work of public-key encryption and
         # less noise; servers only ever see public material
         self._encryptor = seal.Encryptor(ctx, self.public_key, self._secret_key)
@@ -174,7 +175,7 @@ class Client:
 
     # ------------------------------------------------------------------ keys
     def _public_blobs(self) -> dict[str, list[bytes]]:
-        return {"public_key": [save_object(self.public_key)],
+        return {"public_key": [self._public_key_bytes],
                 "relin_keys": [save_object(self.relin_keys)],
                 "galois_keys": [save_object(self.galois_keys)] if self.galois_keys else []}
 
@@ -335,7 +336,15 @@ def _unpack_context(data: Any, kinds: tuple[str, ...], program: CompiledProgram
             raise SerializationError(f"context: missing {name.replace('_', ' ')}")
     if "key_id" not in head:
         raise SerializationError("context: missing key set id")
+    if head["key_id"] != key_set_id(blobs["public_key"][0]):
+        raise KeyMismatchError("context: its key set id does not name its public key "
+                               "(relabelled from another key set, or corrupted)")
     return head, blobs
+
+
+def key_set_id(public_key_bytes: bytes) -> str:
+    """A key set's id: a digest of its serialised public key, so a label cannot be moved."""
+    return digest(public_key_bytes)[:16]
 
 
 def _load_public(ctx: Any, blobs: dict[str, list[bytes]]) -> tuple[Any, Any, Any]:

@@ -170,11 +170,15 @@ def test_a_secret_key_smuggled_into_a_public_context_is_refused(setup):
         {**public_blobs, "relin_keys": public_blobs["relin_keys"] + [sk]},
         {**public_blobs, "galois_keys": [sk, sk]},
     ]
-    for name in ("public_key", "relin_keys", "galois_keys"):  # in a slot of the schema: SEAL
-        smuggled.append({**public_blobs, name: [sk]})          # refuses it as that key type
+    for name in ("relin_keys", "galois_keys"):  # in a slot of the schema: SEAL refuses it
+        smuggled.append({**public_blobs, name: [sk]})  # as that key type
     for blobs in smuggled:
         with pytest.raises(he.SerializationError, match="blob|malformed"):
             he.Server(prog, _forge_blobs("public-context", head, blobs))
+    # in the public key's slot it no longer matches the key set's id, a digest of that key
+    with pytest.raises(he.KeyMismatchError, match="key set id"):
+        he.Server(prog, _forge_blobs("public-context", head, {**public_blobs,
+                                                               "public_key": [sk]}))
     with pytest.raises(he.SecretKeyError):
         he.Server(prog, _forge_blobs("secret-context", head, secret_blobs))
 

@@ -289,3 +289,16 @@ def test_server_within_a_memory_budget_encodes_plaintexts_at_use_with_the_same_r
     y_tight = client.decrypt(tight.run(ct))
     assert np.max(np.abs(y_tight - y_roomy)) <= 2 * prog.params.expected_error
     assert np.max(np.abs(y_tight - prog.simulate(x))) <= prog.params.expected_error
+
+
+def test_a_context_relabelled_with_another_key_sets_id_is_refused():
+    from he.container import pack, unpack
+
+    model = nn.Sequential(nn.Linear(3, 2), Square()).eval()
+    prog = he.compile(model, torch.rand(2, 3), packing="batch")
+    ours, theirs = he.Client(prog), he.Client(prog)
+    head, blobs = unpack(theirs.public_context(), "public-context", "context")
+    forged = pack("public-context", {**{k: head[k] for k in ("fingerprint",)},
+                                     "key_id": ours.key_id}, blobs)
+    with pytest.raises(he.KeyMismatchError, match="key set id"):
+        he.Server(prog, forged)
