@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 import he
 import polynets as pn
+from he.runtime import available_memory
 from polynets.data import read_idx
 from polynets.program import atomic_write_bytes
 
@@ -303,6 +304,10 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     public = client.public_context()
     server = he.Server(prog, public)
     single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1)
+    # each worker holds a group's ciphertexts: as many workers as the memory allows
+    fit = int(available_memory() // max(1.5 * pred["server_memory_bytes"], 1))
+    workers = max(1, min(workers, fit))
+    res["memory_limited_workers"] = workers
     full = x[torch.arange(workers * slots) % len(x)]
     par = _batch_pass(client, server, full, workers) if workers > 1 else dict(single)
     res.update({k: v for k, v in par.items() if k != "logits"})

@@ -23,7 +23,7 @@ from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
-from he.runtime import live_rows
+from he.runtime import PLAIN_CACHE_BYTES, live_rows
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.lowering import Lowered, integer_factor, lower, step_levels
 from polynets.program import PolyProgram, atomic_write_bytes, read_bytes_limited
@@ -145,17 +145,26 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
     seconds = 0.0
-    widest = 0
-    for st, c, rows in zip(lowered.steps, counts, live):
+    for st, c in zip(lowered.steps, counts):
         lin = max((levels[j] for j in st.inputs), default=0)
         seconds += costs.price(c, ring, _limbs(params, lin))
-        widest = max(widest, int(rows.sum()))
+    # ciphertexts held at once: a step's value lives until its last reader has run
+    last = list(range(len(lowered.steps)))
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            last[j] = si
+    last[lowered.output] = len(lowered.steps)
+    held = 0
+    for si in range(len(lowered.steps)):
+        alive = [j for j in range(si + 1) if last[j] >= si]
+        held = max(held, sum(2 * ring * _limbs(params, levels[j]) * 8 * int(live[j].sum())
+                             for j in alive))
     total = {k: sum(c[k] for c in counts) for k in counts[0]}
     client = int(live[0].sum()) * costs.seconds("encrypt", ring, _limbs(params, 0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
             "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
-            "server_memory_bytes": _server_memory(params, [], 0, 2 * widest)}
+            "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES}
 
 
 class CompiledProgram:
