@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
@@ -409,6 +410,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             continue
         if notes:
             params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
+        build_context(params)       # SEAL must accept the chain now, not when a client is made
         opts = dict(options)
         if packing == "vector":
             def price(counts: dict[str, int], level: int, _p: CKKSParams = params) -> float:
@@ -494,6 +496,12 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             argument is out of range.
         TooDeepError: more levels than any secure parameter set offers.
     """
+    for name, value, lo, hi in (("precision_bits", precision_bits, 1, 40),
+                                ("scale_bits", scale_bits, 20, 60),
+                                ("max_input_ciphertexts", max_input_ciphertexts, 1, 4096)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not lo <= value <= hi):
+            raise NotEncryptableError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
     if packing not in PACKINGS + ("auto",):
         raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
                                   f"got {packing!r}")

@@ -302,3 +302,29 @@ def test_a_context_relabelled_with_another_key_sets_id_is_refused():
                                      "key_id": ours.key_id}, blobs)
     with pytest.raises(he.KeyMismatchError, match="key set id"):
         he.Server(prog, forged)
+
+
+@pytest.mark.parametrize("kw,match", [({"precision_bits": 1000}, "precision_bits"),
+                                      ({"scale_bits": 61}, "scale_bits"),
+                                      ({"precision_bits": 2.5}, "precision_bits"),
+                                      ({"max_input_ciphertexts": 0}, "max_input_ciphertexts")])
+def test_out_of_range_compiler_settings_are_refused_not_clamped(kw, match):
+    model = nn.Sequential(nn.Linear(3, 2), Square()).eval()
+    with pytest.raises(he.NotEncryptableError, match=match):
+        he.compile(model, torch.rand(2, 3), **kw)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compile_returns_only_chains_seal_can_build(seed):
+    """Deep programs at low precision: either the compiler refuses them, or SEAL builds the
+    chain it chose (a client can be made)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(10):
+        layers += [nn.Linear(2, 2), Square()]
+    model = nn.Sequential(*layers).eval()
+    try:
+        prog = he.compile(model, torch.rand(2, 2) * 0.1, precision_bits=4, packing="batch")
+    except (he.ParameterError, he.TooDeepError, he.NotEncryptableError):
+        return
+    he.Client(prog)
