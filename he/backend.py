@@ -10,6 +10,7 @@ arrives on the canonical scale. Additions therefore never meet mismatched scales
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from typing import Any, Callable
@@ -104,7 +105,14 @@ class Engine:
             primes.append(data.parms().coeff_modulus()[-1].value())
             data = data.next_context_data()
         self.top_chain = self.context.first_context_data().chain_index()
-        self.scales = [float(params.scale)]
+        # S[l+1] = S[l]^2 / q_l doubles any offset of log2 S from the scale at every level, so
+        # S[0] is chosen where the offsets of the primes cancel: log2 S[l] then stays within the
+        # primes' own offsets of scale_bits however long the chain (2^scale_bits exactly would
+        # drift by a factor (q/2^scale_bits)^(2^l) and leave SEAL's bounds on deep chains)
+        sb = params.scale_bits
+        offset = sum((math.log2(float(primes[k])) - sb) / 2.0 ** (k + 1)
+                     for k in range(params.levels))
+        self.scales = [2.0 ** (sb + offset)]
         for level in range(params.levels):
             s = self.scales[-1]
             self.scales.append(s * s / float(primes[level]))
