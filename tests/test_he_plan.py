@@ -328,3 +328,17 @@ def test_compile_returns_only_chains_seal_can_build(seed):
     except (he.ParameterError, he.TooDeepError, he.NotEncryptableError):
         return
     he.Client(prog)
+
+
+def test_canonical_scales_stay_near_the_scale_on_the_longest_chains():
+    """S[l+1] = S[l]^2 / q_l would double any offset at every level; 25 levels at N=32768
+    must keep every level's scale within a fraction of a bit of 2^scale_bits."""
+    import math
+
+    from he.backend import Engine
+    from he.params import CKKSParams
+
+    params = CKKSParams(32768, (34,) + (30,) * 25 + (44,), 30, 25, 128, 0.0, 1.0, "")
+    scales = [math.log2(s) for s in Engine(params).scales]
+    assert len(scales) == 26
+    assert max(abs(s - 30) for s in scales) < 0.1
