@@ -342,3 +342,11 @@ def test_canonical_scales_stay_near_the_scale_on_the_longest_chains():
     scales = [math.log2(s) for s in Engine(params).scales]
     assert len(scales) == 26
     assert max(abs(s - 30) for s in scales) < 0.1
+
+
+def test_inputs_beyond_what_the_modulus_holds_are_refused_before_encoding():
+    model = nn.Sequential(nn.Linear(3, 2), Square()).eval()
+    prog = he.compile(model, torch.rand(2, 3), packing="batch")
+    client = he.Client(prog)
+    with pytest.raises(he.InputShapeError, match="these parameters hold values below"):
+        client.encrypt(np.full((1, 3), 1e300))
