@@ -212,11 +212,11 @@ class Client:
         calibrated = self.program.input_range
         peak = float(np.max(np.abs(x)))
         params = self.program.params
-        limit = 2.0 ** (params.coeff_mod_bit_sizes[0] - params.scale_bits - 1)
-        if peak >= limit:
+        # an encoded input must fit the modulus it is encrypted under (all but the special prime)
+        bits = sum(params.coeff_mod_bit_sizes[:-1]) - params.scale_bits - 1
+        if peak >= 2.0 ** bits:
             raise InputShapeError(f"encrypt got |x| = {peak:.4g}; these parameters hold values "
-                                  f"below 2^{params.coeff_mod_bit_sizes[0] - params.scale_bits - 1}"
-                                  f" = {limit:.4g} (calibrated input range {calibrated:.4g}); "
+                                  f"below 2^{bits} (calibrated input range {calibrated:.4g}); "
                                   f"recompile with calibration data that covers these inputs")
         if calibrated > 0 and peak > calibrated * (1 + 1e-9):
             ratio = peak / calibrated
