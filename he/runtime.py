@@ -117,6 +117,8 @@ def _affine_batch(eng: Engine, st: Step, srcs: list[list[Elem]], rows: np.ndarra
                 e = x[c]
                 if not _is_ct(e):
                     const += float(w) * e
+                elif not free and abs(w) * scale < 0.5:
+                    continue                # encodes to zero: SEAL refuses the empty product
                 elif free:
                     acc = e if acc is None else eng.add(acc, e)
                 else:
@@ -190,7 +192,8 @@ class _Plaintexts:
     """Plaintexts by key: encoded once while they fit the byte budget, else encoded at each use
     (slower, but the server's memory stays within the budget)."""
 
-    def __init__(self, encode: Any, bytes_of: Any, budget: int):
+    def __init__(self, encode: Any, bytes_of: Any, budget: int, zero: Any):
+        self._zero = zero
         self._encode = encode
         self._bytes_of = bytes_of
         self.budget = budget
@@ -201,6 +204,8 @@ class _Plaintexts:
 
     def add(self, key: Any, vec: np.ndarray, level: int) -> None:
         size = self._bytes_of(level)
+        if self._zero(vec, level):
+            return                          # encodes to zero: the product is skipped
         if self.kept_bytes + size <= self.budget:
             self._pt[key] = self._encode(vec, level)
             self.kept_bytes += size
@@ -233,7 +238,9 @@ class VectorKernels:
             full = np.repeat(np.tile(vec, vslots // vec.size), plan.interleave)
             return eng.encode_vector(full, level, eng.scales[level])
 
-        store = _Plaintexts(encode, lambda level: n * (top - level) * 8, budget)
+        store = _Plaintexts(encode, lambda level: n * (top - level) * 8, budget,
+                            lambda vec, level: float(np.max(np.abs(vec), initial=0.0))
+                            * eng.scales[level] < 0.5)
         self.store = store
         # the cheapest to keep first: plaintexts of late (low-limb) steps are the smallest
         for si in sorted(range(len(plan.steps)), key=lambda i: -plan.steps[i].level):
@@ -286,6 +293,8 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[i
         folds_of[mv.p_in] = mv.folds
         for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups)):
             for b, _ in group.items():
+                if ("d", si, ti, gi, b) not in kern.store:
+                    continue                # a diagonal that encodes to zero
                 if (src, lin, b) not in rotated:
                     rotated[src, lin, b] = eng.rotate(x, b * k)
                 term = eng.mul_plain(rotated[src, lin, b], kern.store["d", si, ti, gi, b])
@@ -295,7 +304,7 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[i
                     sums[giant] = term
     parts = sorted(((folds_of[p], _accumulate(eng, (eng.rotate(ct, g * k)
                                                     for g, ct in sums.items())))
-                    for p, sums in by_period.items()), key=lambda t: -len(t[0]))
+                    for p, sums in by_period.items() if sums), key=lambda t: -len(t[0]))
     out = None
     folds: list[int] = []
     for term_folds, ct in parts:
@@ -324,7 +333,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             continue
         if st.kind == "planes":
             acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
-                                    for j, c in enumerate(st.plane_cts)))
+                                    for j, c in enumerate(st.plane_cts)
+                                    if ("p", si, j) in kern.store))
             out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)

@@ -350,3 +350,18 @@ def test_inputs_beyond_what_the_modulus_holds_are_refused_before_encoding():
     client = he.Client(prog)
     with pytest.raises(he.InputShapeError, match="these parameters hold values below"):
         client.encrypt(np.full((1, 3), 1e300))
+
+
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_weights_that_encode_to_zero_are_skipped_not_sent_to_seal(packing):
+    """A weight far below the scale's resolution (BatchNorm folding leaves such residues)
+    encodes to an all-zero plaintext, whose product SEAL refuses as transparent."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 3), Square(), nn.Linear(3, 2)).eval()
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e-15
+        model[2].weight[1, 2] = -1e-14
+    x = torch.rand(4, 3)
+    prog = he.compile(model, x, packing=packing)
+    y = _roundtrip(prog, x.numpy())
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
