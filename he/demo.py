@@ -135,7 +135,8 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
              f"alone, one round trip each")
         fast = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="auto",
                           objective="latency")
-        echo(fast.summary().splitlines()[2])
+        echo("\n".join(line for line in fast.summary().splitlines()
+                        if line.lstrip().startswith(("vector plan", "batch plan", "predicted"))))
         fclient = he.Client(fast)
         fserver = he.Server(fast, fclient.public_context())
         times = []
