@@ -99,7 +99,47 @@ def _as_tuple(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     return values
 
 
-class MONet(nn.Module):
+class TokenGridHead:
+    """timm-style head of a model whose features are channels-last tokens ``(B, H, W, C)``:
+    mean pooling (``global_pool="avg"``, or ``""`` for none), dropout, a linear classifier.
+    The model sets ``num_features``, ``num_classes``, ``global_pool``, ``head_drop``, ``head``
+    and ``init_scheme``, and defines ``forward_features``."""
+
+    num_features: int
+    num_classes: int
+    global_pool: str
+    init_scheme: str
+    head: nn.Module
+    head_drop: nn.Module
+
+    def _init_head(self) -> None:
+        _init_weights(self.head, "head", self.init_scheme)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
+        ``pre_logits``; with ``global_pool=""`` the tokens are classified one by one)."""
+        check_shape(f"{type(self).__name__} head", x, ("B", "H", "W", self.num_features))
+        if self.global_pool == "avg":
+            x = x.mean(dim=(1, 2))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))  # type: ignore[attr-defined]
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """New linear head for ``num_classes`` (0 removes it); pooling kept unless given."""
+        if global_pool is not None:
+            self.global_pool = _check_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self._init_head()
+
+
+class MONet(TokenGridHead, nn.Module):
     """Multilinear Operator Network: ``logits = W mean_tokens(Blocks(Embed(I))) + b``.
 
     Single-stage when ``embed_dim`` and ``depth`` are ints (one width throughout); multi-stage
@@ -183,28 +223,6 @@ class MONet(nn.Module):
         check_shape("MONet", x, ("B", self.in_chans, *self.img_size))
         return self.stages(self.stem(x))
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
-        ``pre_logits``; with ``global_pool=""`` the tokens are classified one by one)."""
-        check_shape("MONet head", x, ("B", "H", "W", self.num_features))
-        if self.global_pool == "avg":
-            x = x.mean(dim=(1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """New linear head for ``num_classes`` (0 removes it); pooling kept unless given."""
-        if global_pool is not None:
-            self.global_pool = _check_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-        _init_weights(self.head, "head", self.init_scheme)
 
     def extra_repr(self) -> str:
         return (f"img_size={self.img_size}, in_chans={self.in_chans}, "

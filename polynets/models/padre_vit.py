@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from polynets.errors import ConfigError
 from polynets.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
-from polynets.models.monet import INITS, _check_pool
+from polynets.models.monet import INITS, TokenGridHead, _check_pool
 from polynets.padre import PADRe
 
 __all__ = ["PADReBlock", "PADReViT"]
@@ -77,7 +77,7 @@ class PADReBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PADReViT(nn.Module):
+class PADReViT(TokenGridHead, nn.Module):
     """PADRe vision transformer: ``logits = W mean_tokens(N(Blocks(Embed(I) + E_pos))) + b``.
 
     Args:
@@ -159,27 +159,7 @@ class PADReViT(nn.Module):
         check_shape("PADReViT", x, ("B", self.in_chans, *self.img_size))
         return self.norm(self.blocks(self.stem(x) + self.pos_embed))
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
-        ``pre_logits``; with ``global_pool=""`` the tokens are classified one by one)."""
-        check_shape("PADReViT head", x, ("B", "H", "W", self.num_features))
-        if self.global_pool == "avg":
-            x = x.mean(dim=(1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """New linear head for ``num_classes`` (0 removes it); pooling kept unless given."""
-        if global_pool is not None:
-            self.global_pool = _check_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
+    def _init_head(self) -> None:
         _init_weights(self.head, "head", self.init_scheme)
 
     def extra_repr(self) -> str:
