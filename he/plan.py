@@ -41,7 +41,7 @@ from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
-           "choose_plane_packing", "widest_period", "matvec_counts", "batch_counts"]
+           "choose_plane_packing", "widest_period", "batch_counts"]
 
 Order = tuple[int, ...] | None
 
@@ -115,12 +115,6 @@ class MatVec:
     def n_diagonals(self) -> int:
         return sum(len(g) for g in self.groups)
 
-    def counts(self) -> dict[str, int]:
-        """Primitive counts before the folds (see :func:`_step_total`)."""
-        bsgs = len({b for b in self.babies if b}) + len({g for g in self.giants if g})
-        return {"rotate": bsgs, "mul_plain": self.n_diagonals, "add": self.n_diagonals,
-                "plaintexts": self.n_diagonals, "folds": len(self.folds)}
-
 
 def _diagonal_index(a: sp.spmatrix, p_in: int, p_out: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -162,14 +156,6 @@ def _folds(p_in: int, p_out: int) -> list[int]:
         folds.append(s)
         s *= 2
     return folds
-
-
-def matvec_counts(a: sp.spmatrix, p_in: int, p_out: int) -> dict[str, int]:
-    """Primitive counts of :func:`make_matvec`'s plan for ``a``, without building it."""
-    coo = a.tocoo()
-    keep = coo.data != 0
-    return _counts_of(coo.row[keep].astype(np.int64), coo.col[keep].astype(np.int64), p_in,
-                      p_out)
 
 
 def _step_total(terms: list[dict[str, int]]) -> dict[str, int]:
