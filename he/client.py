@@ -31,8 +31,9 @@ class Ciphertext:
     """Encrypted data of a compiled program: inputs from a client or results from a server.
 
     ``groups``: batch packing -- one group per ``slots`` samples, each a list of one ciphertext
-    per element of the sample shape; vector packing -- one group per sample, holding its input
-    ciphertexts (one or several planes) or its single result ciphertext.
+    per element of the sample shape; vector packing -- one group per ``plan.interleave``
+    samples (interleaved slot by slot), holding their input ciphertexts (the input and the
+    client's input planes) or their single result ciphertext.
     Carries the packing, the program fingerprint and the key-set id, which are checked on use.
     """
 
