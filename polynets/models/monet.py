@@ -256,20 +256,27 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
+def build_token_model(cls: type, variant: str, pretrained: bool, out_indices: tuple[int, ...],
+                      **kwargs: Any) -> nn.Module:
+    """Build ``cls`` for a timm variant: no pretrained weights exist (a ConfigError says so);
+    ``features_only`` gives timm's NHWC feature extractor at ``out_indices``; otherwise the
+    model's ``pretrained_cfg`` records its class count and input size."""
     if pretrained:
         raise ConfigError(f"no pretrained weights are published for {variant}; "
                           f"use pretrained=False")
-    stages = 1 if isinstance(kwargs["depth"], int) else len(kwargs["depth"])
-    feature_cfg = dict(flatten_sequential=True, out_indices=tuple(range(stages)),
-                       output_fmt="NHWC")
-    model = build_model_with_cfg(MONet, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
-    if not isinstance(model, MONet):  # features_only: a timm feature extractor around MONet
+    feature_cfg = dict(flatten_sequential=True, out_indices=out_indices, output_fmt="NHWC")
+    model = build_model_with_cfg(cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+    if not isinstance(model, cls):  # features_only: a timm feature extractor around the model
         return model
     cfg = {**model.pretrained_cfg, "num_classes": model.num_classes,
            "input_size": (model.in_chans, *model.img_size)}
     model.pretrained_cfg = model.default_cfg = cfg
     return model
+
+
+def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
+    stages = 1 if isinstance(kwargs["depth"], int) else len(kwargs["depth"])
+    return build_token_model(MONet, variant, pretrained, tuple(range(stages)), **kwargs)
 
 
 @register_model

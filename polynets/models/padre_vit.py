@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, named_apply, register_model
+from timm.models import generate_default_cfgs, named_apply, register_model
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
 from polynets.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
-from polynets.models.monet import INITS, TokenGridHead, _check_pool
+from polynets.models.monet import INITS, TokenGridHead, _check_pool, build_token_model
 from polynets.padre import PADRe
 
 __all__ = ["PADReBlock", "PADReViT"]
@@ -189,19 +189,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create_padre_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    if pretrained:
-        raise ConfigError(f"no pretrained weights are published for {variant}; "
-                          f"use pretrained=False")
-    feature_cfg = dict(flatten_sequential=True, out_indices=(kwargs.get("depth", 12) - 1,),
-                       output_fmt="NHWC")
-    model = build_model_with_cfg(PADReViT, variant, pretrained, feature_cfg=feature_cfg,
-                                 **kwargs)
-    if not isinstance(model, PADReViT):  # features_only: a timm feature extractor
-        return model
-    cfg = {**model.pretrained_cfg, "num_classes": model.num_classes,
-           "input_size": (model.in_chans, *model.img_size)}
-    model.pretrained_cfg = model.default_cfg = cfg
-    return model
+    return build_token_model(PADReViT, variant, pretrained, (kwargs.get("depth", 12) - 1,),
+                             **kwargs)
 
 
 @register_model
