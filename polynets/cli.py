@@ -132,10 +132,9 @@ def _add_model_args(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def _finish_distributed() -> None:
-    import torch.distributed as dist
+    from polynets.device import finish_distributed
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    finish_distributed()
 
 
 # ------------------------------------------------------------------------------ commands

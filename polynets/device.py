@@ -7,6 +7,7 @@ mixed-precision dtype (only on CUDA); ``init_distributed`` joins the process gro
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from polynets.errors import ConfigError
 
 __all__ = [
+    "finish_distributed",
     "DistributedInfo",
     "autocast_dtype",
     "distributed_info",
@@ -158,4 +160,13 @@ def init_distributed(preference: str | torch.device = "auto") -> tuple[Distribut
         raise ConfigError(f"distributed training supports CUDA (nccl) and CPU (gloo), not {device}")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method="env://")
+        # a process that exits with the group alive aborts in gloo's threads ("terminate called
+        # without an active exception"): the group polynets made is torn down at exit
+        atexit.register(finish_distributed)
     return info, device
+
+
+def finish_distributed() -> None:
+    """Destroy the default process group if there is one (idempotent)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
