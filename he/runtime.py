@@ -17,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from he.backend import Engine
+from he.fused import add_constant, fuse_map, raw_access
 from he.plan import VectorPlan
 from polynets.lowering import Lowered, Step, affine_is_free, integer_factor
 
@@ -97,24 +98,127 @@ def _plain_cache_size(eng: Engine, level: int) -> int:
     return max(64, PLAIN_CACHE_BYTES // per)
 
 
-def _affine_batch(eng: Engine, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
-                  plains: dict[tuple[float, int], Any]) -> list[Elem]:
+def _moduli(eng: Engine, level: int) -> list[int]:
+    return [m.value() for m in eng.context.get_context_data(eng.parms_ids[level]).parms()
+            .coeff_modulus()]
+
+
+class _Buffers:
+    """Ciphertexts of released values, reused as output buffers (SEAL writes into an existing
+    ciphertext without allocating). A ciphertext is recycled only when no live value holds it."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[Any]] = {}
+
+    def release(self, dead: list[Elem], live: Iterable[list[Elem] | None]) -> None:
+        held = {id(e) for x in live if x is not None for e in x if _is_ct(e)}
+        seen: set[int] = set()
+        for e in dead:
+            if _is_ct(e) and id(e) not in held and id(e) not in seen:
+                seen.add(id(e))
+                self.free.setdefault(e.coeff_modulus_size(), []).append(e)
+
+    def like(self, eng: Engine, ct: Any) -> Any:
+        """A ciphertext with ``ct``'s level, size and form (its words are to be overwritten)."""
+        pool = self.free.get(ct.coeff_modulus_size())
+        while pool:
+            out = pool.pop()
+            if out.size() == ct.size():
+                out.scale = ct.scale
+                return out
+        out = eng.new_ciphertext()
+        eng.evaluator.negate(ct, out)
+        return out
+
+
+def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
+                level: int, cache: dict[Any, Any], buffers: _Buffers) -> dict[int, Elem]:
+    """The rows of a weighted affine step computed as one integer matrix product
+    (:mod:`he.fused`), constants added, rescaled once; rows left to SEAL's chain are absent.
+
+    Inputs below ``level`` are switched down without a rescale and their weights encoded at the
+    scale that brings each product to the common one, so no input is lifted."""
+    cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
+    first = next((e for x in srcs for e in x if _is_ct(e)), None)
+    if first is None or not raw_access(first).ok:
+        return {}
+    raw = raw_access(first)
+    moduli = _moduli(eng, level)
+    product = eng.scales[level] ** 2
+    lv = [np.array([eng.level(e) if is_ct else level for e, is_ct in zip(x, c)])
+          for x, c in zip(srcs, cts)]
+    key = (si, level, rows.tobytes(), b"".join(c.tobytes() + v.tobytes() for c, v in zip(cts, lv)))
+    if key not in cache:
+        col_scales = [product / np.asarray(eng.scales)[v] for v in lv]
+        cache[key] = fuse_map([m.tocsr() for m in st.terms], cts, col_scales,
+                              np.flatnonzero(rows), moduli)
+    fmap, covered = cache[key]
+    if fmap is None:
+        return {}
+    inputs = []
+    for x, c, v in zip(srcs, cts, lv):
+        for e, is_ct, el in zip(x, c, v):
+            if not is_ct:
+                continue
+            if el < level:
+                low = eng.new_ciphertext()
+                eng.evaluator.mod_switch_to(e, eng.parms_ids[level], low)
+                e = low
+            inputs.append(e)
+    template = next(e for e in inputs)
+    outputs = [buffers.like(eng, template) for _ in range(covered.size)]
+    fmap.apply(raw, inputs, outputs, moduli)
+    # clear values (constants, padding) and the bias join at the product's scale
+    const = np.zeros(covered.size)
+    if st.bias is not None:
+        const += np.asarray(st.bias, dtype=np.float64)[covered]
+    for x, m, c in zip(srcs, st.terms, cts):
+        if (~c).any():
+            clear = np.array([0.0 if is_ct else float(e) for e, is_ct in zip(x, c)])
+            const += m.tocsr()[covered] @ clear
+    result: dict[int, Elem] = {}
+    for r, out, v in zip(covered, outputs, const):
+        out.scale = product
+        if v != 0.0:
+            add_constant(raw, out, round(v * product), moduli)
+        result[int(r)] = eng.rescale(out)
+    return result
+
+
+def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
+                  plains: dict[tuple[float, int], Any], fused_maps: dict[Any, Any],
+                  buffers: _Buffers) -> list[Elem]:
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
-    products rescaled once (or a plain sum when the step is a selection)."""
+    products rescaled once (or a plain sum when the step is a selection). Rows with several
+    ciphertext terms are one fused integer matrix product (:mod:`he.fused`) where the process
+    allows it; the rest use SEAL's multiply/add chain on inputs lifted to a common level."""
     level = max((eng.level(e) for x in srcs for e in x if _is_ct(e)), default=0)
-    srcs = [_lift_all(eng, x, level) for x in srcs]
     mats = [m.tocsr() for m in st.terms]
     free = affine_is_free(st, "batch")
     out: list[Elem] = [0.0] * st.n
+    fused = {} if free else _fused_rows(eng, si, st, srcs, rows, level, fused_maps, buffers)
+    for r, e in fused.items():
+        out[r] = e
+    rest = np.array([r for r in np.flatnonzero(rows) if r not in fused], dtype=np.int64)
+    if rest.size == 0:
+        return out
+    lifted: dict[tuple[int, int], Elem] = {}
+
+    def elem(t: int, c: int) -> Elem:
+        if (t, c) not in lifted:
+            e = srcs[t][c]
+            lifted[(t, c)] = eng.lift(e, level) if _is_ct(e) else e
+        return lifted[(t, c)]
+
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
-    for r in np.flatnonzero(rows):
+    for r in rest:
         const = float(st.bias[r]) if st.bias is not None else 0.0
         acc = None
-        for x, m in zip(srcs, mats):
+        for t, m in enumerate(mats):
             lo, hi = m.indptr[r], m.indptr[r + 1]
             for c, w in zip(m.indices[lo:hi], m.data[lo:hi]):
-                e = x[c]
+                e = elem(t, int(c))
                 if not _is_ct(e):
                     const += float(w) * e
                 elif not free and abs(w) * scale < 0.5:
@@ -151,6 +255,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             remaining[j] += 1
     vals: list[list[Elem] | None] = [None] * len(steps)
     plains: dict[tuple[float, int], Any] = {}
+    fused_maps: dict[Any, Any] = {}
+    buffers = _Buffers()
     # no bar object at all without progress: this also runs in forked workers
     order = tqdm(range(len(steps)), desc="batch steps", leave=False) if progress else \
         range(len(steps))
@@ -160,7 +266,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         if st.kind == "input":
             out = list(inputs)
         elif st.kind == "affine":
-            out = _affine_batch(eng, st, ins, rows, plains)
+            out = _affine_batch(eng, si, st, ins, rows, plains, fused_maps, buffers)
         elif st.kind == "mul":
             out = [_mul_elem(eng, p, q) if r else 0.0 for p, q, r in zip(ins[0], ins[1], rows)]
         else:
@@ -170,7 +276,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         for j in set(st.inputs):
             remaining[j] -= 1
             if remaining[j] == 0 and j != lowered.output:
-                vals[j] = None
+                dead, vals[j] = vals[j], None
+                if steps[j].kind != "input" and dead is not None:
+                    buffers.release(dead, vals)
     result = vals[lowered.output]
     assert result is not None
     return result
