@@ -71,11 +71,12 @@ def test_monet_t_parameter_count_matches_appendix_j_formula_plus_norms_and_secon
     assert _num_params(model) == round(formula + norms + second_level)
 
 
-def test_single_stage_tokens_and_feature_info() -> None:
+def test_single_stage_tokens_and_feature_info_per_block() -> None:
     model = timm.create_model("monet_t", img_size=56, num_classes=3)
     feats = model.forward_features(torch.randn(2, 3, 56, 56))
     assert feats.shape == (2, 4, 4, 192)
-    assert model.feature_info == [dict(num_chs=192, reduction=14, module="stages.0")]
+    assert model.feature_info == [dict(num_chs=192, reduction=14, module=f"stages.0.blocks.{i}")
+                                  for i in range(32)]
 
 
 def test_multi_stage_halves_the_grid_and_changes_width_per_stage() -> None:
@@ -160,15 +161,39 @@ def test_forward_head_rejects_tokens_of_wrong_width() -> None:
                                     dict(embed_dim=0), dict(depth=()), dict(norm="group"),
                                     dict(init="orthogonal"), dict(embed="conv"),
                                     dict(num_classes=-1), dict(drop_rate=1.5),
-                                    dict(img_size=9), dict(patch_size=3)])
+                                    dict(img_size=9), dict(patch_size=3),
+                                    dict(residual_scale=1.5), dict(residual_scale=-0.1),
+                                    dict(residual_scale="small")])
 def test_invalid_config_raises_config_error(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         _tiny(**kwargs)
 
 
-def test_pretrained_weights_are_refused_with_config_error() -> None:
-    with pytest.raises(ConfigError, match="no pretrained weights"):
-        timm.create_model("monet_t", pretrained=True)
+
+
+def test_residual_branches_start_near_the_identity_where_the_plain_init_overflows() -> None:
+    x = torch.randn(2, 3, 14, 14)
+    torch.manual_seed(0)
+    plain = timm.create_model("monet_t", img_size=14, num_classes=3, residual_scale=1.0).eval()
+    torch.manual_seed(0)
+    model = timm.create_model("monet_t", img_size=14, num_classes=3).eval()
+    with torch.no_grad():
+        assert not torch.isfinite(plain(x)).all()
+        assert torch.isfinite(model(x)).all()
+    for block, reference in zip(model.stages[0].blocks, plain.stages[0].blocks):
+        for mu, ref in ((block.mu1, reference.mu1), (block.mu2, reference.mu2)):
+            torch.testing.assert_close(mu.C.weight, ref.C.weight / 64, rtol=0, atol=0)
+            torch.testing.assert_close(mu.A.weight, ref.A.weight, rtol=0, atol=0)
+
+
+def test_without_the_second_shortcut_only_the_first_mu_layer_is_scaled() -> None:
+    torch.manual_seed(0)
+    plain = _tiny(second_shortcut=False, residual_scale=1.0)
+    torch.manual_seed(0)
+    model = _tiny(second_shortcut=False, residual_scale=0.5)
+    for block, reference in zip(model.stages[0].blocks, plain.stages[0].blocks):
+        torch.testing.assert_close(block.mu1.C.weight, reference.mu1.C.weight / 2)
+        torch.testing.assert_close(block.mu2.C.weight, reference.mu2.C.weight)
 
 
 def test_eval_forward_is_deterministic_and_seeded_builds_are_identical() -> None:

@@ -285,7 +285,7 @@ def test_vit_bad_image_shape_and_configuration_raise_package_errors():
         _small_vit()(torch.randn(2, 1, 9, 8))
     with pytest.raises(pn.ConfigError, match="divisible by the embedding stride"):
         timm.create_model("padre_vit_t", img_size=8)
-    with pytest.raises(pn.ConfigError, match="no pretrained weights"):
+    with pytest.warns(UserWarning, match="no pretrained weights"):
         timm.create_model("padre_vit_mini", pretrained=True)
     with pytest.raises(pn.ConfigError, match="norm must be one of"):
         _small_vit(norm="group")

@@ -20,20 +20,25 @@ monet_ms_s     4, 6, 12, 14  128, 192, 256, 384   2 (4)            3          8
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
+import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, named_apply, register_model
 from timm.layers import trunc_normal_
+from timm.models import (build_model_with_cfg, checkpoint, generate_default_cfgs, named_apply,
+                         register_model)
+from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
 from polynets.layers import (NORMS, PatchEmbed, PolyBlock, PyramidPatchEmbed, check_shape,
                              to_2tuple)
 
-__all__ = ["MONet", "MONetStage", "StageDownsample", "INITS"]
+__all__ = ["MONet", "MONetStage", "StageDownsample", "TokenGridModel", "INITS",
+           "checkpoint_filter_fn"]
 
 INITS = {
     "xavier_normal": nn.init.xavier_normal_,
@@ -46,12 +51,21 @@ INITS = {
 (the paper's Appendix M found it best). Biases start at zero, norms at the identity."""
 
 
-def _init_weights(module: nn.Module, name: str = "", scheme: str = "xavier_normal") -> None:
-    """Initialise one module in place: weights of linear and conv layers by ``scheme``."""
+def _init_weights(module: nn.Module, name: str = "", scheme: str = "xavier_normal",
+                  residual_scale: float = 1.0) -> None:
+    """Initialise one module in place: weights of linear and conv layers by ``scheme``, biases
+    zero; in a :class:`PolyBlock` (visited after its children, as ``named_apply`` is depth-first)
+    the last projection ``C`` of each Mu-Layer under a shortcut is then multiplied by
+    ``residual_scale``, so the block starts near the identity."""
     if isinstance(module, (nn.Linear, nn.Conv2d)):
         INITS[scheme](module.weight)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+    elif isinstance(module, PolyBlock) and residual_scale != 1.0:
+        branches = (module.mu1, module.mu2) if module.second_shortcut else (module.mu1,)
+        with torch.no_grad():
+            for mu in branches:
+                mu.C.weight.mul_(residual_scale)
 
 
 class StageDownsample(nn.Module):
@@ -99,11 +113,18 @@ def _as_tuple(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     return values
 
 
-class TokenGridHead:
-    """timm-style head of a model whose features are channels-last tokens ``(B, H, W, C)``:
-    mean pooling (``global_pool="avg"``, or ``""`` for none), dropout, a linear classifier.
-    The model sets ``num_features``, ``num_classes``, ``global_pool``, ``head_drop``, ``head``
-    and ``init_scheme``, and defines ``forward_features``."""
+class TokenGridModel:
+    """timm conventions shared by models whose features are channels-last tokens ``(B, H, W, C)``.
+
+    The model defines ``embed_tokens(image) -> tokens``, ``feature_units() -> list[nn.Module]``
+    (the token-to-token modules in order; ``feature_info[i]`` describes the output of unit ``i``)
+    and may override ``final_norm``. From these this class gives ``forward_features``,
+    ``forward_intermediates`` (timm's signature), ``set_grad_checkpointing`` (each unit recomputed
+    in the backward pass), ``no_weight_decay``, and the head: mean pooling
+    (``global_pool="avg"``, or ``""`` for none), dropout and a linear classifier. The model sets
+    ``num_features``, ``num_classes``, ``global_pool``, ``head_drop``, ``head`` and
+    ``init_scheme``.
+    """
 
     num_features: int
     num_classes: int
@@ -111,9 +132,76 @@ class TokenGridHead:
     init_scheme: str
     head: nn.Module
     head_drop: nn.Module
+    grad_checkpointing: bool = False
+    output_fmt: str = "NHWC"
+
+    def embed_tokens(self, x: Tensor) -> Tensor:
+        """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', C)``."""
+        raise NotImplementedError
+
+    def feature_units(self) -> list[nn.Module]:
+        """The modules between the embedding and the head, in order."""
+        raise NotImplementedError
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """Normalisation after the last unit (identity unless the model has one)."""
+        return x
 
     def _init_head(self) -> None:
         _init_weights(self.head, "head", self.init_scheme)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Names of parameters timm's optimiser factory keeps out of weight decay (besides
+        biases and norm weights, which it excludes by shape)."""
+        return set()
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each feature unit in the backward pass instead of storing its activations."""
+        self.grad_checkpointing = bool(enable)
+
+    def _run_unit(self, unit: nn.Module, x: Tensor) -> Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(unit, x)
+        return unit(x)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', num_features)``."""
+        x = self.embed_tokens(x)
+        for unit in self.feature_units():
+            x = self._run_unit(unit, x)
+        return self.final_norm(x)
+
+    def forward_intermediates(self, x: Tensor, indices: int | Sequence[int] | None = None,
+                              norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False
+                              ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """Outputs of the feature units ``indices`` (an int ``n``: the last ``n``; None: all),
+        as ``(B, C, H, W)`` (``output_fmt="NCHW"``) or channels-last tokens (``"NHWC"``).
+
+        ``norm`` applies the final norm to each; ``stop_early`` skips the units after the last
+        one asked for. Returns the list, or with it (unless ``intermediates_only``) the final
+        tokens, as ``forward_features`` gives them (of the last unit run, with ``stop_early``).
+        """
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ConfigError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
+        units = self.feature_units()
+        try:
+            take, last = feature_take_indices(len(units), indices)
+        except AssertionError as exc:
+            raise ConfigError(f"indices {indices!r} do not select among the {len(units)} feature "
+                              f"units of {type(self).__name__}: {exc}") from exc
+        x = self.embed_tokens(x)
+        intermediates = []
+        for i, unit in enumerate(units[:last + 1] if stop_early else units):
+            x = self._run_unit(unit, x)
+            if i in take:
+                y = self.final_norm(x) if norm else x
+                intermediates.append(y.permute(0, 3, 1, 2) if output_fmt == "NCHW" else y)
+        if intermediates_only:
+            return intermediates
+        return self.final_norm(x), intermediates
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
@@ -125,7 +213,7 @@ class TokenGridHead:
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))  # type: ignore[attr-defined]
+        return self.forward_head(self.forward_features(x))
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -139,7 +227,7 @@ class TokenGridHead:
         self._init_head()
 
 
-class MONet(TokenGridHead, nn.Module):
+class MONet(TokenGridModel, nn.Module):
     """Multilinear Operator Network: ``logits = W mean_tokens(Blocks(Embed(I))) + b``.
 
     Single-stage when ``embed_dim`` and ``depth`` are ints (one width throughout); multi-stage
@@ -147,15 +235,21 @@ class MONet(TokenGridHead, nn.Module):
     ``embed_dim[i]``; each later stage starts with a 3x3 stride-2 convolution). The embedding is
     a :class:`PyramidPatchEmbed` (``embed="pyramid"``: ``patch_size`` patches, ``merges`` 2x2
     merges, coarser levels added when ``fuse_levels``) or a plain :class:`PatchEmbed`
-    (``embed="patch"``). Timm conventions: ``forward_features`` returns channels-last tokens,
-    ``forward_head(x, pre_logits=False)`` pools (``global_pool="avg"``, or ``""`` for none) and
-    classifies, ``reset_classifier`` keeps the pooling unless told otherwise.
+    (``embed="patch"``). Timm conventions (:class:`TokenGridModel`): ``forward_features``
+    returns channels-last tokens, ``forward_head(x, pre_logits=False)`` pools
+    (``global_pool="avg"``, or ``""`` for none) and classifies, ``reset_classifier`` keeps the
+    pooling unless told otherwise; ``forward_intermediates`` and ``feature_info`` give one map per
+    stage of a multi-stage model and one per Poly-Block of a single-stage one.
 
     ``norm``: ``"batch"`` (default; folds into the affine maps at inference, so the eval-mode
     model is a polynomial and can be encrypted), ``"layer"`` (the paper's training setup, not a
     polynomial) or ``"none"``. ``second_shortcut``: see :class:`~polynets.layers.PolyBlock`.
     ``init``: weight initialiser, one of :data:`INITS` (default ``"xavier_normal"``, Appendix M),
-    applied once to every linear and conv layer. ``expansion`` and ``shrinkage`` are the
+    applied once to every linear and conv layer. ``residual_scale`` multiplies the initial last
+    projection ``C`` of every Mu-Layer under a shortcut (default ``1 / (2 * blocks)``, so that
+    each block starts near the identity and the untrained eval-mode network, whose BatchNorms
+    are still the identity, stays finite: with scale 1 its degree-``4^blocks`` polynomial
+    overflows); ``1.0`` keeps the plain ``init``. ``expansion`` and ``shrinkage`` are the
     Poly-Block's ratios; ``drop_rate`` is dropout before the classifier.
 
     Shape: ``(B, in_chans, H, W) -> (B, num_classes)`` with ``(H, W) == img_size``.
@@ -168,10 +262,17 @@ class MONet(TokenGridHead, nn.Module):
                  embed: str = "pyramid", merges: int = 1, fuse_levels: bool = True,
                  spatial_shift: bool = True, second_shortcut: bool = True,
                  global_pool: str = "avg", drop_rate: float = 0.0,
-                 init: str = "xavier_normal", bias: bool = True) -> None:
+                 init: str = "xavier_normal", residual_scale: float | None = None,
+                 bias: bool = True) -> None:
         super().__init__()
         dims = _as_tuple(embed_dim, "embed_dim")
         depths = _as_tuple(depth, "depth")
+        if residual_scale is None:
+            residual_scale = 1.0 / (2 * sum(depths))
+        if isinstance(residual_scale, bool) or not isinstance(residual_scale, (int, float)) \
+                or not 0.0 <= residual_scale <= 1.0:
+            raise ConfigError(f"residual_scale must be a number in [0, 1] or None, got "
+                              f"{residual_scale!r}")
         if len(dims) != len(depths):
             raise ConfigError(f"embed_dim and depth must have the same number of stages, got "
                               f"{len(dims)} widths {dims} and {len(depths)} depths {depths}")
@@ -208,7 +309,10 @@ class MONet(TokenGridHead, nn.Module):
                                      spatial_shift=spatial_shift,
                                      second_shortcut=second_shortcut, bias=bias))
             reduction = reduction * 2 if i > 0 else reduction
-            self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f"stages.{i}"))
+            modules = [f"stages.{i}"] if len(dims) > 1 else [f"stages.0.blocks.{j}"
+                                                            for j in range(n)]
+            self.feature_info += [dict(num_chs=dim, reduction=reduction, module=m)
+                                  for m in modules]
         self.stages = nn.Sequential(*stages)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
@@ -216,13 +320,25 @@ class MONet(TokenGridHead, nn.Module):
             "num_classes": num_classes, "input_size": (in_chans, *self.img_size),
             "fixed_input_size": True, "first_conv": "stem.proj", "classifier": "head",
         }
-        named_apply(partial(_init_weights, scheme=init), self)
+        named_apply(partial(_init_weights, scheme=init, residual_scale=residual_scale), self)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', num_features)``."""
+    def embed_tokens(self, x: Tensor) -> Tensor:
+        """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', embed_dim[0])``."""
         check_shape("MONet", x, ("B", self.in_chans, *self.img_size))
-        return self.stages(self.stem(x))
+        return self.stem(x)
 
+    def feature_units(self) -> list[nn.Module]:
+        """The stages of a multi-stage MONet, the Poly-Blocks of a single-stage one."""
+        if len(self.stages) > 1:
+            return list(self.stages)
+        return list(self.stages[0].blocks)  # the first stage has no downsample
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for timm's layer-wise learning-rate decay: the stem, then the
+        stages (coarse) or each block, stage transitions with the block after them."""
+        return dict(stem=r"^stem", blocks=r"^stages\.(\d+)" if coarse else [
+            (r"^stages\.(\d+)\.downsample", (0,)), (r"^stages\.(\d+)\.blocks\.(\d+)", None)])
 
     def extra_repr(self) -> str:
         return (f"img_size={self.img_size}, in_chans={self.in_chans}, "
@@ -256,16 +372,51 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def build_token_model(cls: type, variant: str, pretrained: bool, out_indices: tuple[int, ...],
-                      **kwargs: Any) -> nn.Module:
-    """Build ``cls`` for a timm variant: no pretrained weights exist (a ConfigError says so);
-    ``features_only`` gives timm's NHWC feature extractor at ``out_indices``; otherwise the
-    model's ``pretrained_cfg`` records its class count and input size."""
-    if pretrained:
-        raise ConfigError(f"no pretrained weights are published for {variant}; "
-                          f"use pretrained=False")
-    feature_cfg = dict(flatten_sequential=True, out_indices=out_indices, output_fmt="NHWC")
-    model = build_model_with_cfg(cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The weights for ``model`` in a saved dict: a polynets checkpoint's ``model`` entry (or a
+    ``state_dict`` entry), keys stripped of the prefixes wrapped models add (``module.`` from
+    DistributedDataParallel, ``_orig_mod.`` from ``torch.compile``). timm applies it when
+    ``pretrained=True`` loads a local file (``pretrained_cfg_overlay=dict(file=PATH)``)."""
+    for key in ("state_dict", "model"):
+        inner = state_dict.get(key)
+        if isinstance(inner, Mapping):
+            state_dict = inner
+            break
+    out = {}
+    for name, value in state_dict.items():
+        for prefix in ("module.", "_orig_mod."):
+            name = name.removeprefix(prefix)
+        out[name] = value
+    return out
+
+
+def _local_weights(kwargs: Mapping[str, Any]) -> bool:
+    """Whether the builder's arguments name local weights (a file or a state dict)."""
+    cfgs = (kwargs.get("pretrained_cfg_overlay"), kwargs.get("pretrained_cfg"))
+    return any(isinstance(c, Mapping) and (c.get("file") or c.get("state_dict")) for c in cfgs)
+
+
+def build_token_model(cls: type, variant: str, pretrained: bool,
+                      default_indices: int | tuple[int, ...],
+                      filter_fn: Any = checkpoint_filter_fn, **kwargs: Any) -> nn.Module:
+    """Build ``cls`` for a timm variant.
+
+    No pretrained weights are published: ``pretrained=True`` warns and initialises randomly,
+    without any network access, unless ``pretrained_cfg_overlay=dict(file=PATH)`` names a local
+    checkpoint, which timm loads through ``filter_fn``. ``features_only`` gives timm's feature
+    getter over ``forward_intermediates``: channels-last tokens of the units ``out_indices``
+    (default ``default_indices``; an int ``n`` means the last ``n``). Otherwise the model's ``pretrained_cfg``
+    records its class count and input size.
+    """
+    if pretrained and not _local_weights(kwargs):
+        warnings.warn(f"no pretrained weights are published for {variant}; the model is randomly "
+                      f"initialised (pretrained_cfg_overlay=dict(file=PATH) loads a local "
+                      f"checkpoint)", UserWarning, stacklevel=5)
+        pretrained = False
+    feature_cfg = dict(feature_cls="getter", out_indices=kwargs.pop("out_indices", default_indices),
+                       output_fmt="NHWC")
+    model = build_model_with_cfg(cls, variant, pretrained, feature_cfg=feature_cfg,
+                                 pretrained_filter_fn=filter_fn, **kwargs)
     if not isinstance(model, cls):  # features_only: a timm feature extractor around the model
         return model
     cfg = {**model.pretrained_cfg, "num_classes": model.num_classes,
@@ -275,8 +426,11 @@ def build_token_model(cls: type, variant: str, pretrained: bool, out_indices: tu
 
 
 def _create_monet(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    stages = 1 if isinstance(kwargs["depth"], int) else len(kwargs["depth"])
-    return build_token_model(MONet, variant, pretrained, tuple(range(stages)), **kwargs)
+    """Features of a multi-stage MONet: every stage; of a single-stage one: the last three
+    Poly-Blocks (fewer if it has fewer)."""
+    depths = _as_tuple(kwargs["depth"], "depth")
+    out_indices = min(3, depths[0]) if len(depths) == 1 else tuple(range(len(depths)))
+    return build_token_model(MONet, variant, pretrained, out_indices, **kwargs)
 
 
 @register_model

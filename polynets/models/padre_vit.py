@@ -25,16 +25,17 @@ from typing import Any
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, trunc_normal_
+from timm.layers import DropPath, resample_abs_pos_embed_nhwc, trunc_normal_
 from timm.models import generate_default_cfgs, named_apply, register_model
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
 from polynets.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
-from polynets.models.monet import INITS, TokenGridHead, _check_pool, build_token_model
+from polynets.models.monet import (INITS, TokenGridModel, _check_pool, build_token_model,
+                                   checkpoint_filter_fn as _unwrap_state_dict)
 from polynets.padre import PADRe
 
-__all__ = ["PADReBlock", "PADReViT"]
+__all__ = ["PADReBlock", "PADReViT", "checkpoint_filter_fn"]
 
 
 def _init_weights(module: nn.Module, name: str = "", scheme: str = "trunc_normal") -> None:
@@ -77,7 +78,7 @@ class PADReBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PADReViT(TokenGridHead, nn.Module):
+class PADReViT(TokenGridModel, nn.Module):
     """PADRe vision transformer: ``logits = W mean_tokens(N(Blocks(Embed(I) + E_pos))) + b``.
 
     Args:
@@ -97,9 +98,11 @@ class PADReViT(TokenGridHead, nn.Module):
         init: weight initialiser of the linear and patch layers, one of
             :data:`~polynets.models.monet.INITS` (default ``"trunc_normal"``, std 0.02, DeiT's).
 
-    Timm conventions: ``forward_features`` returns channels-last tokens ``(B, H', W', C)``,
-    ``forward_head(x, pre_logits=False)`` pools and classifies, ``reset_classifier`` keeps the
-    pooling unless told otherwise. Shape: ``(B, in_chans, H, W) -> (B, num_classes)``.
+    Timm conventions (:class:`~polynets.models.monet.TokenGridModel`): ``forward_features``
+    returns channels-last tokens ``(B, H', W', C)``, ``forward_head(x, pre_logits=False)`` pools
+    and classifies, ``reset_classifier`` keeps the pooling unless told otherwise,
+    ``forward_intermediates`` gives the blocks' outputs. Shape:
+    ``(B, in_chans, H, W) -> (B, num_classes)``.
     """
 
     def __init__(self, img_size: int | Sequence[int] = 224, in_chans: int = 3,
@@ -154,10 +157,23 @@ class PADReViT(TokenGridHead, nn.Module):
         """Parameters kept out of weight decay by timm's optimiser factory."""
         return {"pos_embed"}
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Image ``(B, in_chans, H, W)`` to normalised tokens ``(B, H/p, W/p, embed_dim)``."""
+    def embed_tokens(self, x: Tensor) -> Tensor:
+        """Image ``(B, in_chans, H, W)`` to positioned tokens ``(B, H/p, W/p, embed_dim)``."""
         check_shape("PADReViT", x, ("B", self.in_chans, *self.img_size))
-        return self.norm(self.blocks(self.stem(x) + self.pos_embed))
+        return self.stem(x) + self.pos_embed
+
+    def feature_units(self) -> list[nn.Module]:
+        """The PADRe blocks."""
+        return list(self.blocks)
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        return self.norm(x)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for timm's layer-wise learning-rate decay: embedding, blocks, norm."""
+        return dict(stem=r"^stem|^pos_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
     def _init_head(self) -> None:
         _init_weights(self.head, "head", self.init_scheme)
@@ -188,9 +204,20 @@ default_cfgs = generate_default_cfgs({
 })
 
 
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: PADReViT) -> dict[str, Any]:
+    """Weights of a saved PADRe ViT for ``model``, position embeddings resampled to its grid
+    (fine-tuning at another image size)."""
+    out = _unwrap_state_dict(state_dict, model)
+    pos = out.get("pos_embed")
+    if isinstance(pos, Tensor) and pos.shape != model.pos_embed.shape:
+        out["pos_embed"] = resample_abs_pos_embed_nhwc(pos, list(model.stem.grid_size))
+    return out
+
+
 def _create_padre_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    return build_token_model(PADReViT, variant, pretrained, (kwargs.get("depth", 12) - 1,),
-                             **kwargs)
+    """Features: the outputs of the last three blocks (fewer if there are fewer)."""
+    return build_token_model(PADReViT, variant, pretrained, min(3, kwargs.get("depth", 12)),
+                             filter_fn=checkpoint_filter_fn, **kwargs)
 
 
 @register_model
