@@ -20,7 +20,8 @@ from polynets.node import PolyNODE
 from polynets.padre import CastlingAttention, Conv2Former, Hyena, PADRe
 from polynets.passes import optimize
 from polynets.plot import plot_run
-from polynets.pom import PoM, PoMState
+from polynets.pair import PairInput
+from polynets.pom import PoM, PoMState, SplitPoM
 from polynets.program import Node, PolyProgram
 from polynets.trace import trace
 from polynets.train import TrainConfig, Trainer
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MuLayer", "SpatialShift", "PatchEmbed", "PyramidPatchEmbed", "PolyBlock", "MONet",
     "PoM", "PoMState", "Polymorpher", "PolymorpherClassifier", "PolyNODE", "PADRe",
+    "SplitPoM", "PairInput",
     "Conv2Former", "CastlingAttention", "Hyena",
     "trace", "optimize", "certify", "Certificate", "PolyProgram", "Node",
     "Trainer", "TrainConfig", "load_dataset", "DatasetInfo", "select_device",

@@ -6,6 +6,17 @@ With ``activation="linear"`` (h = identity) and a polynomial gate (``"linear"`` 
 the module is a polynomial of its input of degree ``degree + gate degree``; ``activation="gelu"``
 with ``gate="sigmoid"`` is the original formulation.
 
+Cross-PoM (PoM-video, Listings 4-5): ``PoM(x_q, x_c, mask=...)`` takes the selection from the
+queries ``x_q`` and the state from a second sequence ``x_c``; it is a polynomial of the pair, of
+degree ``degree`` in ``x_c`` and the gate degree in ``x_q``. The tracer lowers one-input models:
+trace it through :class:`polynets.pair.PairInput`, which splits one concatenated input.
+
+The speech paper's variants (pom-speech-encoders, Section 3.2) are options: ``form="jump"`` (mode
+jump: only the top product ``prod_m h(W_m x)`` feeds the state), ``selective=True`` (the state
+reads half of the features) and :class:`SplitPoM` (2-way / 3-way frequency split: one PoM per
+group of features). The paper uses ``h = GELU`` and a sigmoid gate; with ``activation="linear"``
+and a polynomial gate (the defaults) every variant is a polynomial.
+
 Every op on the polynomial path is one the polynomial program can express: linear maps, Hadamard
 products, sums or cumulative sums over tokens, products with constant matrices and multiplication
 by constant reciprocal counts.
@@ -23,7 +34,7 @@ from torch import Tensor, nn
 
 from polynets.errors import ConfigError, ShapeError
 
-__all__ = ["PoM", "PoMState", "causal_mask", "block_causal_mask"]
+__all__ = ["PoM", "PoMState", "SplitPoM", "causal_mask", "block_causal_mask"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor] | None] = {
     "linear": None,
@@ -37,7 +48,7 @@ _FIXED_GATES: dict[str, Callable[[Tensor], Tensor] | None] = {
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
 }
-_FORMS = ("powers", "products")
+_FORMS = ("powers", "products", "jump")
 _AGGREGATIONS = ("mean", "sum")
 _NAMED_MASKS = ("causal", "block_causal")
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
@@ -120,17 +131,27 @@ class PoM(nn.Module):
             boolean (N, N) tensor with ``mask[s, t]`` True when token s reads token t.
         block_size: K for ``mask="block_causal"``.
         aggregation: ``"mean"`` (divide the state by the number of tokens it sums) or ``"sum"``.
-        form: ``"powers"`` (``sum_p a_p h(W_h x)^p``, state width D) or ``"products"`` (the
-            follow-up papers' ``[h(W_1 x); h(W_1 x) h(W_2 x); ...; prod_m h(W_m x)]``, width kD).
+        form: ``"powers"`` (``sum_p a_p h(W_h x)^p``, state width D), ``"products"`` (the
+            follow-up papers' ``[h(W_1 x); h(W_1 x) h(W_2 x); ...; prod_m h(W_m x)]``, width kD)
+            or ``"jump"`` (the speech paper's mode jump: only ``prod_m h(W_m x)``, width D).
+        selective: the speech paper's selective PoM: only the first ``dim // 2`` features feed
+            the state H (the others reach the output through the selection only, unmixed).
+            Default False (all features feed H).
         bias: whether the projections have biases.
 
-    Shapes: x (B, N, d) -> (B, N, d).
+    Call: ``pom(x)`` (self-mixing) or ``pom(x_q, x_c, mask=None)`` (Cross-PoM: selection from
+    the queries ``x_q`` (B, N, d), state from ``x_c`` (B, M, d)). A call ``mask`` (boolean
+    (N, M), or (B, N, M) per sample, True where query s reads context token t; Listing 3's full
+    mask) needs a PoM built without a mask; a PoM built with a mask mixes ``x_c`` of the same
+    length N under that mask.
+
+    Shapes: x (B, N, d) [, x_c (B, M, d)] -> (B, N, d).
     """
 
     def __init__(self, dim: int, *, degree: int = 2, expand: float = 2, activation: str = "linear",
                  gate: str = "linear", mask: str | Tensor | None = None,
                  block_size: int | None = None, aggregation: str = "mean", form: str = "powers",
-                 bias: bool = True) -> None:
+                 selective: bool = False, bias: bool = True) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("degree", degree)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -146,16 +167,23 @@ class PoM(nn.Module):
                               f"{list(_AGGREGATIONS)}")
         if form not in _FORMS:
             raise ConfigError(f"unknown form {form!r}; expected one of {list(_FORMS)}")
+        if not isinstance(selective, bool):
+            raise ConfigError(f"selective must be True or False, got {selective!r}")
+        if selective and dim < 2:
+            raise ConfigError(f"selective=True mixes dim // 2 features and needs dim >= 2, "
+                              f"got dim={dim}")
         gate_degree = _parse_gate(gate)
 
         self.dim, self.degree, self.expand = dim, degree, expand
         self.activation, self.gate = activation, gate
-        self.aggregation, self.form = aggregation, form
+        self.aggregation, self.form, self.selective = aggregation, form, selective
+        self.mixed_features = dim // 2 if selective else dim
         self.hidden = int(round(expand * dim))
         self.state_dim = self.hidden * (degree if form == "products" else 1)
         self._mask_kind, self.block_size = self._configure_mask(mask, block_size)
 
-        self.proj_h = nn.Linear(dim, self.hidden * (degree if form == "products" else 1), bias=bias)
+        self.proj_h = nn.Linear(self.mixed_features,
+                                self.hidden * (1 if form == "powers" else degree), bias=bias)
         self.proj_s = nn.Linear(dim, self.state_dim, bias=bias)
         self.proj_o = nn.Linear(self.state_dim, dim, bias=bias)
         if form == "powers":
@@ -220,7 +248,8 @@ class PoM(nn.Module):
         mask = self._mask_kind + (f", block_size={self.block_size}" if self.block_size else "")
         return (f"dim={self.dim}, degree={self.degree}, expand={self.expand}, "
                 f"activation={self.activation!r}, gate={self.gate!r}, mask={mask}, "
-                f"aggregation={self.aggregation!r}, form={self.form!r}")
+                f"aggregation={self.aggregation!r}, form={self.form!r}"
+                + (", selective=True" if self.selective else ""))
 
     # --- building blocks -------------------------------------------------------------------
 
@@ -231,8 +260,10 @@ class PoM(nn.Module):
                              f"got {tuple(x.shape)}")
 
     def features(self, x: Tensor) -> Tensor:
-        """Per-token state contributions ``sum_p a_p h(W_h x)^p``: (..., d) -> (..., S)."""
-        z = self.proj_h(x)
+        """Per-token state contributions (``sum_p a_p h(W_h x)^p``, the running products, or
+        their top product): (..., d) -> (..., S). ``selective`` reads the first dim // 2
+        features only."""
+        z = self.proj_h(x[..., :self.mixed_features] if self.selective else x)
         act = _ACTIVATIONS[self.activation]
         if act is not None:
             z = act(z)
@@ -241,7 +272,7 @@ class PoM(nn.Module):
         parts = list(z.chunk(self.degree, dim=-1))
         for m in range(1, self.degree):
             parts[m] = parts[m] * parts[m - 1]
-        return torch.cat(parts, dim=-1)
+        return parts[-1] if self.form == "jump" else torch.cat(parts, dim=-1)
 
     def selection(self, x: Tensor) -> Tensor:
         """Token-wise gate ``g(W_s x)``: (..., d) -> (..., S)."""
@@ -288,13 +319,21 @@ class PoM(nn.Module):
             summed = blocks.unsqueeze(2).expand(b, t // k, k, s).reshape(b, t, s)
         return summed if carry is None else summed + carry.unsqueeze(1)
 
-    def shared_state(self, x: Tensor) -> Tensor:
-        """The shared state H(X): (B, N, d) -> (B, 1, S) without a mask, else (B, N, S)."""
+    def shared_state(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The shared state H of the tokens ``x`` (B, M, d): (B, 1, S) without a mask, (B, M, S)
+        with the PoM's mask, (B, N, S) with a call ``mask`` (N, M) or (B, N, M) (query s
+        aggregates the tokens t with ``mask[s, t]``; mean aggregation divides by their count)."""
         self._check_tokens(x, "input", (3,))
         n = x.shape[1]
         self._check_length(n)
         feats = self.features(x)
         mean = self.aggregation == "mean"
+        if mask is not None:
+            rows = mask.shape[-2] if isinstance(mask, Tensor) and mask.dim() >= 2 else -1
+            self._check_call_mask(mask, x.shape[0], rows, n)
+            weights = mask.to(device=feats.device, dtype=feats.dtype)
+            summed = torch.matmul(weights, feats)
+            return summed / weights.sum(dim=-1, keepdim=True).clamp_min(1.0) if mean else summed
         if self._mask_kind == "global":
             return feats.mean(dim=1, keepdim=True) if mean else feats.sum(dim=1, keepdim=True)
         if self._mask_kind == "tensor":
@@ -302,6 +341,20 @@ class PoM(nn.Module):
         else:
             summed = self._prefix_state(feats, None)
         return summed * self._cached("inv_counts", n, summed) if mean else summed
+
+    def _check_call_mask(self, mask: object, batch: int, n: int, m: int) -> None:
+        """A call mask must be boolean (N, M) or (B, N, M) (B or 1) on a PoM without a mask."""
+        if self._mask_kind != "global":
+            raise ConfigError(f"a mask at call time needs a PoM built without a mask; this PoM "
+                              f"has mask={self._mask_kind!r}")
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise ConfigError(f"PoM call mask must be a boolean tensor (True where query s reads "
+                              f"context token t), got "
+                              f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        ok = mask.dim() == 2 or (mask.dim() == 3 and mask.shape[0] in (1, batch))
+        if not ok or tuple(mask.shape[-2:]) != (n, m):
+            raise ShapeError(f"PoM call mask must have shape (N, M) = ({n}, {m}) or "
+                             f"(B, N, M) = ({batch}, {n}, {m}), got {tuple(mask.shape)}")
 
     def _check_length(self, n: int) -> None:
         if n == 0:
@@ -313,9 +366,27 @@ class PoM(nn.Module):
             raise ShapeError(f"block-causal PoM needs N to be a multiple of "
                              f"block_size={self.block_size}, got N={n}")
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``W_o [ g(W_s x) * H(x) ]``: (B, N, d) -> (B, N, d)."""
-        h = self.shared_state(x)
+    def forward(self, x: Tensor, context: Tensor | None = None, *,
+                mask: Tensor | None = None) -> Tensor:
+        """``W_o [g(W_s x_q) * H(x_c)]`` with ``x_c = x_q`` unless a context is given:
+        (B, N, d) [, (B, M, d)] -> (B, N, d)."""
+        self._check_tokens(x, "input" if context is None else "query input", (3,))
+        self._check_length(x.shape[1])
+        if context is None:
+            context = x
+        else:
+            self._check_tokens(context, "context input", (3,))
+            if context.shape[0] != x.shape[0]:
+                raise ShapeError(f"PoM context must have the queries' batch size B="
+                                 f"{x.shape[0]}: expected ({x.shape[0]}, M, {self.dim}), got "
+                                 f"{tuple(context.shape)}")
+        if mask is not None:
+            self._check_call_mask(mask, x.shape[0], x.shape[1], context.shape[1])
+        elif self._mask_kind != "global" and context.shape[1] != x.shape[1]:
+            raise ShapeError(f"a PoM built with mask={self._mask_kind!r} mixes a context as long "
+                             f"as the queries: expected ({x.shape[0]}, {x.shape[1]}, {self.dim}), "
+                             f"got {tuple(context.shape)}")
+        h = self.shared_state(context, mask)
         return self.proj_o(self.selection(x) * h)
 
     # --- recurrent inference ---------------------------------------------------------------
@@ -359,3 +430,66 @@ class PoM(nn.Module):
             if self.aggregation == "mean" else summed
         y = self.proj_o(self.selection(chunk) * h)
         return (y.squeeze(1) if single else y), new_state
+
+
+def _split_sizes(dim: int, ways: int) -> tuple[int, ...]:
+    """``ways`` contiguous group widths summing to dim, the first ``dim % ways`` one wider."""
+    base, extra = divmod(dim, ways)
+    return tuple(base + (i < extra) for i in range(ways))
+
+
+class SplitPoM(nn.Module):
+    """Frequency-split PoM (pom-speech-encoders, Section 3.2): ``[PoM'(X') | PoM''(X'') | ...]``.
+
+    The features are split into ``ways`` contiguous groups ``X = [X' | X'' | ...]`` (widths
+    differing by at most one) and each group has its own PoM: its own projections, its own
+    state ``H(X')`` and its own selection, so features of different groups never mix here (they
+    do through the block's shortcut and feed-forward). The paper's 2-way and 3-way splits are
+    ``ways=2`` and ``ways=3``. A polynomial of the same degree as one of its PoMs.
+
+    Args:
+        dim: token width d (at least ``ways``).
+        ways: number of feature groups (default 2).
+        **pom_kwargs: passed to every group's :class:`PoM` (degree, expand, activation, gate,
+            mask, block_size, aggregation, form, selective, bias).
+
+    Call: ``split(x)`` or ``split(x_q, x_c, mask=None)`` as :meth:`PoM.forward`, group by group.
+    Shapes: x (B, N, d) [, x_c (B, M, d)] -> (B, N, d).
+    """
+
+    def __init__(self, dim: int, *, ways: int = 2, **pom_kwargs) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("ways", ways)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"SplitPoM {name} must be a positive int, got {value!r}")
+        if ways > dim:
+            raise ConfigError(f"SplitPoM needs at least one feature per group: ways={ways} > "
+                              f"dim={dim}")
+        self.dim, self.ways = dim, ways
+        self.sizes = _split_sizes(dim, ways)
+        self.groups = nn.ModuleList(PoM(size, **pom_kwargs) for size in self.sizes)
+
+    @property
+    def is_polynomial(self) -> bool:
+        """True when every group's PoM is a polynomial."""
+        return all(g.is_polynomial for g in self.groups)
+
+    @property
+    def polynomial_degree(self) -> int | None:
+        """The groups' common degree in X, or None when not a polynomial."""
+        return self.groups[0].polynomial_degree
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, ways={self.ways}, sizes={self.sizes}"
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *,
+                mask: Tensor | None = None) -> Tensor:
+        """Each group of features through its own PoM, outputs concatenated."""
+        for name, t in (("input", x), ("context input", context)):
+            if t is not None and (t.dim() != 3 or t.shape[-1] != self.dim):
+                raise ShapeError(f"SplitPoM {name} must have shape (B, N, dim) with "
+                                 f"dim={self.dim}, got {tuple(t.shape)}")
+        xs = x.split(self.sizes, dim=-1)
+        cs = context.split(self.sizes, dim=-1) if context is not None else (None,) * self.ways
+        return torch.cat([pom(xg, cg, mask=mask) for pom, xg, cg in zip(self.groups, xs, cs)],
+                         dim=-1)
