@@ -107,8 +107,11 @@ def _load_data(args: argparse.Namespace, run_info: dict[str, Any] | None = None)
               for k, default in defaults.items()}
     if not chosen["dataset"]:
         raise ConfigError("no dataset given and the checkpoint does not record one; pass --dataset NAME")
+    augment = {k: getattr(args, k) for k in ("auto_augment", "re_prob") if hasattr(args, k)}
+    if augment.get("auto_augment", "").lower() == "none":
+        augment["auto_augment"] = None
     return load_dataset(chosen["dataset"], data_dir=chosen["data_dir"], seed=chosen["seed"],
-                        test_size=chosen["test_size"], img_size=chosen["img_size"])
+                        test_size=chosen["test_size"], img_size=chosen["img_size"], **augment)
 
 
 def _add_data_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -152,8 +155,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_ds = Subset(train_ds, range(min(args.max_train_samples, len(train_ds))))
     kwargs = model_kwargs_for(args.model, info, parse_model_args(args.model_arg))
     model = build_model(args.model, **kwargs)
-    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                         warmup_epochs=args.warmup_epochs, min_lr=min(args.min_lr, args.lr),
+    config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, opt=args.opt, sched=args.sched, lr=args.lr,
+                         weight_decay=args.weight_decay, layer_decay=args.layer_decay, warmup_epochs=args.warmup_epochs, min_lr=min(args.min_lr, args.lr),
                          label_smoothing=args.label_smoothing, clip_grad=args.clip_grad, device=args.device,
                          amp=args.amp, compile=args.compile, ema_decay=args.ema_decay, mixup=args.mixup,
                          cutmix=args.cutmix, seed=args.seed, out_dir=args.out, checkpoint_every=args.checkpoint_every,
@@ -292,6 +295,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ parser
 def _add_train(sub: Any) -> None:
+    from polynets.data import DEFAULT_AUTO_AUGMENT
+    from polynets.train import SCHEDULES
+
     p = sub.add_parser("train", help="train a polynomial network", description=cmd_train.__doc__,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model_args(p, "monet")
@@ -299,10 +305,17 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--max-train-samples", type=int, help="train on the first N training samples only")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--opt", default="adamw", help="optimizer, any name of timm.optim.list_optimizers()")
+    p.add_argument("--sched", default="cosine", choices=SCHEDULES, help="learning-rate decay after the warm-up")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--layer-decay", type=float, help="layer-wise learning-rate decay (e.g. 0.75)")
     p.add_argument("--warmup-epochs", type=float, default=2.0)
-    p.add_argument("--min-lr", type=float, default=1e-5, help="final learning rate of the cosine decay")
+    p.add_argument("--min-lr", type=float, default=1e-5, help="final learning rate of the decay")
+    p.add_argument("--auto-augment", default=DEFAULT_AUTO_AUGMENT,
+                   help="timm augmentation policy for imagefolder training images ('none': off)")
+    p.add_argument("--reprob", dest="re_prob", type=float, default=0.25,
+                   help="random-erasing probability for imagefolder training images")
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--clip-grad", type=float, help="clip the global gradient norm to this value")
     p.add_argument("--ema-decay", type=float, help="keep an EMA of the weights with this decay (e.g. 0.999)")

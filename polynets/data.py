@@ -4,7 +4,10 @@
 ``digits_rows`` (digits as 8 rows of 8 pixels, a sequence task for PoM models),
 ``breast_cancer`` and ``wine`` (tabular). From ``data_dir``: ``mnist`` and ``fashion_mnist``
 (idx or idx.gz), ``cifar10`` / ``cifar100`` (the *binary* releases), ``imagefolder``
-(torchvision's ImageFolder layout). Inputs are standardised with statistics of the training split.
+(torchvision's ImageFolder layout). Inputs are standardised with statistics of the training split;
+``imagefolder`` images go through timm's ``create_transform``: for training a random resized crop,
+flip, RandAugment and random erasing (the MONet paper's recipe), for testing a resize and centre
+crop, both normalised with ImageNet statistics.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from torch.utils.data import Dataset, Subset
 
 from polynets.errors import DataError
 
-__all__ = ["ArrayDataset", "DatasetInfo", "available_datasets", "load_dataset", "read_idx"]
+__all__ = ["ArrayDataset", "DatasetInfo", "DEFAULT_AUTO_AUGMENT", "available_datasets", "load_dataset",
+           "read_idx"]
+
+DEFAULT_AUTO_AUGMENT = "rand-m9-mstd0.5-inc1"
+"""timm's auto-augment policy for ``imagefolder`` training images: RandAugment, magnitude 9."""
 
 
 @dataclass
@@ -308,32 +315,41 @@ def _load_cifar(name: str, data_dir: str | os.PathLike | None, seed: int, test_s
 
 
 def _load_imagefolder(name: str, data_dir: str | os.PathLike | None, seed: int, test_size: float,
-                      img_size: int) -> tuple[Dataset, Dataset, DatasetInfo]:
+                      img_size: int, *, auto_augment: str | None = DEFAULT_AUTO_AUGMENT,
+                      re_prob: float = 0.25) -> tuple[Dataset, Dataset, DatasetInfo]:
+    from timm.data import create_transform
     from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-    from torchvision import transforms
     from torchvision.datasets import ImageFolder
 
+    if not 0.0 <= re_prob <= 1.0:
+        raise DataError(f"re_prob (random erasing probability) must be in [0, 1], got {re_prob}")
     expected = "one sub-directory per class holding images, optionally split as train/ and val/ (or test/)"
     root = _require_dir(data_dir, "imagefolder", expected)
-    tf = transforms.Compose([transforms.Resize((img_size, img_size)), transforms.ToTensor(),
-                             transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
+    stats = dict(mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, interpolation="bicubic")
+    try:
+        train_tf = create_transform(img_size, is_training=True, auto_augment=auto_augment, re_prob=re_prob,
+                                    **stats)
+    except (AssertionError, ValueError, KeyError) as exc:
+        raise DataError(f"auto_augment {auto_augment!r} is not a timm augmentation policy (e.g. "
+                        f"{DEFAULT_AUTO_AUGMENT!r}, 'augmix-m5', 'original'): {exc}") from exc
+    test_tf = create_transform(img_size, is_training=False, **stats)
 
-    def folder(path: Path) -> ImageFolder:
+    def folder(path: Path, transform: Callable[[Any], torch.Tensor]) -> ImageFolder:
         try:
-            return ImageFolder(str(path), transform=tf)
+            return ImageFolder(str(path), transform=transform)
         except (FileNotFoundError, OSError) as exc:
             raise DataError(f"{path}: {exc}; expected {expected}") from exc
 
     test_dir = next((root / s for s in ("val", "test") if (root / s).is_dir()), None)
     if (root / "train").is_dir() and test_dir is not None:
-        train, test = folder(root / "train"), folder(test_dir)
+        train, test = folder(root / "train", train_tf), folder(test_dir, test_tf)
         if train.classes != test.classes:
             raise DataError(f"class folders differ between {root / 'train'} and {test_dir}")
         classes = train.classes
     else:
-        full = folder(root)
-        tr, te = _stratified_split(np.asarray(full.targets), test_size, seed)
-        train, test, classes = Subset(full, tr.tolist()), Subset(full, te.tolist()), full.classes
+        full_train, full_test = folder(root, train_tf), folder(root, test_tf)
+        tr, te = _stratified_split(np.asarray(full_train.targets), test_size, seed)
+        train, test, classes = Subset(full_train, tr.tolist()), Subset(full_test, te.tolist()), full_train.classes
     info = DatasetInfo(name="imagefolder", kind="image", num_classes=len(classes), num_train=len(train),
                        num_test=len(test), mean=list(IMAGENET_DEFAULT_MEAN), std=list(IMAGENET_DEFAULT_STD),
                        in_chans=3, img_size=img_size, class_names=list(classes))
@@ -359,15 +375,20 @@ def available_datasets() -> list[str]:
 
 
 def load_dataset(name: str, *, data_dir: str | os.PathLike | None = None, seed: int = 0, test_size: float = 0.2,
-                 img_size: int = 224) -> tuple[Dataset, Dataset, DatasetInfo]:
+                 img_size: int = 224, auto_augment: str | None = DEFAULT_AUTO_AUGMENT,
+                 re_prob: float = 0.25) -> tuple[Dataset, Dataset, DatasetInfo]:
     """Load dataset ``name`` as ``(train_ds, test_ds, info)``; items are ``(x, label)`` pairs.
 
     Built-in sets are split (stratified, ``test_size``, ``seed``); directory sets use their own
-    train/test files and split only when one of them is present. ``img_size`` applies to
-    ``imagefolder`` only. Shapes of x: digits (1, 8, 8); digits_rows (8, 8); tabular (F,);
-    mnist (1, 28, 28); cifar (3, 32, 32); imagefolder (3, img_size, img_size).
+    train/test files and split only when one of them is present. ``img_size``, ``auto_augment``
+    (a timm policy string, None for none) and ``re_prob`` (random-erasing probability) apply to
+    the ``imagefolder`` training images only. Shapes of x: digits (1, 8, 8); digits_rows (8, 8);
+    tabular (F,); mnist (1, 28, 28); cifar (3, 32, 32); imagefolder (3, img_size, img_size).
     """
     key = name.lower().replace("-", "_")
     if key not in _LOADERS:
         raise DataError(f"unknown dataset {name!r}; expected one of {', '.join(_LOADERS)}")
+    if key == "imagefolder":
+        return _load_imagefolder(key, data_dir, seed, test_size, img_size, auto_augment=auto_augment,
+                                 re_prob=re_prob)
     return _LOADERS[key](key, data_dir, seed, test_size, img_size)

@@ -1,9 +1,10 @@
-"""Training loop for polynomial classifiers: AdamW, warm-up + cosine, AMP, EMA, Mixup, DDP, resume.
+"""Training loop for polynomial classifiers: timm's optimizers and schedules, AMP, EMA, Mixup, DDP, resume.
 
 ``Trainer(model, TrainConfig(...)).fit(train_ds, val_ds) -> history`` trains a classifier on
-``(x, label)`` datasets. The recipe follows the MONet paper: AdamW with linear warm-up and cosine
-decay (updated every step), label smoothing, gradient clipping, optional EMA and timm's
-Mixup/CutMix for images. The device is picked automatically (CUDA > MPS > CPU); on CUDA the
+``(x, label)`` datasets. The recipe follows the MONet paper: AdamW (``timm.optim.create_optimizer_v2``,
+which keeps biases, norm weights and the model's ``no_weight_decay()`` names out of weight decay)
+with linear warm-up and cosine decay (``timm.scheduler.create_scheduler_v2``, updated every step),
+label smoothing, gradient clipping, optional EMA and timm's Mixup/CutMix for images. The device is picked automatically (CUDA > MPS > CPU); on CUDA the
 forward runs under bf16/fp16 autocast with channels-last memory. Under ``torchrun`` the model is
 wrapped in DistributedDataParallel and only rank 0 writes. With ``out_dir`` set, every run writes
 ``run.json``, ``metrics.jsonl`` (one JSON object per line) and ``last.pt`` (plus ``best.pt`` when
@@ -42,16 +43,23 @@ from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
 from polynets.program import atomic_write_bytes
 
 __all__ = [
-    "ResumableDistributedSampler", "TrainConfig", "Trainer", "read_metrics_log", "seed_everything", "warmup_cosine",
+    "ResumableDistributedSampler", "SCHEDULES", "TrainConfig", "Trainer", "read_metrics_log", "seed_everything",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+SCHEDULES = ("cosine", "tanh", "poly")
+"""Learning-rate schedules of ``TrainConfig.sched`` (timm's names): each warms up linearly from
+``min_lr`` for ``warmup_epochs``, then decays to ``min_lr`` at the end of the run."""
 
 
 @dataclass
 class TrainConfig:
     """Hyper-parameters and run settings of :class:`Trainer` (defaults suit small image sets).
 
+    ``opt`` is any optimizer name of ``timm.optim.list_optimizers()`` (default ``"adamw"``);
+    ``sched`` one of :data:`SCHEDULES`; ``layer_decay`` (None: off) scales each layer's learning
+    rate by ``layer_decay ** (layers after it)`` through the model's ``group_matcher``.
     ``warmup_epochs`` may be fractional; ``clip_grad`` is a max global L2 norm (None: off);
     ``amp`` is ``"auto"|"bf16"|"fp16"|"off"`` (autocast on CUDA only); ``checkpoint_every`` is
     in epochs; ``log_every`` in optimizer steps; ``num_classes`` is needed by Mixup/CutMix when
@@ -60,8 +68,11 @@ class TrainConfig:
 
     epochs: int = 10
     batch_size: int = 64
+    opt: str = "adamw"
+    sched: str = "cosine"
     lr: float = 1e-3
     weight_decay: float = 0.05
+    layer_decay: float | None = None
     warmup_epochs: float = 1.0
     min_lr: float = 1e-5
     label_smoothing: float = 0.0
@@ -101,6 +112,15 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.ema_decay must be in (0, 1) or None, got {self.ema_decay}")
         if self.min_lr > self.lr:
             raise ConfigError(f"TrainConfig.min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.sched not in SCHEDULES:
+            raise ConfigError(f"TrainConfig.sched must be one of {SCHEDULES}, got {self.sched!r}")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ConfigError(f"TrainConfig.layer_decay must be in (0, 1] or None, got {self.layer_decay}")
+        from timm.optim import list_optimizers
+
+        if self.opt.lower() not in list_optimizers():
+            raise ConfigError(f"TrainConfig.opt {self.opt!r} is not one of timm's optimizers "
+                              f"(timm.optim.list_optimizers(), e.g. 'adamw', 'sgd', 'lamb')")
 
 
 def seed_everything(seed: int) -> None:
@@ -108,14 +128,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR factor at ``step``: linear ramp (step+1)/warmup, then min + (1-min)(1+cos(pi p))/2, p in [0, 1]."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -233,7 +245,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.global_step = 0
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.scheduler: Any = None  # a timm.scheduler.Scheduler, stepped per optimizer update
         self.ema: Any = None
         self.out_dir = Path(self.config.out_dir) if self.config.out_dir else None
 
@@ -245,19 +257,26 @@ class Trainer:
         return int(n)
 
     def _build_optimizer(self, steps_per_epoch: int) -> None:
+        """timm's optimizer (weight decay off for biases, norms and ``no_weight_decay()`` names)
+        and its per-update schedule: warm-up over whole steps, then decay to ``min_lr``."""
+        from timm.optim import create_optimizer_v2
+        from timm.scheduler import create_scheduler_v2
+
         cfg = self.config
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim > 1]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim <= 1]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+        self.optimizer = create_optimizer_v2(self.model, cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                             layer_decay=cfg.layer_decay)
         total = cfg.epochs * steps_per_epoch
-        warmup = min(total, max(0, round(cfg.warmup_epochs * steps_per_epoch)))
-        min_ratio = cfg.min_lr / cfg.lr
+        warmup_steps = min(total, round(cfg.warmup_epochs * steps_per_epoch))
+        decay_steps = max(1, total - warmup_steps)
+        self.scheduler, _ = create_scheduler_v2(
+            self.optimizer, cfg.sched, num_epochs=decay_steps / steps_per_epoch, min_lr=cfg.min_lr,
+            warmup_lr=cfg.min_lr, warmup_epochs=warmup_steps / steps_per_epoch, warmup_prefix=True,
+            step_on_epochs=False, updates_per_epoch=steps_per_epoch)
 
-        def factor(step: int) -> float:
-            return warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+    def _lr(self) -> float:
+        """The scheduled learning rate (of the last layers, under layer decay)."""
+        assert self.optimizer is not None
+        return max(group["lr"] for group in self.optimizer.param_groups)
 
     def _train_loss(self, mixing: bool) -> LossFn:
         if self.loss_fn is not None:
@@ -323,8 +342,6 @@ class Trainer:
         assert self.optimizer is not None and self.scheduler is not None
         if ckpt["optimizer"] is not None:
             self.optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt["scheduler"] is not None:
-            self.scheduler.load_state_dict(ckpt["scheduler"])
         extra = ckpt["extra"]
         saved_batch = (extra.get("config") or {}).get("batch_size", self.config.batch_size)
         if extra.get("batch_in_epoch", 0) and saved_batch != self.config.batch_size:
@@ -335,6 +352,8 @@ class Trainer:
         if extra.get("scaler") is not None:
             scaler.load_state_dict(extra["scaler"])
         self.global_step = int(ckpt["step"])
+        # the schedule is a function of the step: this run's settings (e.g. more epochs) apply from here on
+        self.scheduler.step_update(self.global_step)
         self.history = list(extra.get("history", []))
         return int(ckpt["epoch"]), int(extra.get("batch_in_epoch", 0)), dict(extra.get("progress", {})), ckpt["rng"]
 
@@ -472,8 +491,8 @@ class Trainer:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
                 scaler.step(self.optimizer)
                 scaler.update()
-                self.scheduler.step()
                 self.global_step += 1
+                self.scheduler.step_update(self.global_step)
                 if self.ema is not None:
                     self.ema.update(self.model, step=self.global_step)
                 n = y.shape[0]
@@ -498,7 +517,7 @@ class Trainer:
                                     samples_s=f"{rate:.0f}")
                     if log is not None:
                         log.write({"kind": "step", "epoch": epoch + 1, "step": self.global_step, "loss": mean_loss,
-                                   "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate})
+                                   "lr": self._lr(), "samples_per_s": rate})
                     window_loss.zero_()
                     window_seen, t_log = 0, now
                 if self._stop_requested(interrupted):
@@ -514,7 +533,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         loss_sum, correct, total_seen = self._reduced(sums, seen)
         return {"kind": "epoch", "epoch": epoch + 1, "step": self.global_step,
-                "lr": self.optimizer.param_groups[0]["lr"], "train_loss": loss_sum / max(total_seen, 1.0),
+                "lr": self._lr(), "train_loss": loss_sum / max(total_seen, 1.0),
                 "train_accuracy": correct / max(total_seen, 1.0),
                 "samples_per_s": (total_seen - restored_total) / max(elapsed, 1e-9), "time_s": elapsed}
 

@@ -99,6 +99,18 @@ def test_train_eval_certify_plot_tour(tmp_path, capsys):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_train_takes_timm_optimizer_and_schedule_names(tmp_path, capsys):
+    run = tmp_path / "run"
+    base = ["train", "--epochs", "1", "--model-arg", "embed_dim=8", "--model-arg", "depth=1",
+            "--max-train-samples", "64", "--batch-size", "32", "--no-progress", "--device", "cpu"]
+    assert cli.main(base + ["--opt", "sgd", "--sched", "tanh", "--layer-decay", "0.8", "--out", str(run)]) == 0
+    config = json.loads((run / "run.json").read_text())["config"]
+    assert (config["opt"], config["sched"], config["layer_decay"]) == ("sgd", "tanh", 0.8)
+    capsys.readouterr()
+    assert cli.main(base + ["--opt", "no_such_optimizer"]) == 2
+    assert "timm.optim.list_optimizers()" in capsys.readouterr().err
+
+
 def test_image_model_on_tabular_data_is_refused_with_a_hint(capsys):
     assert cli.main(["train", "--dataset", "wine", "--epochs", "1"]) == 2
     assert "takes images" in capsys.readouterr().err

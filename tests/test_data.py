@@ -126,3 +126,39 @@ def test_imagefolder_splits_one_directory(tmp_path):
 def test_unknown_dataset_lists_the_choices():
     with pytest.raises(DataError, match="expected one of digits"):
         load_dataset("imagenet")
+
+
+def _noise_folder(root: Path, classes=("cat", "dog"), per_class: int = 3) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in classes:
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / cls / f"{i}.png")
+
+
+def test_imagefolder_training_images_get_timm_augmentation_and_test_images_stay_fixed(tmp_path):
+    _noise_folder(tmp_path / "train")
+    _noise_folder(tmp_path / "val", per_class=1)
+    train, test, info = load_dataset("imagefolder", data_dir=tmp_path, img_size=16)
+    steps = [type(t).__name__ for t in train.transform.transforms]
+    assert "RandAugment" in steps and "RandomErasing" in steps
+    torch.manual_seed(0)
+    views = [train[0][0] for _ in range(4)]
+    assert views[0].shape == (3, 16, 16)
+    assert any(not torch.equal(views[0], v) for v in views[1:])
+    assert torch.equal(test[0][0], test[0][0]) and test[0][0].shape == (3, 16, 16)
+    assert "RandAugment" not in [type(t).__name__ for t in test.transform.transforms]
+    plain, _, _ = load_dataset("imagefolder", data_dir=tmp_path, img_size=16, auto_augment=None, re_prob=0.0)
+    steps = [type(t).__name__ for t in plain.transform.transforms]
+    assert "RandAugment" not in steps and "RandomErasing" not in steps
+
+
+def test_imagefolder_rejects_unknown_augmentation_settings(tmp_path):
+    _noise_folder(tmp_path)
+    with pytest.raises(DataError, match="not a timm augmentation policy"):
+        load_dataset("imagefolder", data_dir=tmp_path, img_size=16, auto_augment="foo")
+    with pytest.raises(DataError, match="re_prob"):
+        load_dataset("imagefolder", data_dir=tmp_path, img_size=16, re_prob=2.0)

@@ -16,7 +16,7 @@ import polynets as pn
 from polynets.data import load_dataset
 from polynets.device import autocast_dtype, select_device
 from polynets.errors import ConfigError, TrainingDivergedError
-from polynets.train import TrainConfig, Trainer, warmup_cosine
+from polynets.train import TrainConfig, Trainer
 
 MONET_KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
 
@@ -153,49 +153,82 @@ def test_config_rejects_bad_values():
         TrainConfig(batch_size=0)
     with pytest.raises(ConfigError, match="min_lr"):
         TrainConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(ConfigError, match="sched must be one of"):
+        TrainConfig(sched="plateau")
+    with pytest.raises(ConfigError, match="not one of timm's optimizers"):
+        TrainConfig(opt="adamx")
+    with pytest.raises(ConfigError, match="layer_decay"):
+        TrainConfig(layer_decay=1.5)
 
 
-def test_warmup_cosine_schedule_shape():
-    factors = [warmup_cosine(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(20)]
-    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
-    assert math.isclose(warmup_cosine(20, warmup_steps=4, total_steps=20, min_ratio=0.1), 0.1)
+class _LrRecorder(nn.Module):
+    """Cross-entropy that records the optimizer's learning rate at every training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainer: Trainer | None = None
+        self.lrs: list[float] = []
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.lrs.append(self.trainer.optimizer.param_groups[0]["lr"])
+        return nn.functional.cross_entropy(logits, target)
 
 
-def test_auto_device_is_cpu_without_accelerators():
-    if not torch.cuda.is_available() and not torch.backends.mps.is_available():
-        assert select_device("auto") == torch.device("cpu")
-    assert select_device("cpu") == torch.device("cpu")
-    assert select_device(torch.device("cpu")) == torch.device("cpu")
+def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_min_lr(tmp_path, digits):
+    train, _, _ = digits
+    recorder = _LrRecorder()
+    trainer = Trainer(small_monet(), config(tmp_path, epochs=2, warmup_epochs=0.4, lr=1e-2, min_lr=1e-4,
+                                            out_dir=None), loss_fn=recorder)
+    recorder.trainer = trainer
+    trainer.fit(train)
+    lrs = recorder.lrs  # 10 steps per epoch: 4 of warm-up, 16 of decay
+    assert len(lrs) == 20
+    assert lrs[:4] == pytest.approx([1e-4 + k * (1e-2 - 1e-4) / 4 for k in range(4)])
+    assert lrs[4] == pytest.approx(1e-2)
+    for k in range(16):
+        cosine = 1e-4 + (1e-2 - 1e-4) * 0.5 * (1 + math.cos(math.pi * k / 16))
+        assert lrs[4 + k] == pytest.approx(cosine)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
-def test_auto_prefers_cuda_then_mps(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert select_device("auto") == torch.device("cuda")
-    assert select_device("cuda") == torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert select_device("auto") == torch.device("mps")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    assert select_device("auto") == torch.device("cpu")
+def test_optimizer_keeps_biases_norms_and_no_weight_decay_names_out_of_decay(tmp_path, digits):
+    from polynets.models.padre_vit import PADReViT
+
+    train, _, _ = digits
+    torch.manual_seed(0)
+    model = PADReViT(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=8, depth=1,
+                     kernel_size=3)
+    trainer = Trainer(model, config(tmp_path, epochs=1, weight_decay=0.1, out_dir=None))
+    trainer.fit(Subset(train, range(64)))
+    decay = {id(p): g["weight_decay"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    assert decay[id(model.pos_embed)] == 0.0
+    assert decay[id(model.stem.proj.bias)] == 0.0 and decay[id(model.norm.weight)] == 0.0
+    assert decay[id(model.stem.proj.weight)] == 0.1 and decay[id(model.head.weight)] == 0.1
 
 
-def test_unavailable_or_unknown_devices_raise_config_error(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    for name in ("cuda", "cuda:1", "mps"):
-        with pytest.raises(ConfigError, match="not available"):
-            select_device(name)
-    with pytest.raises(ConfigError, match="unknown device"):
-        select_device("tpu-ish")
+def test_opt_and_layer_decay_choose_timm_optimizer_and_per_layer_rates(tmp_path, digits):
+    train, _, _ = digits
+    trainer = Trainer(small_monet(), config(tmp_path, epochs=1, opt="sgd", layer_decay=0.5, out_dir=None))
+    trainer.fit(Subset(train, range(64)))
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    scales = {g["lr_scale"] for g in trainer.optimizer.param_groups}
+    rates = {g["lr"] for g in trainer.optimizer.param_groups}
+    assert len(scales) > 1 and max(scales) == 1.0
+    assert max(rates) == pytest.approx(trainer.history[-1]["lr"])
 
 
-def test_autocast_only_on_cuda():
-    cpu = torch.device("cpu")
-    assert autocast_dtype(cpu, "auto") is None and autocast_dtype(cpu, "off") is None
-    assert autocast_dtype(torch.device("cuda"), "fp16") == torch.float16
-    assert autocast_dtype(torch.device("cuda"), "bf16") == torch.bfloat16
-    with pytest.raises(ConfigError, match="needs a CUDA device"):
-        autocast_dtype(cpu, "bf16")
-    with pytest.raises(ConfigError, match="unknown amp"):
-        autocast_dtype(cpu, "fp8")
+def test_resume_with_more_epochs_follows_the_longer_schedule(tmp_path, digits):
+    train, _, _ = digits
+    settings = dict(warmup_epochs=0.0, lr=1e-2, min_lr=1e-4)
+    short = Trainer(small_monet(), config(tmp_path, epochs=1, **settings), model_name="monet")
+    short.fit(train)
+    assert short.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    recorder = _LrRecorder()
+    longer = Trainer(small_monet(), config(tmp_path, epochs=2, **settings), model_name="monet", loss_fn=recorder)
+    recorder.trainer = longer
+    longer.fit(train, resume=True)
+    assert len(recorder.lrs) == 10  # only the second epoch runs
+    for k, lr in enumerate(recorder.lrs, start=10):
+        assert lr == pytest.approx(1e-4 + (1e-2 - 1e-4) * 0.5 * (1 + math.cos(math.pi * k / 20)))
