@@ -408,8 +408,9 @@ class Server:
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
             for k, c in zip(live, g):
                 full[k] = c
-            res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full),
-                             "evaluation")
+            fanin = prog.options.get("fused_fanin")
+            res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
+                                               fanin=fanin), "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
         assert plan is not None and self.kernels is not None

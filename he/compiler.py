@@ -22,7 +22,7 @@ from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
-from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan,
+from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, live_rows
 from polynets.errors import ProgramFormatError, TraceError
@@ -140,9 +140,24 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
                                                   len(plan.steps))}
 
 
+def _level_moduli(params: CKKSParams) -> list[list[int]]:
+    """Stand-ins for the primes of every level (their sizes are what the fused maps' digits
+    depend on)."""
+    bits = params.coeff_mod_bit_sizes[:-1]
+    return [[2 ** b - 1 for b in bits[:_limbs(params, lv)]] for lv in range(params.levels + 1)]
+
+
+def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
+                 costs: CostModel) -> list[int]:
+    """Per step, the fan-in from which batch packing fuses rows, chosen by the cost model."""
+    ring = params.poly_modulus_degree
+    return choose_fanin(lowered, live, _level_moduli(params), params.scale,
+                        lambda counts, level: costs.price(counts, ring, _limbs(params, level)))
+
+
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
-                   costs: CostModel) -> dict[str, Any]:
-    counts = batch_counts(lowered, live)
+                   costs: CostModel, fanin: list[int]) -> dict[str, Any]:
+    counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
     seconds = 0.0
@@ -160,7 +175,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         alive = [j for j in range(si + 1) if last[j] >= si]
         held = max(held, sum(2 * ring * _limbs(params, levels[j]) * 8 * int(live[j].sum())
                              for j in alive))
-    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     client = int(live[0].sum()) * costs.seconds("encrypt", ring, _limbs(params, 0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
@@ -213,6 +228,11 @@ class CompiledProgram:
         else:
             live = live_rows(self.lowered)
             self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
+            fanin = self.options.get("fused_fanin")
+            if fanin is not None and (
+                    not isinstance(fanin, list) or len(fanin) != len(self.lowered.steps)
+                    or any(type(f) is not int or f < 0 for f in fanin)):
+                raise ValueError("fused_fanin must hold one non-negative integer per step")
         self.plan.predicted = dict(self.options.get("predicted", {}))
         self.plan.why = str(self.options.get("why", ""))
         meta = json.dumps({"params": params.to_dict(), "packing": packing,
@@ -451,8 +471,14 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                            f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client "
                            f"encryption included)")
         else:
-            opts["predicted"] = _predict_batch(lowered, live_rows(lowered), params, costs)
-            opts["why"] = "one sample per slot; dead inputs and outputs skipped"
+            live = live_rows(lowered)
+            fanin = _batch_fanin(lowered, live, params, costs)
+            opts["fused_fanin"] = fanin
+            opts["predicted"] = _predict_batch(lowered, live, params, costs, fanin)
+            fused = sum(f > 0 for f in fanin)
+            opts["why"] = (f"one sample per slot; dead inputs and outputs skipped; {fused} "
+                           f"weighted steps as fused integer matrix products (rows from the "
+                           f"fan-in the cost model chose)")
         return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,
                                _plan=plan if packing == "vector" else None)
     if error is not None:

@@ -11,6 +11,12 @@ Primitives: ``rotate`` (one key-switched rotation), ``mul_plain`` (ciphertext x 
 ciphertext), ``encode`` (one slot vector to a plaintext) and, on the client, ``encrypt`` (encode,
 encrypt with the secret key and serialise one input ciphertext).
 
+Batch packing's fused linear maps (:mod:`he.fused`) are priced per word instead
+(:data:`WORD_PRIMITIVES`, seconds per ring coefficient of work as
+:meth:`he.fused.FusedMap.work` counts it): ``fused_mac`` (one multiply-accumulate of one digit),
+``fused_in`` (one input word digit gathered), ``fused_out`` (one output word digit reduced), and
+``alloc`` (a fresh output ciphertext, per word it holds).
+
 :func:`measure` times the primitives on this machine (about half a minute);
 :func:`default_model` returns the table cached by :func:`calibrate` on this machine
 (``$XDG_CACHE_HOME/polynets/he-costs.json``) when there is one, else the table shipped with the
@@ -24,15 +30,21 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["PRIMITIVES", "CostModel", "measure", "calibrate", "default_model", "cache_path"]
+__all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "CostModel", "measure", "measure_fused", "calibrate",
+           "default_model", "cache_path"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt")
+WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
+#: Seconds per word of the fused primitives where a table predates them (measured on a 2-core
+#: x86-64 machine with :func:`measure_fused`).
+DEFAULT_WORD_COSTS = {"fused_mac": 0.15e-9, "fused_in": 4e-9, "fused_out": 12e-9,
+                      "alloc": 8e-9}
 _SHIPPED = Path(__file__).with_name("cost_table.json")
 
 
@@ -42,11 +54,17 @@ class CostModel:
 
     table: dict[int, dict[str, list[tuple[int, float]]]]
     source: str = ""
+    words: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WORD_COSTS))
 
     def seconds(self, op: str, ring: int, limbs: int) -> float:
-        """Predicted seconds of one ``op`` on a ciphertext of ``limbs`` primes in ring ``ring``."""
+        """Predicted seconds of one ``op`` on a ciphertext of ``limbs`` primes in ring ``ring``
+        (for a word primitive: of one unit of :meth:`he.fused.FusedMap.work` per coefficient,
+        or, for ``alloc``, of one fresh ciphertext)."""
+        if op in WORD_PRIMITIVES:
+            per = self.words.get(op, DEFAULT_WORD_COSTS[op])
+            return per * ring * (2 * max(limbs, 1) if op == "alloc" else 1)
         if op not in PRIMITIVES:
-            raise ValueError(f"unknown primitive {op!r}; one of {PRIMITIVES}")
+            raise ValueError(f"unknown primitive {op!r}; one of {PRIMITIVES + WORD_PRIMITIVES}")
         rings = sorted(self.table)
         if ring not in self.table:
             # scale from the nearest measured ring: costs are about N log N per limb
@@ -68,7 +86,7 @@ class CostModel:
         return sum(n * self.seconds(op, ring, limbs) for op, n in counts.items() if n)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source,
+        return {"source": self.source, "words": dict(self.words),
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
                           for r, ops in self.table.items()}}
 
@@ -80,7 +98,12 @@ class CostModel:
             missing = set(PRIMITIVES) - set(ops)
             if missing or any(not pts for pts in ops.values()):
                 raise ValueError(f"cost table for N={r} lacks {sorted(missing)}")
-        return cls(table, str(d.get("source", "")))
+        words = dict(DEFAULT_WORD_COSTS)
+        for k, v in dict(d.get("words", {})).items():
+            if k not in WORD_PRIMITIVES or not float(v) > 0:
+                raise ValueError(f"cost table: bad word cost {k!r}: {v!r}")
+            words[k] = float(v)
+        return cls(table, str(d.get("source", "")), words)
 
 
 def cache_path() -> Path:
@@ -176,12 +199,68 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
 
 
+def measure_fused(ring: int = 8192, *, repeats: int = 3) -> dict[str, float]:
+    """Seconds per word of the fused primitives (:data:`WORD_PRIMITIVES`): dense weight blocks of
+    several shapes applied to real ciphertexts, fitted by non-negative least squares; ``alloc``
+    from fresh ciphertexts."""
+    import scipy.optimize
+    import scipy.sparse as sp
+    import tenseal.sealapi as seal
+
+    from he.backend import Engine
+    from he.fused import fuse_map, raw_access
+    from he.params import CKKSParams
+
+    params = CKKSParams(ring, (35, 27, 27, 27, 45), 27, 3, 128, 0.0, 1.0, "fused-map timing")
+    eng = Engine(params)
+    keygen = seal.KeyGenerator(eng.context)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    encryptor = seal.Encryptor(eng.context, pk)
+    cts = []
+    for i in range(96):
+        ct = seal.Ciphertext()
+        encryptor.encrypt(eng.encode_scalar(0.01 * i, 0, eng.scales[0]), ct)
+        cts.append(ct)
+    raw = raw_access(cts[0])
+    if not raw.ok:
+        return dict(DEFAULT_WORD_COSTS)
+    moduli = [m.value() for m in eng.context.get_context_data(cts[0].parms_id()).parms()
+              .coeff_modulus()]
+    rng = np.random.default_rng(0)
+    rows, times = [], []
+    for r_out, k in [(64, 64), (8, 8), (96, 12), (12, 96), (32, 32), (1, 96)]:
+        w = rng.normal(size=(r_out, k)) * 0.5
+        fmap, _ = fuse_map([sp.csr_matrix(w)], [np.ones(k, bool)], [np.full(k, eng.scales[0])],
+                           np.arange(r_out), moduli)
+        assert fmap is not None
+        outs = []
+        for _ in range(r_out):
+            out = seal.Ciphertext()
+            eng.evaluator.negate(cts[0], out)
+            outs.append(out)
+        work = fmap.work(moduli)
+        rows.append([work["fused_mac"] * ring, work["fused_in"] * ring,
+                     work["fused_out"] * ring])
+        times.append(_time(lambda: fmap.apply(raw, cts[:k], outs, moduli), 1))
+    sol, _ = scipy.optimize.nnls(np.array(rows), np.array(times))
+    words = {k: max(float(v), 1e-12) for k, v in zip(WORD_PRIMITIVES, sol)}
+
+    def fresh() -> None:
+        for _ in range(16):
+            eng.evaluator.negate(cts[0], seal.Ciphertext())
+
+    words["alloc"] = _time(fresh, 1) / 16 / (2 * len(moduli) * ring)
+    return words
+
+
 def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:
     """Measure this machine's costs and cache them (atomically) where :func:`default_model`
     looks; returns the model."""
     from polynets.program import atomic_write_bytes
 
     model = measure(progress=progress)
+    model.words = measure_fused()
     target = Path(path) if path is not None else cache_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(target, json.dumps(model.to_dict(), indent=1).encode())

@@ -179,70 +179,126 @@ class FusedMap:
     blocks: list[_Block]
     macs: int                 # multiply-accumulates per word (sum of block sizes)
 
+    def work(self, moduli: Sequence[int], size: int = 2) -> dict[str, float]:
+        """Work of one application to ciphertexts of ``size`` polynomials over ``moduli``, per
+        ring coefficient, as :class:`~he.costmodel.CostModel` prices it: ``fused_mac``
+        (multiply-accumulates x digits), ``fused_in`` (input words gathered x digits) and
+        ``fused_out`` (output words reduced x digits)."""
+        mac = w_in = w_out = 0.0
+        for blk in self.blocks:
+            for q in moduli:
+                digits = _digit_plan(blk.l1, q)[1]
+                mac += size * digits * blk.rows.size * blk.cols.size
+                w_in += size * digits * blk.cols.size
+                w_out += size * digits * blk.rows.size
+        return {"fused_mac": mac, "fused_in": w_in, "fused_out": w_out}
+
     def apply(self, raw: RawAccess, inputs: Sequence[Any], outputs: Sequence[Any],
               moduli: Sequence[int]) -> None:
         """``outputs[r] <- sum_c W[r, c] inputs[c]`` word by word, modulo each limb's prime.
 
-        ``inputs`` are at one level (the ``moduli``); ``outputs`` are ciphertexts of that level and
-        size, whose words are overwritten.
+        ``outputs`` are ciphertexts at the level of the ``moduli`` (their words are overwritten);
+        ``inputs`` at that level or below it (more limbs): switching a ciphertext down a level
+        without rescaling drops its last limbs, so only the first ``len(moduli)`` are read.
         """
-        xs = [raw.view(c) for c in inputs]
-        ys = [raw.view(c) for c in outputs]
-        n_rows, n = xs[0].shape
         limbs = len(moduli)
+        ys = [raw.view(c) for c in outputs]
+        n_rows, n = ys[0].shape
+        size = n_rows // limbs
+        xs = [raw.view(c) for c in inputs]
+        ws = _WORKSPACE
         for blk in self.blocks:
-            src = [xs[c] for c in blk.cols]
-            dst = [ys[r] for r in blk.rows]
             # view rows (polynomial-major, limb-minor) grouped by their digit plan
-            plans: dict[tuple[int, int], list[int]] = {}
-            for row in range(n_rows):
-                plans.setdefault(_digit_plan(blk.l1, moduli[row % limbs]), []).append(row)
-            if any(k == 0 for _, k in plans):
-                raise ValueError("weights too large for exact float64 products")
-            # a tile's gathered words stay within a few tens of MB
-            tile = max(256, min(n, (1 << 22) // max(1, len(src) * n_rows)))
-            for lo in range(0, n, tile):
-                hi = min(n, lo + tile)
-                gathered = np.stack([s[:, lo:hi] for s in src])              # (k, rows, t)
-                for (bits, n_digits), rows in plans.items():
-                    sel = gathered if len(rows) == n_rows else gathered[:, rows]
-                    q = np.asarray([moduli[r % limbs] for r in rows], dtype=np.float64)
-                    res = _modular_product(blk.weights, sel, q, bits, n_digits)
-                    for j, d in enumerate(dst):
-                        if len(rows) == n_rows:
+            plans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for p in range(size):
+                for limb in range(limbs):
+                    plans.setdefault(_digit_plan(blk.l1, moduli[limb]), []).append((p, limb))
+            k, r_out = blk.cols.size, blk.rows.size
+            for (bits, n_digits), pl in plans.items():
+                q = np.asarray([moduli[limb] for _, limb in pl], dtype=np.float64)
+                out_rows = np.asarray([p * limbs + limb for p, limb in pl])
+                in_rows = {}
+                for c in blk.cols:
+                    width = xs[c].shape[0] // size
+                    if width not in in_rows:
+                        in_rows[width] = np.asarray([p * width + limb for p, limb in pl])
+                rows = len(pl)
+                # a tile's buffers stay within a few tens of MB
+                tile = max(256, min(n, (1 << 21) // max(1, max(k, r_out) * rows)))
+                for lo in range(0, n, tile):
+                    hi = min(n, lo + tile)
+                    t = hi - lo
+                    x = ws.get("x", (k, rows, t), np.uint64)
+                    for i, c in enumerate(blk.cols):
+                        v = xs[c]
+                        np.take(v[:, lo:hi], in_rows[v.shape[0] // size], axis=0, out=x[i])
+                    res = _modular_product(blk.weights, x, q, bits, n_digits, ws)
+                    for j, r in enumerate(blk.rows):
+                        d = ys[r]
+                        if rows == n_rows:
                             np.copyto(d[:, lo:hi], res[j], casting="unsafe")
                         else:
-                            d[rows, lo:hi] = res[j]
+                            d[out_rows, lo:hi] = res[j]
+
+
+class _Workspace:
+    """Scratch arrays reused across calls: fresh large temporaries are page-faulted in on every
+    use, which costs more than the arithmetic on them."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[tuple[str, Any], np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        need = int(np.prod(shape))
+        buf = self.bufs.get((name, dtype))
+        if buf is None or buf.size < need:
+            buf = np.empty(need, dtype=dtype)
+            self.bufs[(name, dtype)] = buf
+        return buf[:need].reshape(shape)
+
+
+_WORKSPACE = _Workspace()
 
 
 def _modular_product(w: np.ndarray, x: np.ndarray, q: np.ndarray, bits: int,
-                     n_digits: int) -> np.ndarray:
+                     n_digits: int, ws: _Workspace) -> np.ndarray:
     """``(w @ x) mod q`` as float64 in ``[0, q)``, for uint64 ``x`` (k, rows, t) whose row ``i``
     is reduced modulo ``q[i]``: unsigned ``bits``-bit digits of ``x``, one exact float64 product
-    each, recombined by Horner's rule with centred reductions."""
+    each, recombined by Horner's rule with centred reductions. Returns a workspace array."""
     k, rows, t = x.shape
+    r_out = w.shape[0]
     flat = x.reshape(k, rows * t)
     qb = q[None, :, None]
     qinv = 1.0 / qb
     mask = np.uint64((1 << bits) - 1)
-    acc = tmp = None
+    digit = ws.get("digit", (k, rows * t), np.uint64)
+    digit_f = ws.get("digit_f", (k, rows * t), np.float64)
+    acc = ws.get("acc", (r_out, rows * t), np.float64)
+    part = ws.get("part", (r_out, rows * t), np.float64)
+    tmp = ws.get("tmp", (r_out, rows, t), np.float64)
+    acc3 = acc.reshape(r_out, rows, t)
     for i in reversed(range(n_digits)):
-        d = flat >> np.uint64(i * bits) if i else flat
-        if i < n_digits - 1:
-            d = d & mask
-        part = (w @ d.astype(np.float64)).reshape(w.shape[0], rows, t)
-        if acc is None:
-            acc, tmp = part, np.empty_like(part)
+        if i:
+            np.right_shift(flat, np.uint64(i * bits), out=digit)
+            src = digit
         else:
+            src = flat
+        if i < n_digits - 1:
+            np.bitwise_and(src, mask, out=digit)
+            src = digit
+        np.copyto(digit_f, src, casting="unsafe")
+        if i == n_digits - 1:
+            np.matmul(w, digit_f, out=acc)
+        else:
+            np.matmul(w, digit_f, out=part)
             acc *= float(1 << bits)
             acc += part
-        np.multiply(acc, qinv, out=tmp)                   # centred: |acc| <= q/2 + 1 after
+        np.multiply(acc3, qinv, out=tmp)                  # centred: |acc| <= q/2 + 1 after
         np.rint(tmp, out=tmp)
         tmp *= qb
-        acc -= tmp
-    assert acc is not None
-    np.add(acc, qb, out=acc, where=acc < 0)
-    return acc
+        acc3 -= tmp
+    np.add(acc3, qb, out=acc3, where=acc3 < 0)
+    return acc3
 
 
 def fuse_map(mats: Sequence[sp.csr_matrix], ct_cols: Sequence[np.ndarray],

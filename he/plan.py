@@ -41,7 +41,8 @@ from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
-           "choose_plane_packing", "widest_period", "batch_counts"]
+           "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
+           "choose_fanin", "FANIN_CANDIDATES"]
 
 Order = tuple[int, ...] | None
 
@@ -643,25 +644,84 @@ def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,
     st.matvecs = []
 
 
-def batch_counts(lowered: Lowered, live: list[np.ndarray]) -> list[dict[str, int]]:
-    """Primitive counts of every step in batch packing (one ciphertext per live element)."""
+#: Fan-in thresholds :func:`choose_fanin` prices for each weighted step of batch packing (0: no
+#: fused rows).
+FANIN_CANDIDATES = (0, 2, 4, 8, 16, 32)
+
+
+def batch_step_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
+                      moduli: Sequence[int] | None, scale: float | None,
+                      min_fanin: int) -> dict[str, float]:
+    """Primitive counts of one step in batch packing (one ciphertext per live element).
+
+    Weighted affine rows with at least ``min_fanin`` ciphertext terms (``0``: none) go through
+    :func:`he.fused.fuse_map`, as on the server: fused words (``fused_mac``, ``fused_in``,
+    ``fused_out``, per ring coefficient), a fresh output ciphertext (``alloc``) and a rescale
+    each; the other rows one plaintext product and one addition per weight and a rescale.
+    """
+    from he.fused import fuse_map
+
+    c: dict[str, float] = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0,
+                           "encode": 0}
+    n_live = int(rows.sum())
+    if st.kind == "affine":
+        mats = [m.tocsr() for m in st.terms]
+        if affine_is_free(st, "batch"):
+            c["add"] = sum(int(np.diff(m.indptr)[rows].sum()) for m in mats)
+            return c
+        rest = np.flatnonzero(rows)
+        if min_fanin > 0 and moduli is not None and scale is not None:
+            fmap, covered = fuse_map(mats, list(in_live), [np.full(v.size, scale) for v in in_live],
+                                     rest, moduli, min_fanin=min_fanin)
+            if fmap is not None:
+                c.update(fmap.work(moduli))
+                c["alloc"] = covered.size
+                c["rescale"] += covered.size
+                rest = np.setdiff1d(rest, covered)
+        nnz = sum(int(np.diff(m.indptr)[rest].sum()) for m in mats)
+        c["mul_plain"] += nnz
+        c["add"] += nnz
+        c["rescale"] += rest.size
+    elif st.kind == "mul":
+        c["mul_ct"] = n_live
+        c["rescale"] = n_live
+    elif st.kind == "mul_int":
+        c["mul_plain"] = n_live
+    return c
+
+
+def batch_counts(lowered: Lowered, live: list[np.ndarray],
+                 moduli: Sequence[Sequence[int]] | None = None, scale: float | None = None,
+                 fanin: Sequence[int] | None = None) -> list[dict[str, float]]:
+    """:func:`batch_step_counts` of every step; ``moduli`` (the primes of every level, top
+    first), ``scale`` and the per-step ``fanin`` thresholds (default: no fused rows) say which
+    rows are fused."""
+    levels = step_levels(lowered.steps, "batch")
     out = []
     for si, st in enumerate(lowered.steps):
-        rows = live[si]
-        c = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0, "encode": 0}
-        n_live = int(rows.sum())
-        if st.kind == "affine":
-            nnz = sum(int(np.diff(m.tocsr().indptr)[rows].sum()) for m in st.terms)
-            if affine_is_free(st, "batch"):
-                c["add"] = nnz
-            else:
-                c["mul_plain"] = nnz
-                c["add"] = nnz
-                c["rescale"] = n_live
-        elif st.kind == "mul":
-            c["mul_ct"] = n_live
-            c["rescale"] = n_live
-        elif st.kind == "mul_int":
-            c["mul_plain"] = n_live
-        out.append(c)
+        level = max((levels[j] for j in st.inputs), default=0)
+        out.append(batch_step_counts(
+            st, live[si], [live[j] for j in st.inputs],
+            None if moduli is None else moduli[level], scale,
+            0 if fanin is None else int(fanin[si])))
     return out
+
+
+def choose_fanin(lowered: Lowered, live: list[np.ndarray], moduli: Sequence[Sequence[int]],
+                 scale: float, price: Callable[[dict[str, float], int], float]) -> list[int]:
+    """Per step, the fan-in from which batch packing fuses a weighted row (0: never), the
+    cheapest of :data:`FANIN_CANDIDATES` under ``price(counts, level)``."""
+    levels = step_levels(lowered.steps, "batch")
+    out = []
+    for si, st in enumerate(lowered.steps):
+        if st.kind != "affine" or affine_is_free(st, "batch"):
+            out.append(0)
+            continue
+        level = max((levels[j] for j in st.inputs), default=0)
+        ins = [live[j] for j in st.inputs]
+        best = min(FANIN_CANDIDATES, key=lambda f: price(
+            batch_step_counts(st, live[si], ins, moduli[level], scale, f), level))
+        out.append(int(best))
+    return out
+
+

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from he.backend import Engine
-from he.fused import add_constant, fuse_map, raw_access
+from he.fused import FUSED_MIN_FANIN, add_constant, fuse_map, raw_access
 from he.plan import VectorPlan
 from polynets.lowering import Lowered, Step, affine_is_free, integer_factor
 
@@ -132,12 +132,16 @@ class _Buffers:
 
 
 def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
-                level: int, cache: dict[Any, Any], buffers: _Buffers) -> dict[int, Elem]:
+                level: int, min_fanin: int, cache: dict[Any, Any],
+                buffers: _Buffers) -> dict[int, Elem]:
     """The rows of a weighted affine step computed as one integer matrix product
     (:mod:`he.fused`), constants added, rescaled once; rows left to SEAL's chain are absent.
 
-    Inputs below ``level`` are switched down without a rescale and their weights encoded at the
-    scale that brings each product to the common one, so no input is lifted."""
+    Inputs below ``level`` are read at ``level``'s limbs (a switch down without rescaling) with
+    their weights encoded at the scale that brings each product to the common one, so no input
+    is lifted or copied."""
+    if min_fanin <= 0:
+        return {}
     cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
     first = next((e for x in srcs for e in x if _is_ct(e)), None)
     if first is None or not raw_access(first).ok:
@@ -151,21 +155,12 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
     if key not in cache:
         col_scales = [product / np.asarray(eng.scales)[v] for v in lv]
         cache[key] = fuse_map([m.tocsr() for m in st.terms], cts, col_scales,
-                              np.flatnonzero(rows), moduli)
+                              np.flatnonzero(rows), moduli, min_fanin=min_fanin)
     fmap, covered = cache[key]
     if fmap is None:
         return {}
-    inputs = []
-    for x, c, v in zip(srcs, cts, lv):
-        for e, is_ct, el in zip(x, c, v):
-            if not is_ct:
-                continue
-            if el < level:
-                low = eng.new_ciphertext()
-                eng.evaluator.mod_switch_to(e, eng.parms_ids[level], low)
-                e = low
-            inputs.append(e)
-    template = next(e for e in inputs)
+    inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
+    template = next(e for e in inputs if eng.level(e) == level)
     outputs = [buffers.like(eng, template) for _ in range(covered.size)]
     fmap.apply(raw, inputs, outputs, moduli)
     # clear values (constants, padding) and the bias join at the product's scale
@@ -186,8 +181,8 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
 
 
 def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
-                  plains: dict[tuple[float, int], Any], fused_maps: dict[Any, Any],
-                  buffers: _Buffers) -> list[Elem]:
+                  plains: dict[tuple[float, int], Any], min_fanin: int,
+                  fused_maps: dict[Any, Any], buffers: _Buffers) -> list[Elem]:
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
     products rescaled once (or a plain sum when the step is a selection). Rows with several
     ciphertext terms are one fused integer matrix product (:mod:`he.fused`) where the process
@@ -196,7 +191,8 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     mats = [m.tocsr() for m in st.terms]
     free = affine_is_free(st, "batch")
     out: list[Elem] = [0.0] * st.n
-    fused = {} if free else _fused_rows(eng, si, st, srcs, rows, level, fused_maps, buffers)
+    fused = {} if free else _fused_rows(eng, si, st, srcs, rows, level, min_fanin, fused_maps,
+                                        buffers)
     for r, e in fused.items():
         out[r] = e
     rest = np.array([r for r in np.flatnonzero(rows) if r not in fused], dtype=np.int64)
@@ -245,9 +241,11 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
 
 
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
-              progress: bool = False) -> list[Elem]:
+              progress: bool = False, fanin: Sequence[int] | None = None) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
-    order; dead inputs, see :func:`live_rows`, may be given as ``0.0``)."""
+    order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
+    fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
+    default :data:`~he.fused.FUSED_MIN_FANIN`)."""
     steps = lowered.steps
     remaining = [0] * len(steps)
     for st in steps:
@@ -266,7 +264,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         if st.kind == "input":
             out = list(inputs)
         elif st.kind == "affine":
-            out = _affine_batch(eng, si, st, ins, rows, plains, fused_maps, buffers)
+            out = _affine_batch(eng, si, st, ins, rows, plains,
+                                FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
+                                fused_maps, buffers)
         elif st.kind == "mul":
             out = [_mul_elem(eng, p, q) if r else 0.0 for p, q, r in zip(ins[0], ins[1], rows)]
         else:
