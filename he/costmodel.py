@@ -43,8 +43,8 @@ PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encr
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
 #: Seconds per word of the fused primitives where a table predates them (measured on a 2-core
 #: x86-64 machine with :func:`measure_fused`).
-DEFAULT_WORD_COSTS = {"fused_mac": 0.15e-9, "fused_in": 4e-9, "fused_out": 12e-9,
-                      "alloc": 8e-9}
+DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9,
+                      "alloc": 2e-9}
 _SHIPPED = Path(__file__).with_name("cost_table.json")
 
 
@@ -199,11 +199,10 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def measure_fused(ring: int = 8192, *, repeats: int = 3) -> dict[str, float]:
-    """Seconds per word of the fused primitives (:data:`WORD_PRIMITIVES`): dense weight blocks of
-    several shapes applied to real ciphertexts, fitted by non-negative least squares; ``alloc``
-    from fresh ciphertexts."""
-    import scipy.optimize
+def measure_fused(ring: int = 8192) -> dict[str, float]:
+    """Seconds per word of the fused primitives (:data:`WORD_PRIMITIVES`) on real ciphertexts:
+    gathered words from a one-output map, reduced words from a one-input map, products from a
+    square block once those are subtracted; ``alloc`` from fresh ciphertexts."""
     import scipy.sparse as sp
     import tenseal.sealapi as seal
 
@@ -228,27 +227,38 @@ def measure_fused(ring: int = 8192, *, repeats: int = 3) -> dict[str, float]:
     moduli = [m.value() for m in eng.context.get_context_data(cts[0].parms_id()).parms()
               .coeff_modulus()]
     rng = np.random.default_rng(0)
-    rows, times = [], []
-    for r_out, k in [(64, 64), (8, 8), (96, 12), (12, 96), (32, 32), (1, 96)]:
+
+    def timed(r_out: int, k: int) -> tuple[dict[str, float], float]:
         w = rng.normal(size=(r_out, k)) * 0.5
         fmap, _ = fuse_map([sp.csr_matrix(w)], [np.ones(k, bool)], [np.full(k, eng.scales[0])],
-                           np.arange(r_out), moduli)
+                           np.arange(r_out), moduli, min_fanin=1)
         assert fmap is not None
         outs = []
         for _ in range(r_out):
             out = seal.Ciphertext()
             eng.evaluator.negate(cts[0], out)
             outs.append(out)
-        work = fmap.work(moduli)
-        rows.append([work["fused_mac"] * ring, work["fused_in"] * ring,
-                     work["fused_out"] * ring])
-        times.append(_time(lambda: fmap.apply(raw, cts[:k], outs, moduli), 1))
-    sol, _ = scipy.optimize.nnls(np.array(rows), np.array(times))
-    words = {k: max(float(v), 1e-12) for k, v in zip(WORD_PRIMITIVES, sol)}
+        fmap.apply(raw, cts[:k], outs, moduli)
+        best = min(_time(lambda: fmap.apply(raw, cts[:k], outs, moduli), 1) for _ in range(2))
+        return {op: v * ring for op, v in fmap.work(moduli).items()}, best
+
+    # one output (input-bound), one input (output-bound), then a square block for the products
+    w_in, t_in = timed(1, 96)
+    w_out, t_out = timed(96, 1)
+    per_in = t_in / (w_in["fused_in"] + w_in["fused_out"] + 1.0)
+    per_out = t_out / (w_out["fused_in"] + w_out["fused_out"] + 1.0)
+    w_sq, t_sq = timed(96, 96)
+    rest = t_sq - per_in * w_sq["fused_in"] - per_out * w_sq["fused_out"]
+    words = {"fused_mac": max(rest / w_sq["fused_mac"], 1e-12), "fused_in": per_in,
+             "fused_out": per_out}
+    # fresh ciphertexts, kept alive so that each one takes memory not used before
+    kept: list[Any] = []
 
     def fresh() -> None:
         for _ in range(16):
-            eng.evaluator.negate(cts[0], seal.Ciphertext())
+            out = seal.Ciphertext()
+            eng.evaluator.negate(cts[0], out)
+            kept.append(out)
 
     words["alloc"] = _time(fresh, 1) / 16 / (2 * len(moduli) * ring)
     return words
