@@ -1,5 +1,11 @@
 """Poly-NODE: a polynomial neural ODE vector field built from Mu-Layers, and its training.
 
+:class:`ODEFlow` maps an input through the time-``t1`` flow of a vector field, with optional
+augmentation (Dupont et al., augmented neural ODEs), and :class:`PolyANODE` is that flow with a
+Poly-NODE field (MONet, Appendix G): with a fixed-step solver its output is a polynomial of the
+input. :func:`annulus_data` generates Appendix G's inner-disk / annulus task and
+:func:`train_flow` fits a flow to it.
+
 ``PolyNODE`` is ``f(t, x)`` for ``dx/dt = f(t, x)``: a stack of Mu-Layers
 (``Y = C[(AX) * (BDX) + AX]``), so ``f`` is a polynomial of degree ``2**depth`` in ``x`` (and
 ``t`` with ``time_input=True``). :func:`train_node` fits it to sampled trajectories by
@@ -22,7 +28,8 @@ from torch import Tensor, nn
 from polynets.errors import ConfigError, DataError, ShapeError, TrainingDivergedError
 from polynets.layers import MuLayer
 
-__all__ = ["PolyNODE", "NODEHistory", "odeint_safe", "train_node"]
+__all__ = ["PolyNODE", "ODEFlow", "PolyANODE", "NODEHistory", "odeint_safe", "train_node",
+           "annulus_data", "train_flow"]
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -98,6 +105,195 @@ class PolyNODE(nn.Module):
     def as_polynomial(self) -> nn.Module:
         """A one-input module ``z -> f`` (``z = [x]`` or ``[x, t]``) that the tracer can lower."""
         return _FieldModule(self)
+
+
+class ODEFlow(nn.Module):
+    """Neural ODE map: ``y = W z(t1) + b``, ``dz/dt = f(t, z)``, ``z(0) = [x, 0_augment]``.
+
+    With ``augment = 0`` this is a neural ODE flow (NODE); with ``augment > 0`` the state is
+    lifted with zeros before integration (ANODE, Dupont et al. 2019), which lets the flow move
+    points around each other. The readout ``W`` is linear.
+
+    Args:
+        field: the vector field, called as ``field(t, z)`` with ``z`` ``(B, in_features +
+            augment)``; a :class:`PolyNODE` (polynomial) or any module of that signature.
+        in_features: width of ``x``.
+        out_features: width of ``y`` (default 1).
+        augment: number of zero dimensions appended to ``x`` (default 0).
+        t1: integration time (default 1.0).
+        method: ``"rk4"`` (default, classic Runge-Kutta), ``"midpoint"`` or ``"euler"``: fixed
+            steps computed out of place in this module, so with a polynomial field the map is a
+            polynomial and traces; any other name is an adaptive ``torchdiffeq.odeint`` method
+            (e.g. ``"dopri5"``). ``steps``: fixed steps over ``[0, t1]`` (default 10).
+
+    Shapes: ``(B, in_features) -> (B, out_features)``.
+    """
+
+    def __init__(self, field: nn.Module, in_features: int, out_features: int = 1, *,
+                 augment: int = 0, t1: float = 1.0, method: str = "rk4",
+                 steps: int = 10) -> None:
+        super().__init__()
+        self.in_features = _positive_int(in_features, "ODEFlow in_features")
+        self.out_features = _positive_int(out_features, "ODEFlow out_features")
+        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 0:
+            raise ConfigError(f"ODEFlow augment must be a non-negative int, got {augment!r}")
+        if not isinstance(t1, (int, float)) or not t1 > 0:
+            raise ConfigError(f"ODEFlow t1 must be a positive number, got {t1!r}")
+        self.augment, self.t1, self.method = augment, float(t1), method
+        self.steps = _positive_int(steps, "ODEFlow steps")
+        width = getattr(field, "dim", None)
+        if width is not None and width != in_features + augment:
+            raise ConfigError(f"ODEFlow field has dim={width}; expected in_features + augment "
+                              f"= {in_features + augment}")
+        self.field = field
+        self.readout = nn.Linear(in_features + augment, out_features)
+
+    @property
+    def state_dim(self) -> int:
+        """Width of the integrated state: ``in_features + augment``."""
+        return self.in_features + self.augment
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"augment={self.augment}, t1={self.t1}, method={self.method!r}, "
+                f"steps={self.steps}")
+
+    def flow(self, x: Tensor) -> Tensor:
+        """The lifted state at ``t1``: ``(B, in_features) -> (B, in_features + augment)``."""
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ShapeError(f"ODEFlow expected x of shape (B, {self.in_features}), got "
+                             f"{tuple(x.shape)}")
+        z = torch.cat([x, x.new_zeros(x.shape[0], self.augment)], dim=1) if self.augment else x
+        if self.method not in _FIXED_STEPS:
+            from torchdiffeq import odeint
+
+            t = torch.tensor([0.0, self.t1], dtype=x.dtype, device=x.device)
+            return odeint(self.field, z, t, method=self.method)[-1]
+        h = self.t1 / self.steps
+        for k in range(self.steps):
+            z = _FIXED_STEPS[self.method](self.field, k * h, z, h)
+        return z
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.readout(self.flow(x))
+
+
+def _euler_step(f: nn.Module, t: float, z: Tensor, h: float) -> Tensor:
+    return z + h * f(t, z)
+
+
+def _midpoint_step(f: nn.Module, t: float, z: Tensor, h: float) -> Tensor:
+    return z + h * f(t + h / 2, z + (h / 2) * f(t, z))
+
+
+def _rk4_step(f: nn.Module, t: float, z: Tensor, h: float) -> Tensor:
+    """Classic fourth-order Runge-Kutta step, written out of place (the tracer lowers it)."""
+    k1 = f(t, z)
+    k2 = f(t + h / 2, z + (h / 2) * k1)
+    k3 = f(t + h / 2, z + (h / 2) * k2)
+    k4 = f(t + h, z + h * k3)
+    return z + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
+
+
+# Fixed-step methods run here, out of place; other names go to torchdiffeq.odeint (adaptive).
+_FIXED_STEPS = {"euler": _euler_step, "midpoint": _midpoint_step, "rk4": _rk4_step}
+
+
+class PolyANODE(ODEFlow):
+    """Poly-ANODE (MONet, Appendix G): an :class:`ODEFlow` whose field is a :class:`PolyNODE`.
+
+    ``y = W z(t1) + b``, ``dz/dt = f(z)`` with ``f`` a stack of Mu-Layers of degree
+    ``2**depth``, ``z(0) = [x, 0_augment]``. ``augment=0`` gives the Poly-NODE flow. With a
+    fixed-step solver (``"rk4"``, the default) the whole map is a polynomial of ``x``: each RK4
+    step composes ``f`` four times, so ``steps`` steps give degree ``(2**depth)**(4 * steps)``.
+
+    Args:
+        in_features, out_features, augment, t1, method, steps: as :class:`ODEFlow` (``augment``
+            defaults to 1 here).
+        hidden, depth, degree, width, rank, init_scale: passed to :class:`PolyNODE` (depth 1:
+            the minimal degree-2 field of Appendix G).
+
+    Shapes: ``(B, in_features) -> (B, out_features)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int = 1, *, augment: int = 1,
+                 hidden: int = 32, depth: int = 1, degree: int | None = None,
+                 width: int | None = None, rank: int | None = None, init_scale: float = 0.1,
+                 t1: float = 1.0, method: str = "rk4", steps: int = 10) -> None:
+        in_features = _positive_int(in_features, "PolyANODE in_features")
+        if isinstance(augment, bool) or not isinstance(augment, int) or augment < 0:
+            raise ConfigError(f"PolyANODE augment must be a non-negative int, got {augment!r}")
+        field = PolyNODE(in_features + augment, hidden=hidden, depth=depth, degree=degree,
+                         width=width, rank=rank, init_scale=init_scale)
+        super().__init__(field, in_features, out_features, augment=augment, t1=t1,
+                         method=method, steps=steps)
+
+
+def annulus_data(n: int, *, dim: int = 2, r1: float = 0.5, r2: float = 1.0, r3: float = 1.5,
+                 seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Inner-disk / annulus points (Dupont et al.; MONet Appendix G): ``g(x) = -1`` for
+    ``|x| <= r1``, ``g(x) = +1`` for ``r2 <= |x| <= r3``.
+
+    Half the ``n`` points (rounded down) lie uniformly in the inner ball, the rest uniformly in
+    the outer shell; no flow of ``R^dim`` that preserves the inside/outside order can separate
+    them with a linear readout, an augmented one can. Returns ``x`` ``(n, dim)`` and ``y``
+    ``(n, 1)`` (float32, shuffled).
+    """
+    n = _positive_int(n, "annulus_data n")
+    dim = _positive_int(dim, "annulus_data dim")
+    if not 0 < r1 < r2 < r3:
+        raise ConfigError(f"annulus_data needs 0 < r1 < r2 < r3, got r1={r1}, r2={r2}, r3={r3}")
+    rng = np.random.default_rng(seed)
+    inner = n // 2
+    direction = rng.normal(size=(n, dim))
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    u = rng.uniform(size=n)
+    # Uniform in volume: radius**dim uniform between the bounds' powers.
+    lo = np.where(np.arange(n) < inner, 0.0, r2 ** dim)
+    hi = np.where(np.arange(n) < inner, r1 ** dim, r3 ** dim)
+    radius = (lo + u * (hi - lo)) ** (1.0 / dim)
+    labels = np.where(np.arange(n) < inner, -1.0, 1.0)
+    order = rng.permutation(n)
+    x = (direction * radius[:, None])[order]
+    return (torch.from_numpy(x.astype(np.float32)),
+            torch.from_numpy(labels[order, None].astype(np.float32)))
+
+
+def train_flow(model: nn.Module, x: Tensor, y: Tensor, *, epochs: int = 10,
+               batch_size: int = 64, lr: float = 1e-3, clip_grad: float | None = 1.0,
+               seed: int = 0) -> list[float]:
+    """Fit ``model`` (e.g. an :class:`ODEFlow`) to ``(x, y)`` by mean squared error with Adam,
+    gradients clipped to norm ``clip_grad`` (None: no clipping; a polynomial field's gradients
+    grow fast away from the data).
+
+    Returns the mean training loss of each epoch (the curves of MONet's Fig. 10-11).
+    """
+    epochs = _positive_int(epochs, "train_flow epochs")
+    batch_size = _positive_int(batch_size, "train_flow batch_size")
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+        raise DataError(f"train_flow expects x (n, d) and y (n, k) with the same n >= 1, got "
+                        f"{tuple(x.shape)} and {tuple(y.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(epochs):
+        model.train()
+        perm = torch.randperm(x.shape[0], generator=gen)
+        total = 0.0
+        for k in range(0, x.shape[0], batch_size):
+            idx = perm[k:k + batch_size]
+            loss = ((model(x[idx]) - y[idx]) ** 2).mean()
+            if not torch.isfinite(loss):
+                raise TrainingDivergedError("train_flow: non-finite loss; lower lr or the "
+                                            "field's init_scale")
+            opt.zero_grad()
+            loss.backward()
+            if clip_grad is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        losses.append(total / x.shape[0])
+    return losses
 
 
 class _FieldModule(nn.Module):
