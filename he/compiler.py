@@ -24,7 +24,7 @@ from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.params import RING_DEGREES, CKKSParams, choose_params
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
-from he.runtime import PLAIN_CACHE_BYTES, live_rows
+from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.lowering import Lowered, integer_factor, lower, step_levels
 from polynets.program import PolyProgram, atomic_write_bytes, read_bytes_limited
@@ -490,8 +490,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             packing: str = "vector", objective: str = "latency", precision_bits: int = 16,
             ring_degree: int | None = None, scale_bits: int | None = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
-            batch_size: int | None = None,
-            cost_model: CostModel | None = None) -> CompiledProgram:
+            batch_size: int | None = None, cost_model: CostModel | None = None,
+            memory_budget: int | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     Args:
@@ -516,6 +516,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         batch_size: with ``objective="throughput"``, the samples a client sends at once (a
             partly filled ciphertext costs as much as a full one); default: full ciphertexts.
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
+        memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
+            predicted server memory exceeds it is chosen only when none fits (default: the
+            memory available on this machine now).
 
     Raises:
         NotEncryptableError: the model is not a polynomial (message names the modules), or an
@@ -535,6 +538,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if batch_size is not None and int(batch_size) < 1:
         raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
+    if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 1):
+        raise NotEncryptableError(f"memory_budget must be a positive int (bytes), got "
+                                  f"{memory_budget!r}")
     if samples_per_ciphertext is not None and (
             int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
             int(samples_per_ciphertext) - 1)):
@@ -567,10 +573,17 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         assert error is not None
         raise error
     scores = [_objective_cost(p.plan.predicted, objective, batch_size) for p in found]
-    best = found[int(np.argmin(scores))]
+    budget = available_memory() if memory_budget is None else int(memory_budget)
+    memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
+    fits = [m <= budget for m in memory]
+    # a plan whose server would not fit the memory is chosen only when none fits
+    ranked = [(not f, s) for f, s in zip(fits, scores)]
+    best = found[min(range(len(found)), key=lambda i: ranked[i])]
     if packing == "auto":
-        others = "; ".join(f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree})"
-                           for p, s in zip(found, scores))
+        others = "; ".join(
+            f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree}"
+            + ("" if f else f", server {m / 2 ** 30:.1f} GiB > budget {budget / 2 ** 30:.1f} GiB")
+            + ")" for p, s, f, m in zip(found, scores, fits, memory))
         why = (f"packing='auto', objective={objective!r}: predicted "
                f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; " + best.plan.why)
         best = CompiledProgram(best.program, best.params, best.packing, best.calibration,

@@ -196,3 +196,22 @@ def test_cost_table_word_costs_are_validated():
     d["words"] = {"bogus": 1.0}
     with pytest.raises(ValueError, match="bogus"):
         CostModel.from_dict(d)
+
+
+def test_auto_packing_keeps_the_server_within_the_memory_budget():
+    """Batch packing wins on throughput, but its server does not fit a small budget: auto
+    packing takes vector packing then, and says why."""
+    torch.manual_seed(0)
+    model = TokenNet().eval()
+    x = torch.randn(1, 1, 8, 8)
+    cal = torch.randn(64, 1, 8, 8)
+    free = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
+                      precision_bits=8)
+    assert free.packing == "batch"
+    batch_mem = free.plan.predicted["server_memory_bytes"]
+    tight = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
+                       precision_bits=8, memory_budget=int(batch_mem) - 1)
+    assert tight.packing == "vector"
+    assert "> budget" in tight.plan.why
+    with pytest.raises(he.NotEncryptableError, match="memory_budget"):
+        he.compile(model, x, calibration=cal, packing="auto", memory_budget=0)
