@@ -4,17 +4,21 @@
     client = he.Client(prog)
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x)))
+
+Names are exported lazily (module ``__getattr__``): ``he.Server`` imports the runtime on first use
+and never torch, so a process that only runs ciphertexts starts without it; ``he.compile`` reads a
+PyTorch model and imports torch when it is called.
 """
 
-from he.client import Ciphertext, Client, Server
-from he.compiler import PACKINGS, CompiledProgram, compile, load_program
-from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
-                       NotEncryptableError, ParameterError, SecretKeyError, SerializationError,
-                       TooDeepError)
-from he.params import CKKSParams, choose_params
-from he.report import Report, report
+from __future__ import annotations
 
-__all__ = ["compile", "load_program", "CompiledProgram", "Client", "Server", "Ciphertext",
-           "CKKSParams", "choose_params", "report", "Report", "PACKINGS", "HEError",
-           "NotEncryptableError", "TooDeepError", "ParameterError", "InputShapeError",
-           "SerializationError", "KeyMismatchError", "SecretKeyError", "CalibrationRangeWarning"]
+from polynets._lazy import export_lazily
+
+__all__ = export_lazily(__name__, {
+    "he.compiler": "compile load_program CompiledProgram PACKINGS",
+    "he.client": "Client Server Ciphertext",
+    "he.params": "CKKSParams choose_params",
+    "he.report": "report Report",
+    "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError SerializationError "
+                 "KeyMismatchError SecretKeyError CalibrationRangeWarning",
+})

@@ -2,41 +2,87 @@
 
 Layers and models (MuLayer, PolyBlock, MONet, PoM, PADRe, Polymorpher, PolyNODE), the
 polynomial program (trace, optimize, certify, PolyProgram), training (Trainer, datasets,
-checkpoints). Importing polynets registers the MONet and PADRe ViT models in timm
-(``timm.create_model("monet_t")``, ``timm.create_model("padre_vit_t")``).
+checkpoints).
+
+Names are exported lazily (module ``__getattr__``): ``import polynets`` loads neither torch nor
+timm, and ``polynets.MuLayer`` imports the module that defines it on first use, so a process
+that only needs the program format or the error classes (a ciphertext server) starts fast.
+The MONet and PADRe ViT models are registered in timm (``timm.create_model("monet_t")``,
+``timm.create_model("padre_vit_t")``) as soon as both polynets and timm are imported, in
+either order.
 """
 
-from polynets.certify import Certificate, certify
-from polynets.checkpoint import load_checkpoint, load_model, save_checkpoint
-from polynets.data import DatasetInfo, load_dataset
-from polynets.device import select_device
-from polynets.errors import (CheckpointError, ConfigError, DataError, NonPolynomialError,
-                             PolynetsError, ProgramFormatError, ShapeError, TraceError,
-                             TrainingDivergedError, UnsupportedOpError)
-from polynets.layers import MuLayer, PatchEmbed, PolyBlock, PyramidPatchEmbed, SpatialShift
-from polynets.models import MONet
-from polynets.models.polymorpher import Polymorpher, PolymorpherClassifier
-from polynets.node import PolyNODE
-from polynets.padre import CastlingAttention, Conv2Former, Hyena, PADRe
-from polynets.passes import optimize
-from polynets.plot import plot_run
-from polynets.pair import PairInput
-from polynets.pom import PoM, PoMState, SplitPoM
-from polynets.program import Node, PolyProgram
-from polynets.trace import trace
-from polynets.train import TrainConfig, Trainer
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+from polynets._lazy import export_lazily
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MuLayer", "SpatialShift", "PatchEmbed", "PyramidPatchEmbed", "PolyBlock", "MONet",
-    "PoM", "PoMState", "Polymorpher", "PolymorpherClassifier", "PolyNODE", "PADRe",
-    "SplitPoM", "PairInput",
-    "Conv2Former", "CastlingAttention", "Hyena",
-    "trace", "optimize", "certify", "Certificate", "PolyProgram", "Node",
-    "Trainer", "TrainConfig", "load_dataset", "DatasetInfo", "select_device",
-    "save_checkpoint", "load_checkpoint", "load_model", "plot_run",
-    "PolynetsError", "ShapeError", "ConfigError", "TraceError", "UnsupportedOpError",
-    "NonPolynomialError", "ProgramFormatError", "DataError", "CheckpointError",
-    "TrainingDivergedError", "__version__",
-]
+_EXPORTS: dict[str, str] = {
+    "polynets.layers": "MuLayer SpatialShift PatchEmbed PyramidPatchEmbed PolyBlock",
+    "polynets.models.monet": "MONet",
+    "polynets.pom": "PoM PoMState SplitPoM",
+    "polynets.pair": "PairInput",
+    "polynets.models.polymorpher": "Polymorpher PolymorpherClassifier",
+    "polynets.node": "PolyNODE ODEFlow PolyANODE",
+    "polynets.padre": "PADRe Conv2Former CastlingAttention Hyena",
+    "polynets.trace": "trace",
+    "polynets.passes": "optimize",
+    "polynets.certify": "certify Certificate",
+    "polynets.program": "PolyProgram Node",
+    "polynets.train": "Trainer TrainConfig",
+    "polynets.data": "load_dataset DatasetInfo",
+    "polynets.device": "select_device",
+    "polynets.checkpoint": "save_checkpoint load_checkpoint load_model",
+    "polynets.plot": "plot_run",
+    "polynets.errors": "PolynetsError ShapeError ConfigError TraceError UnsupportedOpError "
+                       "NonPolynomialError ProgramFormatError DataError CheckpointError "
+                       "TrainingDivergedError",
+}
+__all__ = [*export_lazily(__name__, _EXPORTS), "__version__"]
+
+
+class _RegisterAfterTimm(importlib.abc.Loader):
+    """Runs timm's own loader, then imports :mod:`polynets.models`, whose ``@register_model``
+    functions add the polynets architectures to timm's registry. Anything else is timm's loader's."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        importlib.import_module("polynets.models")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _TimmWatcher(importlib.abc.MetaPathFinder):
+    """Finds timm with the other finders and wraps its loader in :class:`_RegisterAfterTimm`."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "timm":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("timm")
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterAfterTimm(spec.loader)
+        return spec
+
+
+if "timm" in sys.modules:
+    importlib.import_module("polynets.models")
+elif not any(isinstance(finder, _TimmWatcher) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _TimmWatcher())

@@ -15,13 +15,14 @@ For each node of a :class:`~polynets.program.PolyProgram` the analysis computes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from polynets.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, integer_factor,
                                lower)
 from polynets.program import PolyProgram
+
+if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
+    from torch import nn
 
 __all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels", "levels_exact"]
 

@@ -1,9 +1,10 @@
 """The ``polynets`` command: ``train``, ``eval``, ``certify``, ``plot``, ``bench`` and plugin subcommands.
 
-Plugins: for each module in :data:`PLUGINS` that can be imported (``he.cli``, ``symbolic.cli``),
-``register(subparsers)`` adds that package's subcommands (``demo``, ``compile``, ``encrypt``,
-``run``, ``decrypt``, ``discover``); polynets itself never imports ``he`` or ``symbolic`` at module
-level. Errors of the polynets hierarchy print as ``polynets: error: <message>`` with exit code 2.
+Plugins: every entry point of the group :data:`COMMAND_GROUP` (``polynets.commands``) names a
+function ``register(subparsers)`` that adds subcommands; the distribution declares those of ``he``
+(``demo``, ``compile``, ``encrypt``, ``run``, ``decrypt``, ...) and ``symbolic`` (``discover``) in
+``pyproject.toml``, and any other installed package can add its own. polynets never names the
+packages that depend on it. Errors of the polynets hierarchy print as ``polynets: error: <message>`` with exit code 2.
 Under ``torchrun --nproc_per_node N -m polynets.cli train ...`` training is distributed.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import inspect
 import json
 import subprocess
@@ -23,9 +23,9 @@ from typing import Any
 from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError
 from polynets.program import loads_json_strict
 
-__all__ = ["PLUGINS", "build_parser", "main"]
+__all__ = ["COMMAND_GROUP", "build_parser", "main"]
 
-PLUGINS = ("he.cli", "symbolic.cli")
+COMMAND_GROUP = "polynets.commands"
 BENCHMARK_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 TIMM_SIZE_KEYS = ("num_classes", "in_chans", "img_size")
 
@@ -374,20 +374,33 @@ def _add_bench(sub: Any) -> None:
 
 
 def _register_plugins(sub: Any) -> list[str]:
-    """Let each importable plugin add its subcommands; returns the names of loaded plugins."""
+    """Let each entry point of :data:`COMMAND_GROUP` add its subcommands; returns the names of those that did.
+
+    A plugin whose own module is gone (stale metadata of an uninstalled package) is skipped quietly; one that
+    fails in any other way is skipped with a warning, so a broken plugin never takes the command line down.
+    """
+    from importlib.metadata import entry_points
+
     loaded = []
-    for module_name in PLUGINS:
+    for point in sorted(entry_points(group=COMMAND_GROUP), key=lambda p: p.name):
         try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name in (module_name, module_name.split(".")[0]):
+            register = point.load()
+        except Exception as exc:  # a plugin's import error must not break the built-in commands
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing and (point.module == missing or point.module.startswith(missing + ".")):
                 continue
-            print(f"polynets: warning: plugin {module_name} could not be loaded: {exc}", file=sys.stderr)
+            print(f"polynets: warning: plugin {point.name} ({point.value}) could not be loaded: {exc}",
+                  file=sys.stderr)
             continue
-        register = getattr(module, "register", None)
-        if callable(register):
+        if not callable(register):
+            print(f"polynets: warning: plugin {point.name} ({point.value}) is not a function", file=sys.stderr)
+            continue
+        try:
             register(sub)
-            loaded.append(module_name)
+        except argparse.ArgumentError as exc:
+            print(f"polynets: warning: plugin {point.name} ({point.value}) was skipped: {exc}", file=sys.stderr)
+            continue
+        loaded.append(point.name)
     return loaded
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,15 +54,44 @@ def test_model_args_parse_as_json_with_string_fallback():
     assert cli.main(["train", "--model-arg", "oops"]) == 2
 
 
-def test_plugins_add_subcommands_and_missing_ones_are_skipped(tmp_path, monkeypatch, capsys):
+def _install_plugin_distribution(root, entry_points: str) -> None:
+    """A minimal installed distribution (a .dist-info with entry points) on ``root``."""
+    info = root / "fake_polynets_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-polynets-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[polynets.commands]\n" + entry_points)
+
+
+def test_plugins_come_from_entry_points_and_broken_or_missing_ones_are_skipped(tmp_path, monkeypatch, capsys):
     (tmp_path / "fake_polynets_plugin.py").write_text(
         "def register(subparsers):\n"
         "    p = subparsers.add_parser('hello', help='say hello')\n"
-        "    p.set_defaults(func=lambda args: print('hello from plugin') or 0)\n")
+        "    p.set_defaults(func=lambda args: print('hello from plugin') or 0)\n"
+        "def clash(subparsers):\n"
+        "    subparsers.add_parser('train')\n")
+    (tmp_path / "broken_polynets_plugin.py").write_text("import no_such_dependency_anywhere\n")
+    _install_plugin_distribution(tmp_path, "hello = fake_polynets_plugin:register\n"
+                                           "gone = uninstalled_polynets_plugin.cli:register\n"
+                                           "broken = broken_polynets_plugin:register\n"
+                                           "clash = fake_polynets_plugin:clash\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "PLUGINS", ("fake_polynets_plugin", "absent_polynets_plugin.cli"))
     assert cli.main(["hello"]) == 0
-    assert capsys.readouterr().out.strip() == "hello from plugin"
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "hello from plugin"
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 2, warnings
+    assert "plugin broken" in warnings[0] and "no_such_dependency_anywhere" in warnings[0]
+    assert "plugin clash" in warnings[1]
+    assert {"demo", "compile", "discover", "train"} <= set(subcommands())
+
+
+def test_the_distribution_declares_the_he_and_symbolic_commands():
+    from importlib.metadata import entry_points
+
+    declared = {p.name: p.value for p in entry_points(group=cli.COMMAND_GROUP)}
+    assert declared["he"] == "he.cli:register" and declared["symbolic"] == "symbolic.cli:register"
+    source = Path(cli.__file__).read_text()
+    assert "he.cli" not in source and "symbolic.cli" not in source
 
 
 def test_bench_lists_the_benchmark_scripts(capsys):
