@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from he.errors import InputShapeError, SecretKeyError, SerializationError
+from polynets._io import (MAX_FILE_BYTES, atomic_write_bytes, load_npy_bytes,
+                          loads_json_strict, read_bytes_limited)
 from polynets.errors import CheckpointError, ConfigError, WriteError
-from polynets.program import (MAX_FILE_BYTES, atomic_write_bytes, load_npy_bytes,
-                              loads_json_strict, read_bytes_limited)
 
 __all__ = ["register"]
 

@@ -34,7 +34,7 @@ import struct
 from typing import Any
 
 from he.errors import SerializationError
-from polynets.program import loads_json_strict
+from polynets._io import loads_json_strict
 
 __all__ = ["BLOB_SCHEMAS", "MAX_BLOBS", "digest", "pack", "unpack", "int_field", "float_field",
            "str_field", "list_field", "dict_field", "bool_field"]

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from polynets._io import atomic_write_bytes
 from polynets.errors import CheckpointError, ConfigError, PolynetsError
-from polynets.program import atomic_write_bytes
 
 __all__ = [
     "CHECKPOINT_FORMAT",

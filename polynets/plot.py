@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from polynets._io import atomic_write_bytes
 from polynets.errors import DataError
-from polynets.program import atomic_write_bytes
 
 __all__ = ["plot_run", "read_metrics"]
 
