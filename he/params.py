@@ -10,24 +10,46 @@ compiled program:
 * ``gain``: how much a unit of rounding noise injected at every rescale grows by the output, so the
   scale can be picked for the requested output precision.
 
-The ring degree is the smallest of 8192, 16384, 32768 whose modulus budget at 128-bit classical
-security (HomomorphicEncryption.org standard: 218, 438, 881 bits) holds the chain; SEAL itself
-re-checks the chain against the same table when a context is built.
+The ring degree is the smallest of 8192, 16384, 32768 whose modulus budget at the requested
+classical security level holds the chain. The budgets are SEAL's own
+(``CoeffModulus.MaxBitCount``, the HomomorphicEncryption.org standard's table): at 128 bits 218,
+438 and 881 bits, at 192 bits 152, 305 and 611, at 256 bits 118, 237 and 476.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any
+
+import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "MAX_MODULUS_BITS", "RING_DEGREES", "noise_unit"]
+__all__ = ["CKKSParams", "choose_params", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
+           "SECURITY_LEVELS", "noise_unit"]
 
-#: Largest total coefficient-modulus bit count at 128-bit classical security (HE standard).
-MAX_MODULUS_BITS: dict[int, int] = {1024: 27, 2048: 54, 4096: 109, 8192: 218, 16384: 438,
-                                    32768: 881}
+#: Classical security levels (bits) SEAL has modulus budgets for.
+SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
+_SEAL_LEVELS = {128: seal.SEC_LEVEL_TYPE.TC128, 192: seal.SEC_LEVEL_TYPE.TC192,
+                256: seal.SEC_LEVEL_TYPE.TC256}
+_ALL_RINGS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@lru_cache(maxsize=None)
+def max_modulus_bits(ring_degree: int, security: int = 128) -> int:
+    """Largest total coefficient-modulus bit count SEAL allows for ring degree ``ring_degree`` at
+    ``security`` bits of classical security (``CoeffModulus.MaxBitCount``)."""
+    if security not in _SEAL_LEVELS:
+        raise ParameterError(f"security must be one of {SECURITY_LEVELS} bits, got {security!r}")
+    if ring_degree not in _ALL_RINGS:
+        raise ParameterError(f"ring degree {ring_degree} is not a power of two in {list(_ALL_RINGS)}")
+    return int(seal.CoeffModulus.MaxBitCount(ring_degree, _SEAL_LEVELS[security]))
+
+
+#: Largest total coefficient-modulus bit count at 128-bit classical security, per ring degree.
+MAX_MODULUS_BITS: dict[int, int] = {n: max_modulus_bits(n) for n in _ALL_RINGS}
 #: Ring degrees the compiler picks from (smaller rings are too shallow to be useful).
 RING_DEGREES: tuple[int, ...] = (8192, 16384, 32768)
 _MIN_SCALE_BITS = 20
@@ -102,39 +124,39 @@ class CKKSParams:
         return params
 
     def check(self) -> None:
-        """Raise :class:`ParameterError` unless the set is well formed and 128-bit secure."""
+        """Raise :class:`ParameterError` unless the set is well formed and as secure as it says
+        (``security_bits``, one of :data:`SECURITY_LEVELS`)."""
         n = self.poly_modulus_degree
-        if n not in MAX_MODULUS_BITS:
-            raise ParameterError(f"ring degree {n} is not a power of two in "
-                                 f"{sorted(MAX_MODULUS_BITS)}")
+        budget = max_modulus_bits(n, self.security_bits)
         if len(self.coeff_mod_bit_sizes) != self.levels + 2:
             raise ParameterError(f"a chain for {self.levels} levels has {self.levels + 2} primes, "
                                  f"got {len(self.coeff_mod_bit_sizes)}")
         if any(not 17 <= b <= _MAX_PRIME_BITS for b in self.coeff_mod_bit_sizes):
             raise ParameterError(f"prime sizes must lie in [17, {_MAX_PRIME_BITS}] bits, got "
                                  f"{list(self.coeff_mod_bit_sizes)}")
-        if self.total_bits > MAX_MODULUS_BITS[n]:
+        if self.total_bits > budget:
             raise ParameterError(
-                f"modulus of {self.total_bits} bits exceeds the {MAX_MODULUS_BITS[n]} bits allowed "
-                f"at 128-bit security for N={n}")
+                f"modulus of {self.total_bits} bits exceeds the {budget} bits allowed "
+                f"at {self.security_bits}-bit security for N={n}")
 
     def __str__(self) -> str:
         chain = ", ".join(str(b) for b in self.coeff_mod_bit_sizes)
         return (f"CKKS N={self.poly_modulus_degree} ({self.slots} slots), moduli [{chain}] = "
-                f"{self.total_bits} bits (<= {MAX_MODULUS_BITS[self.poly_modulus_degree]} for "
+                f"{self.total_bits} bits (<= "
+                f"{max_modulus_bits(self.poly_modulus_degree, self.security_bits)} for "
                 f"{self.security_bits}-bit security), scale 2^{self.scale_bits}, "
                 f"{self.levels} levels, expected max output error {self.expected_error:.2e}\n"
                 f"  why: {self.why}")
 
 
-def _budget_levels(ring: int, first: int, special: int, scale_bits: int) -> int:
-    return max(0, (MAX_MODULUS_BITS[ring] - first - special) // scale_bits)
+def _budget_levels(ring: int, first: int, special: int, scale_bits: int, security: int) -> int:
+    return max(0, (max_modulus_bits(ring, security) - first - special) // scale_bits)
 
 
 def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                   precision_bits: int = 16, output_abs: float = 1.0, slots_needed: int = 1,
                   ring_degree: int | None = None, scale_bits: int | None = None,
-                  rotations: bool = False) -> CKKSParams:
+                  rotations: bool = False, security: int = 128) -> CKKSParams:
     """Pick the smallest secure CKKS parameter set for a program.
 
     Args:
@@ -145,15 +167,18 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
         precision_bits: wanted bits of output precision relative to ``output_abs``.
         output_abs: largest |output| on the calibration data.
         slots_needed: slots one ciphertext must hold (vector packing's widest value).
-        ring_degree, scale_bits: overrides (tests); the set must still be 128-bit secure.
+        ring_degree, scale_bits: overrides (tests); the set must still be secure.
         rotations: the program rotates ciphertexts; the special prime then gets up to 10 extra
             bits (as many as the smallest ring allows), since key-switching noise scales with
             (largest prime / special prime).
+        security: classical security in bits, one of :data:`SECURITY_LEVELS`; higher levels
+            allow smaller moduli per ring, so fewer levels or a larger ring.
 
     Returns:
         :class:`CKKSParams`. Raises :class:`TooDeepError` when no secure set has enough levels.
     """
     levels = int(levels)
+    max_modulus_bits(RING_DEGREES[0], security)  # refuses an unknown security level
     mag_bits = max(0, math.ceil(math.log2(max(max_abs, 1.0))))
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     if ring_degree is not None and ring_degree not in MAX_MODULUS_BITS:
@@ -180,13 +205,13 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                 sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
                 first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
             special = min(_MAX_PRIME_BITS, max(first, sb) + boost)
-            supported = _budget_levels(ring, first, special, sb)
+            supported = _budget_levels(ring, first, special, sb, security)
             best_supported = max(best_supported, supported)
             if levels <= supported:
                 break
         else:
             reasons.append(f"N={ring}: {first}+{levels}x{sb}+{special} bits > "
-                           f"{MAX_MODULUS_BITS[ring]}")
+                           f"{max_modulus_bits(ring, security)}")
             continue
         chain = (first,) + (sb,) * levels + (special,)
         expected = noise_unit(ring, sb, gain, rot)
@@ -197,12 +222,12 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                f"largest calibrated value {max_abs:.3g} + {_MARGIN_BITS} bits margin; special "
                f"prime {special} bits" +
                (f" (+{boost} against rotation noise)" if rotations else "") +
-               f"; N={ring} is the smallest ring whose 128-bit budget "
-               f"({MAX_MODULUS_BITS[ring]} bits) holds {sum(chain)} bits")
+               f"; N={ring} is the smallest ring whose {security}-bit budget "
+               f"({max_modulus_bits(ring, security)} bits) holds {sum(chain)} bits")
         if reasons:
             why += " (" + "; ".join(reasons) + ")"
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
-                            levels=levels, security_bits=128, expected_error=expected,
+                            levels=levels, security_bits=security, expected_error=expected,
                             max_abs=float(max_abs), why=why)
         params.check()
         return params
@@ -210,7 +235,7 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
         raise TooDeepError(f"a value needs {slots_needed} slots but the largest ring allowed "
                            f"holds {max(rings) // 2}; use packing='batch'", levels, best_supported)
     raise TooDeepError(
-        f"the program needs {levels} multiplicative levels but the largest supported at 128-bit "
-        f"security is {best_supported} (N={max(rings)}, scale 2^{sb}); SEAL has no "
+        f"the program needs {levels} multiplicative levels but the largest supported at "
+        f"{security}-bit security is {best_supported} (N={max(rings)}, scale 2^{sb}); SEAL has no "
         f"bootstrapping: reduce the model's depth (fewer Mu-Layers/blocks, degree-2 layers) or "
         f"lower precision_bits", levels, best_supported)
