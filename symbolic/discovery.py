@@ -69,8 +69,50 @@ WARM_EVALUATIONS = 30
 """Residual evaluations of a trajectory fit from a start, and of a warm-started refit after
 dropping terms (one that does not converge in them is reported as such)."""
 
+SELECTIONS = ("bic", "cv", "bic+cv")
+
+CV_SHORTLIST = 4
+"""Candidates (distinct supports, best by BIC first) that ``selection="bic+cv"`` compares by
+held-out window error."""
+
 SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
+
+
+def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
+                   trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float,
+                   atol: float, max_iter: int = WARM_EVALUATIONS) -> float:
+    """Two-fold cross-validation of a trajectory fit over its windows.
+
+    The windows of ``res`` are dealt alternately into two folds (both span the whole record).
+    For each fold the coefficients are refit on the other fold's windows (warm from ``res``),
+    then only the held-out windows' initial states are fitted with those coefficients fixed;
+    the held-out residual (in units of each variable's std) is summed over both folds. Returns
+    the mean squared held-out residual, floored at ``EXACT_RMS**2`` (models exact to the
+    integration accuracy tie); ``inf`` if a fit blows up.
+    """
+    windows = make_windows(trajectories, res.window)
+    if len(windows) < 2:
+        return math.inf
+    scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
+    scale = np.where(scale > 0, scale, 1.0)
+    x0 = np.asarray(res.x0)
+    total, count = 0.0, 0
+    for fold in (0, 1):
+        train = [w for w in range(len(windows)) if w % 2 != fold]
+        test = [w for w in range(len(windows)) if w % 2 == fold]
+        try:
+            fitted = fit_trajectories(exps, res.coef, active, [windows[w] for w in train],
+                                      x0=x0[train], rtol=rtol, atol=atol, max_iter=max_iter)
+            held = fit_trajectories(exps, fitted.coef, np.zeros_like(active),
+                                    [windows[w] for w in test], x0=x0[test], rtol=rtol,
+                                    atol=atol, max_iter=max_iter, fixed=True)
+        except FitError:
+            return math.inf
+        for (_, Xw), states in zip([windows[w] for w in test], held.states):
+            total += float(np.sum(((states - Xw) / scale) ** 2))
+            count += Xw.size
+    return max(total / max(count, 1), EXACT_RMS**2)
 
 
 def information_criterion(res: ShootingResult, terms: int) -> float:
@@ -127,7 +169,8 @@ class EquationDiscovery(BaseEstimator):
                  window: int | None = 50, polish: int = 2, sparse_starts: bool = True,
                  hidden: int = 16, node_steps: int = 100, node_window: int = 6,
                  lr: float = 2e-2, snap_tol: float | None = None, rtol: float = 1e-10,
-                 atol: float = 1e-12, progress: bool = True, seed: int = 0) -> None:
+                 atol: float = 1e-12, selection: str = "bic+cv", progress: bool = True,
+                 seed: int = 0) -> None:
         self.degree = degree
         self.variables = variables
         self.threshold = threshold
@@ -143,6 +186,7 @@ class EquationDiscovery(BaseEstimator):
         self.snap_tol = snap_tol
         self.rtol = rtol
         self.atol = atol
+        self.selection = selection
         self.progress = progress
         self.seed = seed
 
@@ -160,6 +204,9 @@ class EquationDiscovery(BaseEstimator):
             raise ExpressionError(f"noise must be a non-negative fraction, got {self.noise!r}")
         if self.window is not None and (isinstance(self.window, bool) or int(self.window) < 3):
             raise ExpressionError(f"window must be None or an int >= 3, got {self.window!r}")
+        if self.selection not in SELECTIONS:
+            raise ExpressionError(f"selection must be one of {SELECTIONS}, got "
+                                  f"{self.selection!r}")
         if isinstance(self.polish, bool) or int(self.polish) < 1:
             raise ExpressionError(f"polish must be an int >= 1, got {self.polish!r}")
 
@@ -354,8 +401,7 @@ class EquationDiscovery(BaseEstimator):
                 f" The data may be sampled too coarsely for its time scales, or not come from a "
                 f"polynomial ODE of degree <= {self.degree}: sample more densely, raise degree, "
                 f"or remove outliers")
-        self._select(fitted)
-        best = min(fitted, key=lambda c: c["criterion"])
+        best = self._select(fitted)
         res, active = best["result"], best["active"]
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
@@ -386,10 +432,16 @@ class EquationDiscovery(BaseEstimator):
         self.timings_ = timings
         return self
 
-    def _select(self, fitted: list[dict]) -> None:
-        """Set every candidate's ``criterion`` (BIC) on the configured windows; a candidate
+    def _select(self, fitted: list[dict]) -> dict:
+        """Choose among the candidates; returns the chosen one.
+
+        Every candidate gets its ``criterion`` (BIC) on the configured windows; a candidate
         fitted on shorter windows is refit on them first (if it blows up there, it is compared on
-        its own windows)."""
+        its own windows). ``selection="bic"`` takes the lowest BIC; ``"cv"`` the lowest held-out
+        window error (:func:`held_out_error`, stored as ``cv``) of all distinct supports;
+        ``"bic+cv"`` the lowest held-out error among the ``CV_SHORTLIST`` distinct supports of
+        lowest BIC.
+        """
         for c in fitted:
             res = c["result"]
             if res.window != self.window:
@@ -399,6 +451,20 @@ class EquationDiscovery(BaseEstimator):
                 except FitError:
                     pass
             c["criterion"] = information_criterion(res, int(c["active"].sum()))
+        ranked, seen = [], set()
+        for c in sorted(fitted, key=lambda c: c["criterion"]):
+            if c["support"] not in seen:
+                seen.add(c["support"])
+                ranked.append(c)
+        if self.selection == "bic" or len(ranked) == 1:
+            return ranked[0]
+        shortlist = ranked if self.selection == "cv" else ranked[:CV_SHORTLIST]
+        rtol = self._search_rtol
+        for c in shortlist:
+            c["cv"] = held_out_error(self.library_, c["result"], c["active"],
+                                     self.trajectories_, rtol=rtol,
+                                     atol=self.atol * rtol / self.rtol)
+        return min(shortlist, key=lambda c: (c["cv"], c["criterion"]))
 
     # ------------------------------------------------------------------------------- results
     def __sklearn_is_fitted__(self) -> bool:

@@ -62,7 +62,8 @@ class ShootingResult:
     window initial states; ``rss`` the weighted residual sum of squares over ``n_residuals``
     residuals; ``sigma2`` its per-degree-of-freedom variance; ``converged`` whether the solver
     stopped on a tolerance at a stationary point; ``status``/``message`` the solver's own report;
-    ``window`` the window length used.
+    ``window`` the window length used; ``states`` the model's states at every sample, one
+    (n_k, dim) array per trajectory (the data smoothed by the fitted ODE, window by window).
     """
 
     coef: np.ndarray
@@ -77,6 +78,7 @@ class ShootingResult:
     status: int = 0
     message: str = ""
     window: int | None = None
+    states: list[np.ndarray] | None = None
 
 
 class _Sensitivity:
@@ -179,7 +181,7 @@ class _Shooting:
                  windows: list[tuple[np.ndarray, np.ndarray]], scale: np.ndarray, rtol: float,
                  atol: float, method: str):
         self.exps, self.active, self.windows = exps, active, windows
-        self.template = np.where(active, coef, 0.0)
+        self.template = np.asarray(coef, dtype=np.float64).copy()   # inactive entries fixed
         self.scale, self.rtol, self.atol, self.method = scale, rtol, atol, method
         self.groups = group_windows(windows)
         self.d = exps.shape[1]
@@ -217,9 +219,11 @@ class _Shooting:
         coef, x0 = self.unpack(theta)
         d, q = self.d, self.q
         res, jac_c, jac_x = [], [], []
+        states: dict[int, np.ndarray] = {}
         used = 0
         out: tuple[np.ndarray, sparse.csr_matrix] | None = None
-        rows = self.active.any(axis=1)       # monomials no equation uses need no evaluation
+        # monomials no equation uses need no evaluation
+        rows = self.active.any(axis=1) | (self.template != 0).any(axis=1)
         for group in self.groups:
             rhs = _Sensitivity(self.exps[rows], coef[rows], self.active[rows], len(group))
             t_rel = self.windows[group[0]][0] - self.windows[group[0]][0][0]
@@ -232,6 +236,7 @@ class _Shooting:
             if sol is None:                                 # sol: (T, G, d, 1 + q + d)
                 break
             for g, wi in enumerate(group):
+                states[wi] = sol[:, g, :, 0]
                 res.append(((sol[:, g, :, 0] - self.windows[wi][1]) / self.scale).reshape(-1))
                 jac_c.append((sol[:, g, :, 1:1 + q] / self.scale[None, :, None]).reshape(-1))
                 jac_x.append((sol[:, g, :, 1 + q:] / self.scale[None, :, None]).reshape(-1))
@@ -241,6 +246,7 @@ class _Shooting:
                                     shape=(self.n_res, self.n_par))
             out = (np.concatenate(res), jac)
             self.used = used
+            self.states = states
         self.cache = (key, out)
         return out
 
@@ -300,7 +306,8 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                      trajectories: list[tuple[np.ndarray, np.ndarray]], *,
                      window: int | None = None, x0: np.ndarray | None = None,
                      rtol: float = 1e-10, atol: float = 1e-12, method: str = "DOP853",
-                     max_iter: int = 100, tol: float = 1e-10) -> ShootingResult:
+                     max_iter: int = 100, tol: float = 1e-10,
+                     fixed: bool = False) -> ShootingResult:
     """Fit the active coefficients of ``dx/dt = phi(x) @ coef`` to trajectories.
 
     ``exps`` (p, d) monomial exponents, ``coef`` (p, d) initial coefficients, ``active`` (p, d)
@@ -309,11 +316,14 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     initial guesses of the window starts (default: the first sample of each window).
     ``scipy.optimize.least_squares`` (trust region reflective, sparse Jacobian) with ``ftol`` =
     ``xtol`` = ``gtol`` = ``tol`` and at most ``max_iter`` evaluations. Raises
-    :class:`FitError` when the starting model blows up on the windows.
+    :class:`FitError` when the starting model blows up on the windows. Inactive entries are
+    zero, or with ``fixed=True`` keep their value in ``coef`` (e.g. ``active`` all False and
+    ``fixed=True`` fits only the window starts of a given model).
     """
     exps = np.asarray(exps, dtype=np.int64)
     active = np.asarray(active, dtype=bool)
-    coef = np.where(active, np.asarray(coef, dtype=np.float64), 0.0)
+    coef = np.asarray(coef, dtype=np.float64)
+    coef = coef.copy() if fixed else np.where(active, coef, 0.0)
     windows = make_windows(trajectories, window)
     d = exps.shape[1]
     scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
@@ -358,5 +368,8 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
         except np.linalg.LinAlgError:
             pass
     converged = bool(sol.status > 0 and _stationary(r, jac))
+    smoothed = np.concatenate([problem.states[wi] for wi in range(len(windows))])
+    bounds = np.cumsum([len(tk) for tk, _ in trajectories])[:-1]
     return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, int(sol.nfev), converged,
-                          int(sol.status), str(sol.message), window)
+                          int(sol.status), str(sol.message), window,
+                          np.split(smoothed, bounds))

@@ -16,9 +16,10 @@ from scipy.integrate import solve_ivp
 
 from symbolic.errors import SymbolicDataError
 
-__all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "generate", "lotka_volterra",
-           "van_der_pol", "lorenz", "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator",
-           "fitzhugh_nagumo", "duffing", "rossler", "chen", "hopf"]
+__all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
+           "ALL_SYSTEMS", "generate", "score_terms", "lotka_volterra", "van_der_pol", "lorenz",
+           "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
+           "duffing", "rossler", "chen", "hopf", "lorenz_84", "halvorsen", "genesio_tesi"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,70 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     fitzhugh_nagumo, duffing, rossler, chen, hopf)}
 
 
+def _lorenz_84(x: np.ndarray) -> np.ndarray:
+    a, b, f, g = 0.25, 4.0, 8.0, 1.0
+    return np.array([-x[1] ** 2 - x[2] ** 2 - a * x[0] + a * f,
+                     x[0] * x[1] - b * x[0] * x[2] - x[1] + g,
+                     b * x[0] * x[1] + x[0] * x[2] - x[2]])
+
+
+lorenz_84 = System(
+    "lorenz_84", ("x", "y", "z"), _lorenz_84,
+    ({"1": 2.0, "x": -0.25, "y**2": -1.0, "z**2": -1.0},
+     {"1": 1.0, "y": -1.0, "x*y": 1.0, "x*z": -4.0},
+     {"z": -1.0, "x*y": 4.0, "x*z": 1.0}), (1.0, 0.0, -0.75), 40.0, 1000, 2)
+"""Lorenz-84 atmospheric circulation model a=0.25, b=4, F=8, G=1 (chaotic); 1000 points on
+[0, 40]."""
+
+
+def _halvorsen(x: np.ndarray) -> np.ndarray:
+    a, b = 1.4, 4.0
+    return np.array([-a * x[0] - b * (x[1] + x[2]) - x[1] ** 2,
+                     -a * x[1] - b * (x[2] + x[0]) - x[2] ** 2,
+                     -a * x[2] - b * (x[0] + x[1]) - x[0] ** 2])
+
+
+halvorsen = System(
+    "halvorsen", ("x", "y", "z"), _halvorsen,
+    ({"x": -1.4, "y": -4.0, "z": -4.0, "y**2": -1.0},
+     {"x": -4.0, "y": -1.4, "z": -4.0, "z**2": -1.0},
+     {"x": -4.0, "y": -4.0, "z": -1.4, "x**2": -1.0}), (-5.0, 0.0, 0.0), 20.0, 1000, 2)
+"""Halvorsen's cyclically symmetric attractor a=1.4, b=4; 1000 points on [0, 20]."""
+
+
+def _genesio_tesi(x: np.ndarray) -> np.ndarray:
+    a, b, c = 0.44, 1.1, 1.0
+    return np.array([x[1], x[2], -c * x[0] - b * x[1] - a * x[2] + x[0] ** 2])
+
+
+genesio_tesi = System(
+    "genesio_tesi", ("x", "y", "z"), _genesio_tesi,
+    ({"y": 1.0}, {"z": 1.0}, {"x": -1.0, "y": -1.1, "z": -0.44, "x**2": 1.0}),
+    (0.1, 0.1, 0.1), 100.0, 1000, 2)
+"""Genesio-Tesi jerk system a=0.44, b=1.1, c=1 (chaotic); 1000 points on [0, 100]."""
+
+VALIDATION_SYSTEMS: dict[str, System] = {s.name: s for s in (lorenz_84, halvorsen,
+                                                             genesio_tesi)}
+"""Systems kept out of the benchmark's default grid: a check of choices made on the others."""
+
+ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS}
+
+
+def score_terms(found: list[dict[str, float]], truth: list[dict[str, float]]) -> dict:
+    """Compare discovered equations with the truth, both ``[{monomial: coefficient}, ...]``.
+
+    Returns ``max_rel_error`` (largest relative error over the true terms, a missed term
+    counting 1.0), ``missed`` (true terms absent) and ``spurious`` (terms not in the truth).
+    """
+    rel, missed, spurious = 0.0, 0, 0
+    for est, true in zip(found, truth):
+        for term, value in true.items():
+            rel = max(rel, abs(est.get(term, 0.0) - value) / abs(value))
+            missed += term not in est
+        spurious += len(set(est) - set(true))
+    return {"max_rel_error": rel, "missed": missed, "spurious": spurious}
+
+
 def generate(system: System | str, *, n: int | None = None, t_end: float | None = None,
              x0: tuple[float, ...] | None = None, noise: float = 0.0,
              seed: int = 0) -> Trajectory:
@@ -228,10 +293,10 @@ def generate(system: System | str, *, n: int | None = None, t_end: float | None 
     with ``seed``. Returns a :class:`Trajectory` with ``t`` (n,) and ``X`` (n, dim).
     """
     if isinstance(system, str):
-        if system not in SYSTEMS:
+        if system not in ALL_SYSTEMS:
             raise SymbolicDataError(f"unknown system {system!r}; expected one of "
-                                    f"{sorted(SYSTEMS)}")
-        system = SYSTEMS[system]
+                                    f"{sorted(ALL_SYSTEMS)}")
+        system = ALL_SYSTEMS[system]
     n = system.n if n is None else int(n)
     t_end = system.t_end if t_end is None else float(t_end)
     start = np.asarray(system.x0 if x0 is None else x0, dtype=np.float64)

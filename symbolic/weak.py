@@ -12,12 +12,16 @@ coefficients; a library that is collinear on the data (a conservation law such a
 
 from __future__ import annotations
 
+import math
+from itertools import combinations
+
 import numpy as np
 from scipy.integrate import trapezoid
 
 from symbolic.field import PolyField
 
-__all__ = ["weak_system", "weak_lstsq", "sparse_supports"]
+__all__ = ["weak_system", "weak_lstsq", "sparse_supports", "subset_path", "cv_size",
+           "forward_path"]
 
 THRESHOLDS = (0.002, 0.01, 0.03, 0.1, 0.3)
 """Term sizes relative to the largest term of the equation tried by the thresholding."""
@@ -26,7 +30,17 @@ HALF_WIDTHS = (8, 24)
 """Half widths (samples) of the weak form's test functions."""
 
 RESIDUALS = (1e-6, 1e-3, 1e-2, 3e-2, 0.1)
-"""Relative weak-form residuals at which forward selection stops, one support each."""
+"""Relative weak-form residuals at which the best-subset path stops, one support each."""
+
+SUBSET_BUDGET = 100_000
+"""Supports of one size are enumerated exhaustively up to this many; beyond, a beam search
+extends the best supports of the size below."""
+
+BEAM = 64
+"""Supports of each size kept by the beam search."""
+
+FOLDS = 5
+"""Contiguous blocks of test functions held out in turn by :func:`cv_size`."""
 
 
 def weak_system(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]], *,
@@ -103,6 +117,77 @@ def forward_path(G: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, float]]
     return path
 
 
+def _subset_residuals(R: np.ndarray, beta: np.ndarray, supports: np.ndarray) -> np.ndarray:
+    """Residual norms ``min_c ||R[:, S] c - beta||`` for every row ``S`` of ``supports``
+    (m, k), by batched QR; the residual is formed explicitly (no cancellation on exact data)."""
+    out = np.empty(len(supports))
+    chunk = max(1, 2_000_000 // max(R.shape[0] * supports.shape[1], 1))
+    for lo in range(0, len(supports), chunk):
+        sub = supports[lo:lo + chunk]
+        Q, _ = np.linalg.qr(R[:, sub].transpose(1, 0, 2))             # (m, p, k)
+        r = beta[None, :] - np.einsum("mpk,mk->mp", Q, np.einsum("mpk,p->mk", Q, beta))
+        out[lo:lo + chunk] = np.linalg.norm(r, axis=1)
+    return out
+
+
+def subset_path(G: np.ndarray, b: np.ndarray, *, max_terms: int | None = None,
+                budget: int = SUBSET_BUDGET, beam: int = BEAM) -> list[tuple[np.ndarray, float]]:
+    """Best support of every size for ``G c = b`` (columns scaled to unit norm).
+
+    Sizes with at most ``budget`` supports are searched exhaustively, larger ones by a beam of
+    the ``beam`` best supports of the size below, each extended by every other column. Unlike
+    greedy forward selection this finds the sparse fit of a library that is strongly correlated
+    on the data (e.g. populations that stay near an invariant surface). Returns
+    ``(support (p,), relative residual)`` for 1 .. ``max_terms`` terms (default: all).
+    """
+    p = G.shape[1]
+    norms = np.linalg.norm(G, axis=0)
+    A = G / np.where(norms > 0, norms, 1.0)
+    Q, R = np.linalg.qr(A)                                            # A = Q R, R (p, p)
+    beta = Q.T @ b
+    outside = max(float(b @ b) - float(beta @ beta), 0.0)
+    bnorm = float(np.linalg.norm(b)) or 1.0
+    kmax = p if max_terms is None else min(p, int(max_terms))
+    path: list[tuple[np.ndarray, float]] = []
+    level: np.ndarray = np.zeros((1, 0), dtype=np.int64)
+    for k in range(1, kmax + 1):
+        if math.comb(p, k) <= budget:
+            cand = np.array(list(combinations(range(p), k)), dtype=np.int64)
+        else:
+            grown = {tuple(sorted(s + (j,))) for s in map(tuple, level.tolist())
+                     for j in range(p) if j not in s}
+            cand = np.array(sorted(grown), dtype=np.int64)
+        res = _subset_residuals(R, beta, cand)
+        order = np.argsort(res, kind="stable")[:beam]
+        level = cand[order]
+        support = np.zeros(p, dtype=bool)
+        support[level[0]] = True
+        path.append((support, math.sqrt(float(res[order[0]]) ** 2 + outside) / bnorm))
+    return path
+
+
+def cv_size(G: np.ndarray, b: np.ndarray, path: list[tuple[np.ndarray, float]],
+            folds: int = FOLDS) -> int:
+    """Index into ``path`` of the support chosen by cross-validation over contiguous blocks of
+    test functions (one-standard-error rule: the smallest support whose held-out error is within
+    one standard error of the lowest), so no noise level is needed."""
+    rows = G.shape[0]
+    folds = max(2, min(int(folds), rows // 4)) if rows >= 8 else 0
+    if not folds or not path:
+        return len(path) - 1
+    blocks = np.array_split(np.arange(rows), folds)
+    errors = np.zeros((len(path), folds))
+    for f, test in enumerate(blocks):
+        train = np.setdiff1d(np.arange(rows), test)
+        for j, (support, _) in enumerate(path):
+            c = _lstsq(G[train], b[train], np.nonzero(support)[0])
+            errors[j, f] = float(np.mean((G[test] @ c - b[test]) ** 2))
+    mean = errors.mean(axis=1)
+    se = errors.std(axis=1, ddof=1) / math.sqrt(folds)
+    best = int(np.argmin(mean))
+    return int(np.nonzero(mean <= mean[best] + se[best])[0][0])
+
+
 def sparse_supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]],
                     thresholds: tuple[float, ...] = THRESHOLDS,
                     residuals: tuple[float, ...] = RESIDUALS,
@@ -111,8 +196,9 @@ def sparse_supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.nd
     """Distinct ``(active (p, dim), coef (p, dim))`` from the weak form with test functions of
     each half width in ``half_widths`` (narrow ones resolve fast dynamics, wide ones average
     noise): sequentially thresholded least squares (a term is kept while ``|c| RMS(monomial)``
-    is at least ``threshold`` times the largest term's), then forward selection stopped at each
-    relative residual of ``residuals``."""
+    is at least ``threshold`` times the largest term's), the best-subset path of every equation
+    (:func:`subset_path`) with its size chosen by cross-validation (:func:`cv_size`), and the
+    best-subset paths stopped at each relative residual of ``residuals``."""
     out: list[tuple[np.ndarray, np.ndarray]] = []
     seen: set[bytes] = set()
     for half_width in half_widths:
@@ -150,7 +236,14 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
         if key not in seen:
             seen.add(key)
             out.append((active, coef))
-    paths = [forward_path(G, b[:, i]) for i in range(d)]
+    paths = [subset_path(G, b[:, i]) for i in range(d)]
+    chosen = np.stack([paths[i][cv_size(G, b[:, i], paths[i])][0] for i in range(d)], axis=1)
+    key = chosen.tobytes()
+    if key not in seen:
+        seen.add(key)
+        coef = np.stack([_lstsq(G, b[:, i], np.nonzero(chosen[:, i])[0]) for i in range(d)],
+                        axis=1)
+        out.append((chosen, coef))
     for level in residuals:
         active = np.zeros((p, d), dtype=bool)
         for i, path in enumerate(paths):
