@@ -28,7 +28,7 @@ from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError
 from polynets.lowering import Lowered, integer_factor, lower, step_levels
-from polynets.program import PolyProgram
+from polynets.program import Interpreter, Node, PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
 
@@ -66,36 +66,51 @@ def _noise_gain(program: PolyProgram, maxabs: list[float], rms: list[float],
 
     Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
     """
-    # encoded weights round to 1/scale: a scalar (batch) exactly, a slot vector (vector packing)
-    # through the canonical embedding, about sqrt(N) times more
-    rounding = 1.0 / 12.0 if packing == "batch" else 1.0
-    e: list[tuple[float, float]] = []
-    for node in program.nodes:
-        ins = [e[j] for j in node.inputs]
-        a = node.attrs
-        if node.op == "input":
-            g = (1.0, 0.0)
-        elif node.op == "linear":
-            w = float(np.sqrt((np.asarray(a["weight"], dtype=np.float64) ** 2).sum(axis=0)).max(
-                initial=0.0))
-            # + rescale rounding + rounding of the encoded weights times the input's magnitude
-            k = np.asarray(a["weight"]).shape[0]
-            g = (w * ins[0][0], w * ins[0][1] + 1.0 + rms[node.inputs[0]] * np.sqrt(k) * rounding)
-        elif node.op == "mul":
-            ma, mb = (maxabs[j] for j in node.inputs)
-            g = (ma * ins[1][0] + mb * ins[0][0], ma * ins[1][1] + mb * ins[0][1] + 1.0)
-        elif node.op == "add":
-            g = (ins[0][0] + ins[1][0], ins[0][1] + ins[1][1])
-        elif node.op == "mul_const":
-            v = np.asarray(a["value"], dtype=np.float64)
-            c = float(np.abs(v).max(initial=0.0))
-            exact = integer_factor(v) is not None
-            g = (c * ins[0][0],
-                 c * ins[0][1] + (0.0 if exact else 1.0 + rms[node.inputs[0]] * rounding))
-        else:
-            g = (max(i[0] for i in ins), max(i[1] for i in ins))
-        e.append(g)
-    return e[program.output]
+    return _NoiseGain(maxabs, rms, packing).run(program)[program.output]
+
+
+class _NoiseGain(Interpreter):
+    """Per node ``(g_in, g_rs)``: its error per unit of encryption noise and of rescale noise
+    (see :func:`_noise_gain`); ``maxabs`` and ``rms`` are the calibrated ranges of the nodes."""
+
+    def __init__(self, maxabs: list[float], rms: list[float], packing: str):
+        self.maxabs, self.rms = maxabs, rms
+        # encoded weights round to 1/scale: a scalar (batch) exactly, a slot vector (vector
+        # packing) through the canonical embedding, about sqrt(N) times more
+        self.rounding = 1.0 / 12.0 if packing == "batch" else 1.0
+
+    def input(self, i: int, node: Node) -> tuple[float, float]:
+        return 1.0, 0.0
+
+    def linear(self, i: int, node: Node, x: tuple[float, float]) -> tuple[float, float]:
+        weight = node.attrs["weight"]
+        w = float(np.sqrt((np.asarray(weight, dtype=np.float64) ** 2).sum(axis=0)).max(
+            initial=0.0))
+        # + rescale rounding + rounding of the encoded weights times the input's magnitude
+        k = np.asarray(weight).shape[0]
+        return (w * x[0],
+                w * x[1] + 1.0 + self.rms[node.inputs[0]] * np.sqrt(k) * self.rounding)
+
+    def mul(self, i: int, node: Node, a: tuple[float, float],
+            b: tuple[float, float]) -> tuple[float, float]:
+        ma, mb = (self.maxabs[j] for j in node.inputs)
+        return ma * b[0] + mb * a[0], ma * b[1] + mb * a[1] + 1.0
+
+    def add(self, i: int, node: Node, a: tuple[float, float],
+            b: tuple[float, float]) -> tuple[float, float]:
+        return a[0] + b[0], a[1] + b[1]
+
+    def mul_const(self, i: int, node: Node, x: tuple[float, float]) -> tuple[float, float]:
+        v = np.asarray(node.attrs["value"], dtype=np.float64)
+        c = float(np.abs(v).max(initial=0.0))
+        exact = integer_factor(v) is not None
+        return (c * x[0],
+                c * x[1] + (0.0 if exact else 1.0 + self.rms[node.inputs[0]] * self.rounding))
+
+    def _widest(self, i: int, node: Node, *ins: tuple[float, float]) -> tuple[float, float]:
+        return max(g[0] for g in ins), max(g[1] for g in ins)
+
+    add_const = gather = _widest
 
 
 def _degree_depth(program: PolyProgram) -> tuple[int, int]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from polynets.errors import ConfigError, ShapeError
-
-if TYPE_CHECKING:
-    from polynets.program import PolyProgram
+from polynets.program import ArrayInterpreter, Node, PolyProgram
 
 
 def _linear(v: torch.Tensor, axis: int, weight: torch.Tensor,
@@ -32,31 +30,45 @@ def _gather(values: Sequence[torch.Tensor], index: torch.Tensor, batch: int) -> 
     return src[:, idx]  # (batch, *index.shape)
 
 
+class _TorchInterpreter(ArrayInterpreter):
+    """The array interpreter on tensors; a node's arrays are the module's buffers."""
+
+    contract = staticmethod(_linear)
+    select = staticmethod(_gather)
+
+    def __init__(self, xb: torch.Tensor, module: "ProgramModule"):
+        super().__init__(xb)
+        self.module = module
+
+    def const(self, i: int, node: Node, key: str) -> torch.Tensor | None:
+        name = self.module._names[i].get(key)
+        return None if name is None else getattr(self.module, name)
+
+    def expand(self, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return value.expand(shape)
+
+
 class ProgramModule(nn.Module):
     """``nn.Module`` running a polynomial program; input/output shapes are those of the model."""
 
-    def __init__(self, program: "PolyProgram", dtype: Any = None):
+    def __init__(self, program: PolyProgram, dtype: Any = None):
         super().__init__()
         self.program = program
         self.dtype = dtype or torch.float64
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(f"to_torch(dtype=...) needs a real floating-point dtype such as "
                               f"torch.float64, got {dtype!r}")
-        self._consts = nn.ParameterList()
-        self._slots: list[dict[str, int]] = []
-        for node in program.nodes:
-            slots: dict[str, int] = {}
+        # the program's constants are buffers: they move with .to(device) and are saved in the
+        # state dict, but are not parameters an optimiser would train
+        self._names: list[dict[str, str]] = []
+        for i, node in enumerate(program.nodes):
+            names: dict[str, str] = {}
             for key, value in node.attrs.items():
                 if key in ("weight", "bias", "value", "index") and value is not None:
-                    slots[key] = len(self._consts)
+                    names[key] = f"n{i}_{key}"
                     kind = torch.long if key == "index" else self.dtype
-                    self._consts.append(nn.Parameter(torch.as_tensor(value, dtype=kind),
-                                                     requires_grad=False))
-            self._slots.append(slots)
-
-    def _attr(self, i: int, key: str) -> torch.Tensor | None:
-        slot = self._slots[i].get(key)
-        return None if slot is None else self._consts[slot]
+                    self.register_buffer(names[key], torch.as_tensor(value, dtype=kind))
+            self._names.append(names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(B, *input_shape[1:])`` (what the traced model took); any other rank or size
@@ -68,5 +80,4 @@ class ProgramModule(nn.Module):
             raise ShapeError("program input is complex; a polynomial program evaluates real "
                              "numbers")
         xb = x.reshape(self.program.batch_shape(x.shape)).to(self.dtype)
-        return self.program.evaluate(xb, attr=self._attr, linear=_linear, gather=_gather,
-                                     expand=lambda v, shape: v.expand(shape))
+        return self.program.evaluate(_TorchInterpreter(xb, self))

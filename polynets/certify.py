@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polynets.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, integer_factor,
-                               lower)
-from polynets.program import PolyProgram
+from polynets.lowering import EXACT_LOWERING_LIMIT, Lowered, affine_is_free, lower, node_cost
+from polynets.program import Interpreter, Node, PolyProgram
 
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
     from torch import nn
@@ -44,27 +43,33 @@ def analyse(program: PolyProgram) -> list[NodeInfo]:
     largest value exceeds :data:`~polynets.lowering.EXACT_LOWERING_LIMIT` elements (too large
     for any packing), the upper bound that counts every linear map and every non-integer
     constant multiplication (:func:`levels_exact` tells which)."""
-    infos: list[NodeInfo] = []
-    bound: list[tuple[int, int]] = []
-    for node in program.nodes:
-        ins = [infos[j] for j in node.inputs]
-        top = max((bound[j] for j in node.inputs), default=(0, 0))
-        if node.op == "input":
-            degree, depth = 1, 0
-        elif node.op == "mul":
-            degree, depth = ins[0].degree + ins[1].degree, max(s.depth for s in ins) + 1
-            top = (top[0] + 1, top[1])
-        else:
-            degree, depth = max(s.degree for s in ins), max(s.depth for s in ins)
-            if node.op == "linear" or (node.op == "mul_const"
-                                       and integer_factor(node.attrs["value"]) is None):
-                top = (top[0] + 1, top[1] + 1)
-        infos.append(NodeInfo(degree, depth, *top))
-        bound.append(top)
+    infos = _Analysis().run(program)
     if levels_exact(program):
         out = infos[program.output]
         infos[program.output] = NodeInfo(out.degree, out.depth, *lowered_levels(lower(program)))
     return infos
+
+
+class _Analysis(Interpreter):
+    """Per node: degree and depth, and the levels and plaintext multiplications on the longest
+    path counted node by node (:func:`~polynets.lowering.node_cost`, an upper bound)."""
+
+    def input(self, i: int, node: Node) -> NodeInfo:
+        return NodeInfo(1, 0, 0, 0)
+
+    def mul(self, i: int, node: Node, a: NodeInfo, b: NodeInfo) -> NodeInfo:
+        return self._path(node, a.degree + b.degree, max(a.depth, b.depth) + 1, a, b)
+
+    def _same_degree(self, i: int, node: Node, *ins: NodeInfo) -> NodeInfo:
+        return self._path(node, max(s.degree for s in ins), max(s.depth for s in ins), *ins)
+
+    linear = add = mul_const = add_const = gather = _same_degree
+
+    @staticmethod
+    def _path(node: Node, degree: int, depth: int, *ins: NodeInfo) -> NodeInfo:
+        levels, plain = max((s.levels, s.plain_mults) for s in ins)
+        cost = node_cost(node)
+        return NodeInfo(degree, depth, levels + cost[0], plain + cost[1])
 
 
 def levels_exact(program: PolyProgram) -> bool:

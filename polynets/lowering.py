@@ -20,6 +20,9 @@ and the CKKS compiler:
 
 * :func:`integer_factor`: a constant multiplication is level-free iff it multiplies by one
   integer, repeated, of magnitude below ``2**20``;
+* :func:`node_cost`: per node of the program, before composition (the upper bound
+  :func:`polynets.certify` and the passes count with), a product, a linear map and a constant
+  multiplication that is not free cost one level each;
 * :func:`affine_is_free`: an affine step costs one level unless every term is free for the
   packing -- the identity in every packing, and in batch packing (one sample per slot) also any
   selection (each output copies at most one input element with weight 1: shifts, slices,
@@ -40,10 +43,10 @@ from typing import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from polynets.program import Node, PolyProgram
+from polynets.program import Interpreter, Node, PolyProgram
 
-__all__ = ["Step", "Lowered", "lower", "integer_factor", "affine_is_free", "is_identity",
-           "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
+__all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is_free",
+           "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
@@ -67,6 +70,20 @@ def integer_factor(value: np.ndarray | float) -> int | None:
         return None
     k = float(v[0])
     return int(k) if np.isfinite(k) and k == round(k) and abs(k) < MAX_INTEGER_FACTOR else None
+
+
+
+def node_cost(node: Node) -> tuple[int, int]:
+    """``(levels, plaintext multiplications)`` a node costs on its own, before lowering composes
+    affine work: a ciphertext product ``(1, 0)``; a linear map or a constant multiplication that
+    is not by one integer (:func:`integer_factor`) ``(1, 1)``; anything else ``(0, 0)``. Summed
+    along a path this bounds the levels of the exact lowering from above."""
+    if node.op == "mul":
+        return 1, 0
+    if node.op == "linear" or (node.op == "mul_const"
+                               and integer_factor(node.attrs["value"]) is None):
+        return 1, 1
+    return 0, 0
 
 
 @dataclass
@@ -211,24 +228,38 @@ def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
 
 def lower(program: PolyProgram) -> Lowered:
     """Lower ``program`` to steps (see the module docstring); float64, exact composition."""
-    steps: list[Step] = []
-    users = program.consumers()
+    lowering = _Lowering(program)
+    values = lowering.run(program)
+    out = lowering.materialise(values[program.output])
+    return _drop_unread(lowering.steps, out)
 
-    def add_step(step: Step) -> _Aff:
-        steps.append(step)
-        i = len(steps) - 1
+
+class _Lowering(Interpreter):
+    """The CKKS-step back end: a node's value is an affine function (:class:`_Aff`) of the
+    steps materialised so far; products, and values read by several nodes, become steps."""
+
+    def __init__(self, program: PolyProgram):
+        self.program = program
+        self.steps: list[Step] = []
+        self.users = program.consumers()
+
+    def add_step(self, step: Step) -> _Aff:
+        self.steps.append(step)
+        i = len(self.steps) - 1
         return _Aff({i: _eye(step.n)}, None, step.shape)
 
-    def materialise(f: _Aff) -> int:
+    def materialise(self, f: _Aff) -> int:
+        """The step that holds ``f``: an existing one if ``f`` is one, else a new affine step."""
         if len(f.terms) == 1 and f.bias is None:
             (src, m), = f.terms.items()
-            if is_identity(m) and steps[src].n == f.n:
+            if is_identity(m) and self.steps[src].n == f.n:
                 return src
-        f = _through_local_input_map(f)
-        add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
-        return len(steps) - 1
+        f = self._through_local_input_map(f)
+        self.add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
+        return len(self.steps) - 1
 
-    def _through_local_input_map(f: _Aff) -> _Aff:
+    def _through_local_input_map(self, f: _Aff) -> _Aff:
+        steps = self.steps
         if len(f.terms) != 1:
             return f
         (src, m), = f.terms.items()
@@ -251,55 +282,60 @@ def lower(program: PolyProgram) -> Lowered:
             bias = f.bias if bias is None else bias + f.bias
         return _Aff({s.inputs[0]: composed}, bias, f.shape)
 
-    def operand(j: int, shape: tuple[int, ...]) -> _Aff:
-        f = vals[j]
-        src = tuple(program.nodes[j].shape)
+    def _operand(self, j: int, f: _Aff, shape: tuple[int, ...]) -> _Aff:
+        """Node ``j``'s value ``f`` broadcast to ``shape``."""
+        src = tuple(self.program.nodes[j].shape)
         return f if src == shape else _compose(_broadcast_matrix(src, shape), f, shape)
 
-    vals: list[_Aff] = []
-    for i, node in enumerate(program.nodes):
-        a = node.attrs
+    def input(self, i: int, node: Node) -> _Aff:
+        return self.add_step(Step("input", (), tuple(node.shape)))
+
+    def linear(self, i: int, node: Node, x: _Aff) -> _Aff:
+        a, shape = node.attrs, tuple(node.shape)
+        src_shape = tuple(self.program.nodes[node.inputs[0]].shape)
+        val = _compose(_linear_matrix(src_shape, a["axis"], a["weight"]), x, shape)
+        if a.get("bias") is not None:
+            val = _with_bias(val, _bias_along(shape, a["axis"],
+                                              np.asarray(a["bias"], dtype=np.float64)))
+        return val
+
+    def gather(self, i: int, node: Node, *xs: _Aff) -> _Aff:
+        return _gather(node, self.program, list(xs))
+
+    def add_const(self, i: int, node: Node, x: _Aff) -> _Aff:
         shape = tuple(node.shape)
-        if node.op == "input":
-            val = add_step(Step("input", (), shape))
-        elif node.op == "linear":
-            src_shape = tuple(program.nodes[node.inputs[0]].shape)
-            val = _compose(_linear_matrix(src_shape, a["axis"], a["weight"]),
-                           vals[node.inputs[0]], shape)
-            if a.get("bias") is not None:
-                val = _with_bias(val, _bias_along(shape, a["axis"],
-                                                  np.asarray(a["bias"], dtype=np.float64)))
-        elif node.op == "gather":
-            val = _gather(node, program, [vals[j] for j in node.inputs])
-        elif node.op == "add_const":
-            f = operand(node.inputs[0], shape)
-            val = _with_bias(f, np.broadcast_to(np.asarray(a["value"], np.float64),
-                                                shape).ravel())
-        elif node.op == "mul_const":
-            f = operand(node.inputs[0], shape)
-            k = integer_factor(a["value"])
-            src = next(iter(f.terms)) if len(f.terms) == 1 else None
-            if k is not None and src is not None and f.bias is None \
-                    and is_identity(f.terms[src]):
-                val = add_step(Step("mul_int", (src,), shape, factor=k))
-            else:
-                v = np.broadcast_to(np.asarray(a["value"], dtype=np.float64), shape).ravel()
-                val = _compose(sp.diags(v, format="csr"), f, shape)
-        elif node.op == "add":
-            val = _sum(shape, operand(node.inputs[0], shape), operand(node.inputs[1], shape))
-        elif node.op == "mul":
-            xa = materialise(operand(node.inputs[0], shape))
-            xb = xa if node.inputs[0] == node.inputs[1] else \
-                materialise(operand(node.inputs[1], shape))
-            val = add_step(Step("mul", (xa, xb), shape))
-        else:
-            raise ValueError(f"unknown op {node.op!r}")
-        if len(users[i]) > 1:
-            j = materialise(val)
-            val = _Aff({j: _eye(steps[j].n)}, None, shape)
-        vals.append(val)
-    out = materialise(vals[program.output])
-    return _drop_unread(steps, out)
+        f = self._operand(node.inputs[0], x, shape)
+        return _with_bias(f, np.broadcast_to(np.asarray(node.attrs["value"], np.float64),
+                                             shape).ravel())
+
+    def mul_const(self, i: int, node: Node, x: _Aff) -> _Aff:
+        shape = tuple(node.shape)
+        f = self._operand(node.inputs[0], x, shape)
+        k = integer_factor(node.attrs["value"])
+        src = next(iter(f.terms)) if len(f.terms) == 1 else None
+        if k is not None and src is not None and f.bias is None and is_identity(f.terms[src]):
+            return self.add_step(Step("mul_int", (src,), shape, factor=k))
+        v = np.broadcast_to(np.asarray(node.attrs["value"], dtype=np.float64), shape).ravel()
+        return _compose(sp.diags(v, format="csr"), f, shape)
+
+    def add(self, i: int, node: Node, a: _Aff, b: _Aff) -> _Aff:
+        shape = tuple(node.shape)
+        return _sum(shape, self._operand(node.inputs[0], a, shape),
+                    self._operand(node.inputs[1], b, shape))
+
+    def mul(self, i: int, node: Node, a: _Aff, b: _Aff) -> _Aff:
+        shape = tuple(node.shape)
+        xa = self.materialise(self._operand(node.inputs[0], a, shape))
+        xb = xa if node.inputs[0] == node.inputs[1] else \
+            self.materialise(self._operand(node.inputs[1], b, shape))
+        return self.add_step(Step("mul", (xa, xb), shape))
+
+    def finish(self, i: int, node: Node, value: _Aff) -> _Aff:
+        """A value read by several nodes is materialised once, as its own step."""
+        if len(self.users[i]) > 1:
+            j = self.materialise(value)
+            return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
+        return value
 
 
 def _drop_unread(steps: list[Step], out: int) -> Lowered:

@@ -21,8 +21,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from polynets.lowering import integer_factor
-from polynets.program import Node, PolyProgram, _gather, _linear
+from polynets.lowering import node_cost
+from polynets.program import ArrayInterpreter, Node, PolyProgram
 
 __all__ = ["optimize"]
 
@@ -477,21 +477,16 @@ def _fuse_across_axes(nodes: list[Node], i: int, users: list[list[int]]) -> int 
 
 def _levels_and_slack(nodes: list[Node], users: list[list[int]]) -> tuple[list[int], list[int]]:
     """CKKS levels of every node, and how many levels each could grow without delaying a user."""
-    def cost(node: Node) -> int:
-        if node.op in ("linear", "mul"):
-            return 1
-        return int(node.op == "mul_const" and integer_factor(node.attrs["value"]) is None)
-
     order = _topological(nodes, list(range(len(nodes))))
     level = [0] * len(nodes)
     for i in order:
         node = nodes[i]
         if node.inputs:
-            level[i] = max(level[j] for j in node.inputs) + cost(node)
+            level[i] = max(level[j] for j in node.inputs) + node_cost(node)[0]
     latest = [max(level)] * len(nodes)
     for i in reversed(order):
         if users[i]:
-            latest[i] = min(latest[k] - cost(nodes[k]) for k in users[i])
+            latest[i] = min(latest[k] - node_cost(nodes[k])[0] for k in users[i])
     return level, [latest[i] - level[i] for i in range(len(nodes))]
 
 
@@ -593,15 +588,9 @@ def _collapse_chain(nodes: list[Node], i: int, users: list[list[int]]) -> int | 
     if (n_in + 1) * widest > _DENSE_LIMIT:     # the basis pushed through the chain, densely
         return None
     basis = np.concatenate([np.zeros((1, n_in)), np.eye(n_in)]).reshape((n_in + 1,) + src.shape)
-    value = basis
+    value, numpy = basis, ArrayInterpreter(basis)
     for k in reversed(chain):
-        node = nodes[k]
-        if node.op == "linear":
-            value = _linear(value, node.attrs["axis"], node.attrs["weight"],
-                            node.attrs.get("bias"))
-        else:
-            value = _gather([value], node.attrs["index"], n_in + 1).reshape(
-                (n_in + 1,) + node.shape)
+        value = numpy.step(k, nodes[k], [value])
     flat = value.reshape(n_in + 1, n_out)
     bias = flat[0]
     weight = flat[1:] - bias[None, :]

@@ -45,9 +45,9 @@ import numpy as np
 from polynets._io import (ARRAY_KINDS, MAX_FILE_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH,  # noqa: F401
                           MAX_RANK, atomic_write_bytes, is_int, load_npy_bytes, loads_json_strict,
                           read_bytes_limited, read_npy)
-from polynets.errors import ProgramFormatError, ShapeError
+from polynets.errors import ProgramFormatError, ShapeError, UnsupportedOpError
 
-__all__ = ["Node", "PolyProgram", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
+__all__ = ["Node", "PolyProgram", "Interpreter", "ArrayInterpreter", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
            "read_bytes_limited", "loads_json_strict", "load_npy_bytes"]
 
 OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const", "gather")
@@ -123,6 +123,101 @@ def _gather(values: Sequence[np.ndarray], index: np.ndarray, batch: int) -> np.n
     return src[:, idx]  # (batch, *index.shape)
 
 
+class Interpreter:
+    """An interpreter of the polynomial program: one loop over the nodes, one method per op.
+
+    A back end subclasses it and defines a method named after each op it handles (``input``,
+    ``linear``, ``mul``, ``add``, ``mul_const``, ``add_const``, ``gather``), called as
+    ``method(i, node, *inputs)`` with node ``i`` and the values of its inputs in order, and
+    returning node ``i``'s value; :meth:`finish` sees every value after its op. A node whose op
+    the back end does not define raises :class:`~polynets.errors.UnsupportedOpError` naming the
+    op, the node and the back end.
+    """
+
+    def run(self, program: "PolyProgram", *, release: bool = False) -> list[Any]:
+        """The value of every node of ``program``, in node order.
+
+        With ``release=True`` a value is dropped (None in the result) as soon as its last reader
+        has run, unless it is the output, so only live values are held.
+        """
+        values: list[Any] = [None] * len(program.nodes)
+        remaining = [len(u) for u in program.consumers()] if release else []
+        for i, node in enumerate(program.nodes):
+            values[i] = self.step(i, node, [values[j] for j in node.inputs])
+            if release:
+                for j in node.inputs:
+                    remaining[j] -= 1
+                    if remaining[j] == 0 and j != program.output:
+                        values[j] = None
+        return values
+
+    def step(self, i: int, node: Node, inputs: Sequence[Any]) -> Any:
+        """Node ``i``'s value from ``inputs``, the values of ``node.inputs``."""
+        method = getattr(self, node.op, None) if node.op in OPS else None
+        if method is None:
+            handled = [op for op in OPS if getattr(self, op, None) is not None]
+            where = f" in {node.path}" if node.path else ""
+            raise UnsupportedOpError(
+                f"{type(self).__name__} does not handle the program op {node.op!r} (node {i}"
+                f"{where}); it handles {', '.join(handled) or 'no op'}")
+        return self.finish(i, node, method(i, node, *inputs))
+
+    def finish(self, i: int, node: Node, value: Any) -> Any:
+        """Post-process node ``i``'s value (identity unless a back end overrides it)."""
+        return value
+
+
+class ArrayInterpreter(Interpreter):
+    """Evaluation on arrays that hold a batch: node ``i``'s value has shape ``(B, *shape_i)``.
+
+    The NumPy back end (float64 or ``object`` arrays); another array library subclasses it with
+    its own :meth:`const` (a node's array attribute), ``contract`` (a linear map), ``select`` (a
+    gather) and :meth:`expand` (broadcast to a shape). Products and sums use the arrays' own
+    operators. ``xb``: the input batch, shape ``(B, *input_shape)``.
+    """
+
+    contract = staticmethod(_linear)   # (v, axis, weight, bias) -> v
+    select = staticmethod(_gather)     # (values, index, batch) -> v
+
+    def __init__(self, xb: Any):
+        self.xb = xb
+        self.batch = int(xb.shape[0])
+
+    def const(self, i: int, node: Node, key: str) -> Any:
+        """Node ``i``'s array attribute ``key`` (None if absent)."""
+        return node.attrs.get(key)
+
+    def expand(self, value: Any, shape: tuple[int, ...]) -> Any:
+        """``value`` broadcast to ``shape``."""
+        return np.broadcast_to(value, shape)
+
+    def input(self, i: int, node: Node) -> Any:
+        return self.xb
+
+    def linear(self, i: int, node: Node, x: Any) -> Any:
+        return self.contract(x, node.attrs["axis"], self.const(i, node, "weight"),
+                             self.const(i, node, "bias"))
+
+    def mul(self, i: int, node: Node, a: Any, b: Any) -> Any:
+        return a * b
+
+    def add(self, i: int, node: Node, a: Any, b: Any) -> Any:
+        return a + b
+
+    def mul_const(self, i: int, node: Node, x: Any) -> Any:
+        return x * self.const(i, node, "value")
+
+    def add_const(self, i: int, node: Node, x: Any) -> Any:
+        return x + self.const(i, node, "value")
+
+    def gather(self, i: int, node: Node, *xs: Any) -> Any:
+        return self.select(xs, self.const(i, node, "index"), self.batch)
+
+    def finish(self, i: int, node: Node, value: Any) -> Any:
+        shape = (self.batch,) + tuple(node.shape)
+        return value if tuple(value.shape) == shape else self.expand(value, shape)
+
+
 class PolyProgram:
     """A polynomial program: nodes in topological order, one input, one output.
 
@@ -179,6 +274,7 @@ class PolyProgram:
         if not 0 <= self.output < len(self.nodes):
             raise ProgramFormatError(
                 f"output index {self.output} is outside the program's {len(self.nodes)} nodes")
+        checker = _ShapeChecker()
         for i, node in enumerate(self.nodes):
             where = f"node {i} ({node.op})"
             if node.op not in OPS:
@@ -190,55 +286,7 @@ class PolyProgram:
                 raise ProgramFormatError(f"{where}: reads a node that does not precede it")
             if any(int(d) < 0 for d in node.shape):
                 raise ProgramFormatError(f"{where}: negative dimension in shape {node.shape}")
-            ins = [self.nodes[j] for j in node.inputs]
-            a = node.attrs
-            if node.op == "linear":
-                axis, w, b = a.get("axis"), a.get("weight"), a.get("bias")
-                src = ins[0].shape
-                if not isinstance(axis, int) or not 0 <= axis < len(src):
-                    raise ProgramFormatError(f"{where}: axis {axis!r} invalid for shape {src}")
-                if not isinstance(w, np.ndarray) or w.ndim != 2 or w.shape[0] != src[axis]:
-                    raise ProgramFormatError(
-                        f"{where}: weight must be ({src[axis]}, n), got "
-                        f"{getattr(w, 'shape', type(w).__name__)}")
-                if b is not None and (not isinstance(b, np.ndarray) or b.shape != (w.shape[1],)):
-                    raise ProgramFormatError(f"{where}: bias must have shape ({w.shape[1]},)")
-                expect = src[:axis] + (w.shape[1],) + src[axis + 1:]
-                if tuple(node.shape) != expect:
-                    raise ProgramFormatError(f"{where}: shape {node.shape}, expected {expect}")
-            elif node.op in ("mul", "add"):
-                sa, sb = ins[0].shape, ins[1].shape
-                if len(sa) != len(sb) or len(sa) != len(node.shape):
-                    raise ProgramFormatError(f"{where}: operands of rank {len(sa)} and {len(sb)}")
-                try:
-                    expect = np.broadcast_shapes(sa, sb)
-                except ValueError as exc:
-                    raise ProgramFormatError(f"{where}: shapes {sa} and {sb} do not broadcast") \
-                        from exc
-                if tuple(node.shape) != tuple(expect):
-                    raise ProgramFormatError(f"{where}: shape {node.shape}, expected {expect}")
-            elif node.op in ("mul_const", "add_const"):
-                v = a.get("value")
-                if not isinstance(v, np.ndarray) or v.ndim > len(node.shape):
-                    raise ProgramFormatError(f"{where}: value must be an array of rank <= "
-                                             f"{len(node.shape)}")
-                try:
-                    ok = np.broadcast_shapes(ins[0].shape, v.shape) == tuple(node.shape)
-                except ValueError:
-                    ok = False
-                if not ok:
-                    raise ProgramFormatError(
-                        f"{where}: value of shape {v.shape} does not broadcast to {node.shape}")
-            elif node.op == "gather":
-                idx = a.get("index")
-                total = sum(n.numel for n in ins)
-                if not isinstance(idx, np.ndarray) or idx.dtype.kind not in "iu" \
-                        or tuple(idx.shape) != tuple(node.shape):
-                    raise ProgramFormatError(f"{where}: index must be an integer array of the "
-                                             f"node's shape {node.shape}")
-                if idx.size and (idx.min() < -1 or idx.max() >= total):
-                    raise ProgramFormatError(
-                        f"{where}: index entries must lie in [-1, {total - 1}]")
+            checker.step(i, node, [self.nodes[j].shape for j in node.inputs])
 
     # ----------------------------------------------------------------------------- interpreter
     def batch_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
@@ -269,50 +317,21 @@ class PolyProgram:
         shape ``(B, *node.shape)``.
         """
         xb = self._as_batch(_numeric_input(x))
-        return self.evaluate(xb, attr=lambda i, key: self.nodes[i].attrs.get(key),
-                             linear=_linear, gather=_gather,
-                             expand=lambda v, shape: np.broadcast_to(v, shape), keep=keep)
+        return self.evaluate(ArrayInterpreter(xb), keep=keep)
 
-    def evaluate(self, xb: Any, *, attr: Any, linear: Any, gather: Any, expand: Any,
-                 keep: bool = False) -> Any:
-        """The interpreter loop shared by the NumPy and torch back ends.
+    def evaluate(self, interpreter: ArrayInterpreter, *, keep: bool = False) -> Any:
+        """Run an array back end (NumPy, torch) on this program.
 
-        ``xb``: the input batch, shape ``(B, *input_shape)``. The back end supplies ``attr(i,
-        key)`` (node ``i``'s attribute as one of its arrays, or None), ``linear(v, axis, weight,
-        bias)``, ``gather(values, index, batch)`` and ``expand(v, shape)``; products and sums use
-        the arrays' own operators. Returns what :meth:`run` returns.
+        ``interpreter`` holds the input batch, shape ``(B, *input_shape)``. Returns what
+        :meth:`run` returns: the output reshaped to ``(B, *output_shape[1:])``, or with
+        ``keep=True`` every node's value.
         """
-        batch = xb.shape[0]
-        values: list[Any] = [None] * len(self.nodes)
-        remaining = [len(u) for u in self.consumers()]
-        for i, node in enumerate(self.nodes):
-            ins = [values[j] for j in node.inputs]
-            if node.op == "input":
-                out = xb
-            elif node.op == "linear":
-                out = linear(ins[0], node.attrs["axis"], attr(i, "weight"), attr(i, "bias"))
-            elif node.op == "mul":
-                out = ins[0] * ins[1]
-            elif node.op == "add":
-                out = ins[0] + ins[1]
-            elif node.op == "mul_const":
-                out = ins[0] * attr(i, "value")
-            elif node.op == "add_const":
-                out = ins[0] + attr(i, "value")
-            else:
-                out = gather(ins, attr(i, "index"), batch)
-            shape = (batch,) + tuple(node.shape)
-            values[i] = out if tuple(out.shape) == shape else expand(out, shape)
-            if not keep:
-                for j in node.inputs:
-                    remaining[j] -= 1
-                    if remaining[j] == 0 and j != self.output:
-                        values[j] = None
+        values = interpreter.run(self, release=not keep)
         if keep:
             return values
         out = values[self.output]
         if self.output_shape[:1] == (1,):
-            return out.reshape((batch,) + tuple(self.output_shape[1:]))
+            return out.reshape((interpreter.batch,) + tuple(self.output_shape[1:]))
         return out
 
     def simulate(self, x: Any) -> np.ndarray:
@@ -342,19 +361,9 @@ class PolyProgram:
     def __repr__(self) -> str:
         lines = [f"PolyProgram({len(self.nodes)} nodes, input {self.input_shape} -> "
                  f"output {self.output_shape})"]
-        for i, n in enumerate(self.nodes):
+        details = _Describer().run(self)
+        for i, (n, detail) in enumerate(zip(self.nodes, details)):
             args = ", ".join(f"%{j}" for j in n.inputs)
-            a = n.attrs
-            if n.op == "linear":
-                detail = f"axis={a['axis']}, weight{tuple(a['weight'].shape)}" + \
-                    (", bias" if a.get("bias") is not None else "")
-            elif n.op in ("mul_const", "add_const"):
-                v = a["value"]
-                detail = f"{float(v):.6g}" if v.size == 1 else f"const{tuple(v.shape)}"
-            elif n.op == "gather":
-                detail = "zero-fill" if bool((a["index"] < 0).any()) else ""
-            else:
-                detail = ""
             body = ", ".join(s for s in (args, detail) if s)
             where = f"  # {n.path}" if n.path else ""
             mark = "  -> output" if i == self.output else ""
@@ -526,3 +535,95 @@ def _read_npz(data: bytes) -> dict[str, np.ndarray]:
             budget -= info.file_size
             out[name[:-4]] = arr
     return out
+
+
+class _ShapeChecker(Interpreter):
+    """Checks each node's attributes against the shapes of its inputs (its values) and returns
+    the node's shape; raises :class:`ProgramFormatError` naming the node."""
+
+    def input(self, i: int, node: Node) -> tuple[int, ...]:
+        return tuple(node.shape)
+
+    def linear(self, i: int, node: Node, src: tuple[int, ...]) -> tuple[int, ...]:
+        where = f"node {i} ({node.op})"
+        axis, w, b = node.attrs.get("axis"), node.attrs.get("weight"), node.attrs.get("bias")
+        if not isinstance(axis, int) or not 0 <= axis < len(src):
+            raise ProgramFormatError(f"{where}: axis {axis!r} invalid for shape {src}")
+        if not isinstance(w, np.ndarray) or w.ndim != 2 or w.shape[0] != src[axis]:
+            raise ProgramFormatError(
+                f"{where}: weight must be ({src[axis]}, n), got "
+                f"{getattr(w, 'shape', type(w).__name__)}")
+        if b is not None and (not isinstance(b, np.ndarray) or b.shape != (w.shape[1],)):
+            raise ProgramFormatError(f"{where}: bias must have shape ({w.shape[1]},)")
+        return self._expect(where, node, src[:axis] + (w.shape[1],) + src[axis + 1:])
+
+    def _elementwise(self, i: int, node: Node, sa: tuple[int, ...],
+                     sb: tuple[int, ...]) -> tuple[int, ...]:
+        where = f"node {i} ({node.op})"
+        if len(sa) != len(sb) or len(sa) != len(node.shape):
+            raise ProgramFormatError(f"{where}: operands of rank {len(sa)} and {len(sb)}")
+        try:
+            expect = np.broadcast_shapes(sa, sb)
+        except ValueError as exc:
+            raise ProgramFormatError(f"{where}: shapes {sa} and {sb} do not broadcast") from exc
+        return self._expect(where, node, tuple(expect))
+
+    mul = add = _elementwise
+
+    def _constant(self, i: int, node: Node, src: tuple[int, ...]) -> tuple[int, ...]:
+        where = f"node {i} ({node.op})"
+        v = node.attrs.get("value")
+        if not isinstance(v, np.ndarray) or v.ndim > len(node.shape):
+            raise ProgramFormatError(f"{where}: value must be an array of rank <= "
+                                     f"{len(node.shape)}")
+        try:
+            ok = np.broadcast_shapes(src, v.shape) == tuple(node.shape)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ProgramFormatError(
+                f"{where}: value of shape {v.shape} does not broadcast to {node.shape}")
+        return tuple(node.shape)
+
+    mul_const = add_const = _constant
+
+    def gather(self, i: int, node: Node, *srcs: tuple[int, ...]) -> tuple[int, ...]:
+        where = f"node {i} ({node.op})"
+        idx = node.attrs.get("index")
+        total = sum(math.prod(s) for s in srcs)
+        if not isinstance(idx, np.ndarray) or idx.dtype.kind not in "iu" \
+                or tuple(idx.shape) != tuple(node.shape):
+            raise ProgramFormatError(f"{where}: index must be an integer array of the "
+                                     f"node's shape {node.shape}")
+        if idx.size and (idx.min() < -1 or idx.max() >= total):
+            raise ProgramFormatError(f"{where}: index entries must lie in [-1, {total - 1}]")
+        return tuple(node.shape)
+
+    @staticmethod
+    def _expect(where: str, node: Node, expect: tuple[int, ...]) -> tuple[int, ...]:
+        if tuple(node.shape) != expect:
+            raise ProgramFormatError(f"{where}: shape {node.shape}, expected {expect}")
+        return expect
+
+
+class _Describer(Interpreter):
+    """The attributes of each node as :meth:`PolyProgram.__repr__` prints them."""
+
+    def _bare(self, i: int, node: Node, *_: str) -> str:
+        return ""
+
+    input = mul = add = _bare
+
+    def linear(self, i: int, node: Node, x: str) -> str:
+        a = node.attrs
+        return f"axis={a['axis']}, weight{tuple(a['weight'].shape)}" + \
+            (", bias" if a.get("bias") is not None else "")
+
+    def _constant(self, i: int, node: Node, x: str) -> str:
+        v = node.attrs["value"]
+        return f"{float(v):.6g}" if v.size == 1 else f"const{tuple(v.shape)}"
+
+    mul_const = add_const = _constant
+
+    def gather(self, i: int, node: Node, *xs: str) -> str:
+        return "zero-fill" if bool((node.attrs["index"] < 0).any()) else ""
