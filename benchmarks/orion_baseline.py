@@ -641,13 +641,15 @@ def train_orion_recipe(net: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoc
 
 
 def run_lola(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor],
-             *, epochs: int = 20, config: dict[str, Any] | None = None, **kw) -> dict[str, Any]:
+             *, epochs: int = 20, config: dict[str, Any] | None = None, seed: int = 0,
+             **kw) -> dict[str, Any]:
     """Orion's LoLA example trained on ``train`` with Orion's recipe, run encrypted on ``test``
     under Orion's LoLA configuration (or ``config``)."""
     xtr, ytr = train
     xte, yte = test
     t0 = time.perf_counter()
-    net = train_orion_recipe(lola_model(), xtr, ytr, epochs=epochs,
+    torch.manual_seed(seed)
+    net = train_orion_recipe(lola_model(), xtr, ytr, epochs=epochs, seed=seed,
                              progress=kw.get("progress", True))
     train_s = time.perf_counter() - t0
     res = run_orion(net, config or LOLA_CONFIG, xtr, xte, yte, preprocess=orion_normalise, **kw)
@@ -744,7 +746,8 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,
-                    "orion_fhe": orion_version()},
+                    "orion_fhe": orion_version(), "load_average_at_start": list(os.getloadavg()),
+                    "timing_note": "shared machine: latencies scale with the load average"},
         "data": {"train": len(xtr), "test": len(xte), "encrypted_images": args.n_accuracy,
                  "latency_images": args.n_latency},
         "ours_for_comparison": "benchmarks/results/he_inference.json (same split, same "
@@ -764,12 +767,14 @@ def main(argv: list[str] | None = None) -> dict:
                 epochs, lr = hi.RECIPES.get(name, (10, 2e-3))
                 epochs = 1 if args.quick else (args.epochs or epochs)
                 t0 = time.perf_counter()
+                torch.manual_seed(0)
                 model = hi.train(hi.make_model(name), xtr, ytr, epochs, augment=True, lr=lr)
                 train_s = time.perf_counter() - t0
                 entry = run_network(model, (xtr, ytr), (xte, yte), **kw)
                 entry.update(epochs=epochs, train_seconds=train_s)
         except OrionConversionError as e:
             entry = {"error": f"not expressible in Orion: {e}"}
+        entry["load_average_after"] = list(os.getloadavg())
         res["models"][name] = entry
         tmp = out_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(res, indent=2))
