@@ -9,6 +9,8 @@ import pytest
 import scipy.sparse as sp
 import tenseal.sealapi as seal
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import he
@@ -215,3 +217,35 @@ def test_auto_packing_keeps_the_server_within_the_memory_budget():
     assert "> budget" in tight.plan.why
     with pytest.raises(he.NotEncryptableError, match="memory_budget"):
         he.compile(model, x, calibration=cal, packing="auto", memory_budget=0)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 3), st.sampled_from([4, 8]), st.sampled_from([4, 12]),
+       st.sampled_from([8, 16]), st.integers(0, 1000))
+def test_random_mulayer_token_models_agree_fused_or_not(side, dim, hidden, precision, seed):
+    """Batch packing of random Mu-Layer token models (BatchNorm biases, a spatial shift's zero
+    padding, a residual read a level below its partner): every weighted row through SEAL's chain
+    and every row fused give the simulation within the promised error."""
+    import polynets as pn
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(pn.MuLayer(dim, hidden=hidden, norm="batch", spatial_shift=True),
+                          nn.Flatten(1), nn.Linear(side * side * dim, 2))
+    x = torch.rand(6, side, side, dim) * 2 - 1
+    model.train()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    prog = he.compile(model, x, calibration=x, packing="batch", precision_bits=precision)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x[:3]).to_bytes()
+    want = prog.simulate(x[:3].numpy())
+    n = len(prog.lowered.steps)
+    got = []
+    for fanin in ([0] * n, [1] * n):
+        server.program.options["fused_fanin"] = fanin
+        got.append(client.decrypt(server.run(ct).to_bytes()))
+        assert np.max(np.abs(got[-1] - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        assert np.max(np.abs(want - model(x[:3]).double().numpy())) <= 1e-6
