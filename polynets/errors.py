@@ -6,6 +6,8 @@ catch one type. Messages say what was wrong and what was expected.
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class PolynetsError(Exception):
     """Base class of every error raised by polynets, he and symbolic."""
@@ -50,3 +52,14 @@ class CheckpointError(PolynetsError):
 
 class TrainingDivergedError(PolynetsError, FloatingPointError):
     """Training produced a non-finite loss."""
+
+
+def check_int(value: object, name: str, *, minimum: int = 1,
+              error: Callable[[str], Exception] = ConfigError) -> int:
+    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``; otherwise
+    ``error(message)`` naming ``name``, what it must be (a positive int for ``minimum=1``, a
+    non-negative int for ``minimum=0``) and the value given."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
+        raise error(f"{name} must be {what}, got {value!r}")
+    return value

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError, ShapeError
+from polynets.errors import ConfigError, ShapeError, check_int
 
 __all__ = [
     "ChannelsLastBatchNorm",
@@ -69,12 +69,6 @@ def to_2tuple(value: int | Sequence[int], name: str) -> tuple[int, int]:
         raise ConfigError(f"{name} must be a positive int or a pair of positive ints, "
                           f"got {value!r}")
     return int(pair[0]), int(pair[1])
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class ChannelsLastBatchNorm(nn.BatchNorm1d):
@@ -129,7 +123,7 @@ class SpatialShift(nn.Module):
         if groups not in (4, 8):
             raise ConfigError(f"SpatialShift groups must be 4 or 8, got {groups!r}")
         self.groups = groups
-        self.shift = _positive_int(shift, "SpatialShift shift")
+        self.shift = check_int(shift, "SpatialShift shift")
 
     def extra_repr(self) -> str:
         return f"groups={self.groups}, shift={self.shift}"
@@ -179,15 +173,15 @@ class MuLayer(nn.Module):
                  shortcut: bool = True, spatial_shift: bool = False, norm: str = "none",
                  bias: bool = True, a_rank: int | None = None) -> None:
         super().__init__()
-        d = _positive_int(in_features, "MuLayer in_features")
-        o = _positive_int(out_features if out_features is not None else d, "MuLayer out_features")
-        m = _positive_int(hidden if hidden is not None else d, "MuLayer hidden")
-        shrinkage = _positive_int(shrinkage, "MuLayer shrinkage")
-        l = _positive_int(rank if rank is not None else max(1, m // shrinkage), "MuLayer rank")
+        d = check_int(in_features, "MuLayer in_features")
+        o = check_int(out_features if out_features is not None else d, "MuLayer out_features")
+        m = check_int(hidden if hidden is not None else d, "MuLayer hidden")
+        shrinkage = check_int(shrinkage, "MuLayer shrinkage")
+        l = check_int(rank if rank is not None else max(1, m // shrinkage), "MuLayer rank")
         self.in_features, self.out_features, self.hidden, self.rank = d, o, m, l
         self.shortcut = bool(shortcut)
         self.spatial_shift = bool(spatial_shift)
-        self.a_rank = None if a_rank is None else _positive_int(a_rank, "MuLayer a_rank")
+        self.a_rank = None if a_rank is None else check_int(a_rank, "MuLayer a_rank")
         self.A = nn.Linear(d, m, bias=bias) if a_rank is None else \
             LowRankLinear(d, m, self.a_rank, bias=bias)
         self.D = nn.Linear(d, l, bias=bias)
@@ -230,9 +224,9 @@ class PolyBlock(nn.Module):
                  spatial_shift: bool = True, second_shortcut: bool = True,
                  bias: bool = True) -> None:
         super().__init__()
-        self.dim = _positive_int(dim, "PolyBlock dim")
+        self.dim = check_int(dim, "PolyBlock dim")
         self.second_shortcut = bool(second_shortcut)
-        expansion = _positive_int(expansion, "PolyBlock expansion")
+        expansion = check_int(expansion, "PolyBlock expansion")
         self.spatial_shift = bool(spatial_shift)
         self.mu1 = MuLayer(dim, dim, hidden=dim, shrinkage=shrinkage,
                            spatial_shift=spatial_shift, norm=norm, bias=bias)
@@ -262,8 +256,8 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
         self.patch_size = to_2tuple(patch_size, "patch_size")
-        self.in_chans = _positive_int(in_chans, "in_chans")
-        self.embed_dim = _positive_int(embed_dim, "embed_dim")
+        self.in_chans = check_int(in_chans, "in_chans")
+        self.embed_dim = check_int(embed_dim, "embed_dim")
         self.grid_size = _grid(self.img_size, self.patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.reduction = self.patch_size[0]
@@ -287,8 +281,7 @@ class PyramidPatchEmbed(PatchEmbed):
     def __init__(self, img_size: int | Sequence[int] = 224, patch_size: int = 7,
                  in_chans: int = 3, embed_dim: int = 192, *, merges: int = 1,
                  fuse_levels: bool = True, bias: bool = True) -> None:
-        if isinstance(merges, bool) or not isinstance(merges, int) or merges < 0:
-            raise ConfigError(f"merges must be a non-negative int, got {merges!r}")
+        check_int(merges, "merges", minimum=0)
         super().__init__(img_size, patch_size, in_chans, embed_dim, bias=bias)
         self.merges = merges
         self.fuse_levels = bool(fuse_levels)

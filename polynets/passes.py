@@ -41,9 +41,10 @@ def optimize(program: PolyProgram, *, max_rounds: int = 100) -> PolyProgram:
         _push_through_gather, _push_into_product, _fuse_linears, _sink_reshape,
         _DistributeOverAdd(), _fuse_across_axes,
     ]
-    nodes, output = _run(nodes, output, rules, max_rounds)
+    revision = _Revision()
+    nodes, output = _run(nodes, output, rules, max_rounds, revision)
     # dense collapsing last: structured maps first get every fold and fusion they can
-    nodes, output = _run(nodes, output, [_collapse_chain] + rules, max_rounds)
+    nodes, output = _run(nodes, output, [_collapse_chain] + rules, max_rounds, revision)
     meta = dict(program.meta)
     meta["optimized"] = True
     return PolyProgram(nodes, output, meta=meta)
@@ -52,16 +53,16 @@ def optimize(program: PolyProgram, *, max_rounds: int = 100) -> PolyProgram:
 Rule = Callable[[list[Node], int, list[list[int]]], "int | None"]
 
 
-def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
-         ) -> tuple[list[Node], int]:
-    """Apply ``rules`` over the program until nothing changes."""
+def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int,
+         revision: "_Revision") -> tuple[list[Node], int]:
+    """Apply ``rules`` over the program until nothing changes; ``revision`` counts the rewrites."""
     for _ in range(max_rounds):
         changed = False
         for rule in rules:
-            nodes = _NodeList(nodes)
+            nodes = _NodeList(nodes, revision)
             users = _users(nodes)
             dead: set[int] = set()
-            version = _VERSION[0]
+            start = revision.count
             for i in range(len(nodes)):
                 if i in dead or nodes[i].op == "input":
                     continue
@@ -69,28 +70,35 @@ def _run(nodes: list[Node], output: int, rules: list[Rule], max_rounds: int
                 if result is None:
                     continue
                 changed = True
-                _VERSION[0] += 1
+                revision.count += 1
                 _update_users(users, nodes)
                 if result != _CHANGED:
                     dead.add(i)
                     output = result if output == i else output
                     _redirect(nodes, users, i, result)
-            if _VERSION[0] != version:
+            if revision.count != start:
                 nodes, output = _compact(nodes, output)
         if not changed:
             break
     return nodes, output
 
 
-_VERSION = [0]  # bumped on every rewrite, so rules can cache analyses of the current program
+class _Revision:
+    """The number of rewrites one :func:`optimize` call has made so far, so that a rule can
+    keep an analysis of the program while the count is unchanged."""
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
 class _NodeList(list):
-    """A list of nodes that remembers which entries rules replaced or appended."""
+    """A list of nodes that remembers which entries rules replaced or appended, and the
+    rewrite count of the program it holds (``revision``)."""
 
-    def __init__(self, nodes: Iterable[Node]):
+    def __init__(self, nodes: Iterable[Node], revision: _Revision):
         super().__init__(nodes)
         self.touched: dict[int, tuple[int, ...] | None] = {}
+        self.revision = revision
 
     def __setitem__(self, k, node) -> None:  # type: ignore[override]
         self.touched.setdefault(k, self[k].inputs)
@@ -499,7 +507,7 @@ class _DistributeOverAdd:
     """
 
     def __init__(self) -> None:
-        self._version = -1
+        self._revision = -1     # the rewrite count the cached levels and slack belong to
         self._level: list[int] = []
         self._slack: list[int] = []
 
@@ -511,9 +519,10 @@ class _DistributeOverAdd:
         s = nodes[j]
         if s.op != "add" or s.inputs[0] == s.inputs[1]:
             return None
-        if self._version != _VERSION[0] or len(self._slack) != len(nodes):
+        revision = nodes.revision.count  # type: ignore[attr-defined]  # a _NodeList
+        if self._revision != revision or len(self._slack) != len(nodes):
             self._level, self._slack = _levels_and_slack(nodes, users)
-            self._version = _VERSION[0]
+            self._revision = revision
         if i >= len(self._slack) or self._slack[i] != 0:
             return None
         axis = n.attrs["axis"]

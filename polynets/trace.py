@@ -74,9 +74,9 @@ _NONPOLY = {
     "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "erf", "sin", "cos", "sign",
     "maximum", "minimum", "max", "min", "amax", "amin", "eq", "ne", "gt", "ge", "lt",
     "le", "softplus", "hardswish", "hardsigmoid", "mish", "log1p", "expm1", "linalg_vector_norm",
-    "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "_log_softmax",
-    "logsumexp", "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean",
-    "std_mean", "native_dropout", "bernoulli",
+    "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "logsumexp",
+    "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean", "std_mean",
+    "native_dropout", "bernoulli",
 }
 
 # Ops that only move, copy or select values: lowered to one gather by running them on indices.

@@ -13,7 +13,8 @@ from torch import nn
 
 import polynets as pn
 from polynets.certify import analyse
-from polynets.program import Node, PolyProgram
+from polynets.errors import UnsupportedOpError, check_int
+from polynets.program import ArrayInterpreter, Interpreter, Node, PolyProgram
 
 
 class Square(nn.Module):
@@ -267,6 +268,45 @@ def test_to_torch_runs_the_program() -> None:
     module = pn.trace(model, x).to_torch()
     _assert_close(module(x.double()).detach().numpy(), _reference(model, x))
 
+
+
+def test_to_torch_holds_the_constants_as_buffers_not_parameters() -> None:
+    module = pn.trace(pn.MuLayer(3, 2), torch.randn(1, 3)).to_torch()
+    assert not list(module.parameters())
+    assert {name.split("_")[-1] for name, _ in module.named_buffers()} == {"weight", "bias"}
+
+
+def test_an_interpreter_names_the_op_it_does_not_handle() -> None:
+    class InputOnly(Interpreter):
+        def input(self, i: int, node: Node) -> int:
+            return 0
+
+    program = pn.trace(nn.Sequential(nn.Linear(3, 2), Square()), torch.randn(1, 3))
+    with pytest.raises(UnsupportedOpError, match="InputOnly does not handle the program op "
+                                                 "'linear' .*it handles input"):
+        InputOnly().run(program)
+
+
+def test_the_numpy_and_torch_back_ends_release_values_no_later_node_reads() -> None:
+    program = pn.trace(nn.Sequential(nn.Linear(3, 4), Square(), nn.Linear(4, 2)),
+                       torch.randn(1, 3))
+    x = np.random.default_rng(0).normal(size=(5, 1, 3))
+    kept = ArrayInterpreter(x).run(program)
+    released = ArrayInterpreter(x).run(program, release=True)
+    assert all(v is not None for v in kept)
+    assert released[program.input_id] is None and released[program.output] is not None
+    np.testing.assert_array_equal(released[program.output], kept[program.output])
+
+
+def test_check_int_names_the_argument_and_what_it_must_be() -> None:
+    assert check_int(3, "dim") == 3
+    assert check_int(0, "merges", minimum=0) == 0
+    with pytest.raises(pn.ConfigError, match="dim must be a positive int, got True"):
+        check_int(True, "dim")
+    with pytest.raises(pn.ConfigError, match="merges must be a non-negative int, got -1"):
+        check_int(-1, "merges", minimum=0)
+    with pytest.raises(pn.ShapeError, match="k must be an int >= 2, got 1.0"):
+        check_int(1.0, "k", minimum=2, error=pn.ShapeError)
 
 def test_bad_example_input_is_rejected() -> None:
     with pytest.raises(pn.ShapeError, match="batch"):
