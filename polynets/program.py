@@ -23,8 +23,11 @@ op            inputs      semantics (per sample)
                           concat, shift, zero-pad, im2col of a convolution) is one gather.
 ============  ==========  ===================================================================
 
-The NumPy interpreter (:meth:`PolyProgram.run`) works on any dtype NumPy can multiply and add,
-float64 for simulation and ``object`` arrays of sympy expressions for symbolic expansion.
+Every back end is an :class:`Interpreter`: one loop over the nodes and one method per op, which
+the back end fills in (NumPy and torch evaluation, shape checking, the CKKS lowering, degree and
+noise analyses); an op it leaves out is reported by name. The NumPy interpreter
+(:meth:`PolyProgram.run`) works on any dtype NumPy can multiply and add, float64 for simulation
+and ``object`` arrays of sympy expressions for symbolic expansion.
 """
 
 from __future__ import annotations
