@@ -26,7 +26,8 @@ class TraceError(PolynetsError):
 
 
 class UnsupportedOpError(TraceError):
-    """The tracer met an operation it does not know how to lower."""
+    """The tracer met an operation it does not know how to lower, or a back end of the
+    polynomial program met a program op it does not handle."""
 
 
 class NonPolynomialError(TraceError):

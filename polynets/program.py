@@ -50,8 +50,8 @@ from polynets._io import (ARRAY_KINDS, MAX_FILE_BYTES, MAX_JSON_BYTES, MAX_JSON_
                           read_bytes_limited, read_npy)
 from polynets.errors import ProgramFormatError, ShapeError, UnsupportedOpError
 
-__all__ = ["Node", "PolyProgram", "Interpreter", "ArrayInterpreter", "OPS", "FORMAT_VERSION", "atomic_write_bytes",
-           "read_bytes_limited", "loads_json_strict", "load_npy_bytes"]
+__all__ = ["Node", "PolyProgram", "Interpreter", "ArrayInterpreter", "OPS", "FORMAT_VERSION",
+           "atomic_write_bytes", "read_bytes_limited", "loads_json_strict", "load_npy_bytes"]
 
 OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const", "gather")
 _ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
