@@ -19,13 +19,13 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
-from he.params import CKKSParams
+from he.params import CKKSParams, seal_security_level
 
 __all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements"]
 
 
 def build_context(params: CKKSParams) -> Any:
-    """A SEAL CKKS context for ``params`` with 128-bit security enforced by SEAL itself."""
+    """A SEAL CKKS context for ``params`` with its security level enforced by SEAL itself."""
     params.check()
     enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
     enc.set_poly_modulus_degree(params.poly_modulus_degree)
@@ -35,7 +35,7 @@ def build_context(params: CKKSParams) -> Any:
     except (ValueError, RuntimeError) as exc:
         raise ParameterError(f"SEAL cannot build the modulus chain {params.coeff_mod_bit_sizes} "
                              f"for N={params.poly_modulus_degree}: {exc}") from exc
-    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    ctx = seal.SEALContext(enc, True, seal_security_level(params.security_bits))
     if not ctx.parameters_set():
         raise ParameterError(f"SEAL rejected the parameters: {ctx.parameters_error_message()}")
     return ctx

@@ -21,7 +21,7 @@ from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
-from he.params import RING_DEGREES, CKKSParams, choose_params
+from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
@@ -439,7 +439,8 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             params = choose_params(levels, max(maxabs), gain, precision_bits=precision_bits,
                                    output_abs=maxabs[program.output],
                                    slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
-                                   rotations=packing == "vector")
+                                   rotations=packing == "vector",
+                                   security=int(options.get("security", 128)))
         except TooDeepError as exc:
             notes.append(f"N={ring}: {levels} levels do not fit")
             error = exc
@@ -507,7 +508,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             ring_degree: int | None = None, scale_bits: int | None = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
-            memory_budget: int | None = None) -> CompiledProgram:
+            memory_budget: int | None = None, security: int = 128) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     Args:
@@ -532,6 +533,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         batch_size: with ``objective="throughput"``, the samples a client sends at once (a
             partly filled ciphertext costs as much as a full one); default: full ciphertexts.
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
+        security: classical security in bits, 128, 192 or 256 (SEAL's modulus budgets; higher
+            levels hold fewer levels per ring, so may need a larger ring).
         memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
             predicted server memory exceeds it is chosen only when none fits (default: the
             memory available on this machine now).
@@ -554,6 +557,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if batch_size is not None and int(batch_size) < 1:
         raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
+    if security not in SECURITY_LEVELS:
+        raise NotEncryptableError(f"security must be one of {SECURITY_LEVELS} bits, got "
+                                  f"{security!r}")
     if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 1):
         raise NotEncryptableError(f"memory_budget must be a positive int (bytes), got "
                                   f"{memory_budget!r}")
@@ -571,7 +577,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     rms = [float(np.sqrt(np.mean(np.square(v)))) if v.size else 0.0 for v in values]
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
-               "batch_size": None if batch_size is None else int(batch_size)}
+               "batch_size": None if batch_size is None else int(batch_size),
+               "security": int(security)}
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     lowered = lower(program)

@@ -38,6 +38,13 @@ _ALL_RINGS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @lru_cache(maxsize=None)
+def seal_security_level(security: int) -> Any:
+    """SEAL's ``SEC_LEVEL_TYPE`` for ``security`` bits (one of :data:`SECURITY_LEVELS`)."""
+    if security not in _SEAL_LEVELS:
+        raise ParameterError(f"security must be one of {SECURITY_LEVELS} bits, got {security!r}")
+    return _SEAL_LEVELS[security]
+
+
 def max_modulus_bits(ring_degree: int, security: int = 128) -> int:
     """Largest total coefficient-modulus bit count SEAL allows for ring degree ``ring_degree`` at
     ``security`` bits of classical security (``CoeffModulus.MaxBitCount``)."""

@@ -249,3 +249,18 @@ def test_random_mulayer_token_models_agree_fused_or_not(side, dim, hidden, preci
         assert np.max(np.abs(got[-1] - want)) <= prog.params.expected_error
     with torch.no_grad():
         assert np.max(np.abs(want - model(x[:3]).double().numpy())) <= 1e-6
+
+
+@pytest.mark.parametrize("security", [192, 256])
+def test_higher_security_levels_compile_run_and_are_enforced_by_seal(security):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Flatten(1)).eval()
+    x = torch.randn(8, 4)
+    prog = he.compile(model, x[:1], calibration=x, packing="batch", security=security)
+    assert prog.params.security_bits == security
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    got = client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
+    np.testing.assert_allclose(got, model(x).detach().numpy(), atol=prog.params.expected_error)
+    with pytest.raises(he.NotEncryptableError, match="security"):
+        he.compile(model, x[:1], calibration=x, security=100)
