@@ -190,10 +190,28 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"smoke run: systems {QUICK['systems']}, noise {QUICK['noise']}, "
                              f"seed 0 (overrides --systems, --noise, --seeds)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="combine the cells of earlier runs (e.g. seeds run as separate "
+                             "processes; the last file wins a repeated cell) into --out and exit")
     args = parser.parse_args(argv)
     args.seeds = [int(v) for v in str(args.seeds).replace(" ", ",").split(",") if v != ""]
     if args.quick:
         args.systems, args.noise, args.seeds = QUICK["systems"], QUICK["noise"], QUICK["seeds"]
+    if args.merge:
+        cells: dict[tuple, dict] = {}
+        seconds = 0.0
+        for path in args.merge:
+            run = json.loads(Path(path).read_text())
+            seconds += float(run.get("seconds", 0.0))
+            for row in run["cases"]:
+                cells[(row["system"], row["noise"], row["seed"])] = row
+        cases = sorted(cells.values(), key=lambda r: (r["seed"], r["system"], r["noise"]))
+        args.systems = sorted({r["system"] for r in cases})
+        args.noise = sorted({r["noise"] for r in cases})
+        args.seeds = sorted({r["seed"] for r in cases})
+        complete = len(cases) == len(args.systems) * len(args.noise) * len(args.seeds)
+        write(args, cases, time.perf_counter() - seconds, complete=complete, verbose=True)
+        return 0
     torch.set_num_threads(1)
     import pysindy  # noqa: F401 - fail early when the baseline is missing
 

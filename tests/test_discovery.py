@@ -7,20 +7,13 @@ import pytest
 import sympy
 
 from symbolic import EquationDiscovery, NotFittedError, SymbolicDataError, SymbolicError
-from symbolic.systems import generate
+from symbolic.systems import generate, score_terms
 
 
 def _errors(found: list[dict[str, float]], truth: list[dict[str, float]]) -> tuple[float, int, int]:
     """Max relative error on true terms, missed terms, spurious terms."""
-    rel, missed, spurious = 0.0, 0, 0
-    for est, true in zip(found, truth):
-        for term, value in true.items():
-            if term in est:
-                rel = max(rel, abs(est[term] - value) / abs(value))
-            else:
-                missed += 1
-        spurious += len(set(est) - set(true))
-    return rel, missed, spurious
+    score = score_terms(found, truth)
+    return score["max_rel_error"], score["missed"], score["spurious"]
 
 
 @pytest.fixture(scope="module")

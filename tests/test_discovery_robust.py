@@ -11,7 +11,7 @@ from sklearn.utils.validation import check_is_fitted
 from symbolic import EquationDiscovery, ExpressionError, NotFittedError
 from symbolic.field import monomial_exponents
 from symbolic.shooting import fit_trajectories, group_windows, make_windows
-from symbolic.systems import SYSTEMS, generate
+from symbolic.systems import SYSTEMS, generate, score_terms
 
 LV_TRUTH = [{"x": 1.56, "x*y": -1.12}, {"y": -3.10, "x*y": 1.21}]
 
@@ -30,13 +30,8 @@ def _mixed_steps() -> list:
 
 
 def _errors(found, truth):
-    rel, missed, spurious = 0.0, 0, 0
-    for est, true in zip(found, truth):
-        for term, value in true.items():
-            rel = max(rel, abs(est.get(term, 0.0) - value) / abs(value))
-            missed += term not in est
-        spurious += len(set(est) - set(true))
-    return rel, missed, spurious
+    score = score_terms(found, truth)
+    return score["max_rel_error"], score["missed"], score["spurious"]
 
 
 def test_windows_with_different_time_steps_are_not_grouped_together():
@@ -147,3 +142,115 @@ def test_held_out_systems_with_noise_give_a_model_with_the_right_terms(name, noi
                               progress=False).fit(traj.t, traj.X)
     rel, missed, spurious = _errors(model.coefficients(), traj.truth)
     assert (missed, spurious) == (0, 0) and rel < 0.1
+
+
+def test_score_terms_counts_missed_as_full_error_and_spurious_terms():
+    truth = [{"x": 1.0, "x*y": -2.0}, {"y": 3.0}]
+    found = [{"x": 1.1}, {"y": 3.0, "x": 0.5}]
+    assert score_terms(found, truth) == {"max_rel_error": 1.0, "missed": 1, "spurious": 1}
+    exact = score_terms([{"x": 1.0, "x*y": -2.2}, {"y": 3.0}], truth)
+    assert exact["missed"] == exact["spurious"] == 0 and exact["max_rel_error"] == \
+        pytest.approx(0.1)
+
+
+def test_fixed_coefficients_fit_only_the_window_starts_and_keep_the_model():
+    traj = generate("lotka_volterra", n=60, t_end=6.0)
+    coef = _lv_coef()
+    start = traj.X[::10] + 0.05                    # perturbed starts of the 6 windows
+    res = fit_trajectories(monomial_exponents(2, 2), coef, np.zeros_like(coef, dtype=bool),
+                           [(traj.t, traj.X)], window=10, x0=start, fixed=True)
+    np.testing.assert_array_equal(res.coef, coef)
+    assert res.rss < 1e-14
+    np.testing.assert_allclose(np.concatenate(res.states), traj.X, atol=1e-8)
+    # without fixed=True the inactive coefficients are zero: dx/dt = 0 cannot fit the data
+    flat = fit_trajectories(monomial_exponents(2, 2), coef, np.zeros_like(coef, dtype=bool),
+                            [(traj.t, traj.X)], window=10, x0=start)
+    assert not flat.coef.any() and flat.rss > 1.0
+
+
+def test_fitted_states_follow_the_trajectories_in_their_order():
+    (ta, Xa), (tb, Xb) = _mixed_steps()
+    coef = _lv_coef()
+    res = fit_trajectories(monomial_exponents(2, 2), coef, coef != 0, [(ta, Xa), (tb, Xb)],
+                           window=7, max_iter=1)
+    assert [s.shape for s in res.states] == [Xa.shape, Xb.shape]
+    np.testing.assert_allclose(res.states[0], Xa, atol=1e-8)
+    np.testing.assert_allclose(res.states[1], Xb, atol=1e-8)
+
+
+def _lv4_weak_system(noise: float):
+    import sympy
+
+    from symbolic.field import PolyField
+    from symbolic.weak import weak_system
+
+    traj = generate("lotka_volterra_4", noise=noise, seed=0)
+    syms = sympy.symbols(traj.system.variables)
+    field = PolyField(syms, monomial_exponents(4, 2), np.zeros((15, 4)))
+    names = [str(m) for m in field.monomials()]
+    truth = np.zeros((15, 4), dtype=bool)
+    for i, eq in enumerate(traj.truth):
+        truth[[names.index(k) for k in eq], i] = True
+    G, b = weak_system(field, [(traj.t, traj.X)], half_width=24)
+    return G, b, truth
+
+
+def test_best_subset_path_finds_the_sparse_fit_greedy_selection_misses():
+    from symbolic.weak import forward_path, subset_path
+
+    G, b, truth = _lv4_weak_system(0.0)    # the library is strongly correlated on the data
+    for i in range(4):
+        k = int(truth[:, i].sum())
+        support, rel = subset_path(G, b[:, i], max_terms=k)[k - 1]
+        assert np.array_equal(support, truth[:, i]) and rel < 1e-6
+    greedy = [np.array_equal(forward_path(G, b[:, i])[truth[:, i].sum() - 1][0], truth[:, i])
+              for i in range(4)]
+    assert not all(greedy)                  # forward selection alone would miss them
+
+
+def test_cross_validated_size_keeps_the_true_terms_under_noise():
+    from symbolic.weak import cv_size, subset_path
+
+    G, b, truth = _lv4_weak_system(0.01)
+    for i in (0, 1, 3):
+        path = subset_path(G, b[:, i], max_terms=8)
+        assert np.array_equal(path[cv_size(G, b[:, i], path)][0], truth[:, i])
+
+
+def test_held_out_window_error_prefers_the_true_support_on_noisy_data():
+    import sympy
+
+    from symbolic.discovery import held_out_error
+    from symbolic.field import PolyField
+    from symbolic.weak import weak_lstsq
+
+    traj = generate("lotka_volterra", noise=0.05, seed=3)
+    exps = monomial_exponents(2, 2)
+    field = PolyField(sympy.symbols("x y"), exps, np.zeros((6, 2)))
+    truth = _lv_coef() != 0
+    missing = truth.copy()
+    missing[4, 0] = False                         # without x*y in dx/dt
+    extra = truth.copy()
+    extra[[0, 3, 5], 0] = True                    # with 1, x**2 and y**2 in dx/dt
+    errors = {}
+    for label, active in (("truth", truth), ("missing", missing), ("extra", extra)):
+        start = weak_lstsq(field, active, [(traj.t, traj.X)])
+        res = fit_trajectories(exps, start, active, [(traj.t, traj.X)], window=25, max_iter=20)
+        errors[label] = held_out_error(exps, res, active, [(traj.t, traj.X)], rtol=1e-8,
+                                       atol=1e-10)
+    assert errors["truth"] < errors["extra"] < errors["missing"]
+
+
+def test_selection_must_be_a_known_rule():
+    with pytest.raises(ExpressionError, match="selection"):
+        EquationDiscovery(selection="aic").fit(np.linspace(0, 1, 20), np.ones((20, 2)))
+    assert EquationDiscovery().get_params()["selection"] == "bic+cv"
+
+
+@pytest.mark.slow
+def test_cross_validated_selection_recovers_the_noisy_rossler_support():
+    traj = generate("rossler", noise=0.1, seed=0)
+    model = EquationDiscovery(degree=2, variables=traj.system.variables,
+                              progress=False).fit(traj.t, traj.X)
+    rel, missed, spurious = _errors(model.coefficients(), traj.truth)
+    assert (missed, spurious) == (0, 0) and rel < 0.2
