@@ -7,8 +7,10 @@ Recipe of :class:`EquationDiscovery.fit`:
    :func:`symbolic.to_sympy`, back in the data's units: a dense polynomial field close to the
    data; if it fails, the dense integral-form least squares takes its place.
    (b) Weak-form supports (:mod:`symbolic.weak`): sequentially thresholded least squares over a
-   grid of thresholds and forward selection over a grid of residual levels, at two test-function
-   widths, each support with its weak-form coefficients.
+   grid of thresholds, and per equation the best support of every size (exhaustive where the
+   count allows, a beam search beyond), its size chosen by cross-validation over blocks of test
+   functions or stopped at a grid of residual levels; at two test-function widths, each support
+   with its weak-form coefficients.
 2. **Safe trajectory fits.** Every start is refined by trajectory matching (multiple shooting,
    :mod:`symbolic.shooting`). A start that blows up within the windows is retried on windows
    half as long (down to 5 samples), then lengthened again from the shorter fit. A dense fit
@@ -20,9 +22,14 @@ Recipe of :class:`EquationDiscovery.fit`:
    terms the data cannot identify, e.g. under a conservation law) is below ``significance``;
    refit (from the weak-form fit of the smaller support if the warm start blows up); repeat
    until every term is large and significant, or a smaller model blows up.
-4. **Selection** among the candidates by the Bayesian information criterion of the trajectory
+4. **Selection** among the candidates: the Bayesian information criterion of the trajectory
    fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
-   so on exact data the sparsest exact model wins), all evaluated on the same windows.
+   so on exact data the sparsest exact model wins), all evaluated on the same windows, ranks
+   the distinct supports; the few best are compared by held-out window error
+   (:func:`held_out_error`: coefficients refit on every other window, the held-out windows
+   predicted from their own fitted starts), which needs no noise level and does not lean on
+   BIC's asymptotics when a small term is near the noise (``selection`` = ``"bic+cv"``; ``"bic"``
+   and ``"cv"`` use one rule alone).
 5. A final refit at the full integration tolerance, and on longer windows (``polish``) when
    that converges as well.
 
@@ -150,6 +157,9 @@ class EquationDiscovery(BaseEstimator):
         snap_tol: if set, coefficients within this relative distance of a number with at most
             six decimals are snapped to it at the end.
         rtol, atol: tolerances of the refit integrations.
+        selection: ``"bic+cv"`` (default) the lowest held-out window error among the
+            ``CV_SHORTLIST`` supports of lowest BIC; ``"bic"`` the lowest BIC; ``"cv"`` the
+            lowest held-out window error over all candidates (slower).
         progress: show progress bars.
         seed: seed of the Poly-NODE initialisation and batches.
 
@@ -157,7 +167,8 @@ class EquationDiscovery(BaseEstimator):
     ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
     exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
     ``"lstsq"`` the dense integral-form least squares, or ``"weak"``), ``candidates_`` one
-    record per start (terms, RSS, criterion, window, converged, or the error), ``rounds_`` the
+    record per start (terms, RSS, criterion, held-out error ``cv`` where computed, window,
+    converged, or the error), ``rounds_`` the
     terms and residual per elimination round of the chosen model, ``result_`` its
     :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
     ``x0_`` the fitted window starts, ``fit_window_`` the final window length, ``timings_``
