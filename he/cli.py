@@ -143,7 +143,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise InputShapeError("compile needs --input-shape (e.g. 1,28,28) or --calibration data")
     prog = he.compile(model, example.astype(np.float32), calibration=calib, packing=args.packing,
                       objective=args.objective, batch_size=args.batch_size,
-                      precision_bits=args.precision_bits)
+                      precision_bits=args.precision_bits, security=args.security,
+                      memory_budget=None if args.memory_budget is None
+                      else max(1, int(args.memory_budget * 2 ** 30)))
     prog.save(args.output)
     print(prog.summary())
     print(f"wrote {args.output}")
@@ -280,6 +282,10 @@ def register(subparsers: Any) -> None:
                    help="samples sent at once, for --objective throughput (default: full "
                         "ciphertexts)")
     p.add_argument("--precision-bits", type=int, default=16, help="wanted output precision")
+    p.add_argument("--security", type=int, choices=(128, 192, 256), default=128,
+                   help="classical security level in bits (default 128)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="server memory allowed, GiB (--packing auto avoids plans beyond it)")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
 
