@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -89,8 +90,13 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def train_and_evaluate(task: str, variant: str, epochs: int, *, seed: int = 0,
                        pairs_per_epoch: int = 6000, batch: int = 64, lr: float = 2e-3,
-                       progress: bool = True) -> dict:
-    """Train one model on ``task`` and return its test accuracy, parameter count and time."""
+                       progress: bool = True,
+                       build: Callable[[], torch.nn.Module] | None = None) -> dict:
+    """Train one model on ``task`` and return its test accuracy, parameter count and time.
+
+    ``build`` makes the model (called after seeding) instead of ``make_model(task, variant)``;
+    ``variant`` then only labels the result.
+    """
     if task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; expected one of {TASKS}")
     xtr, ytr, xte, yte = digits_split(seed)
@@ -98,7 +104,7 @@ def train_and_evaluate(task: str, variant: str, epochs: int, *, seed: int = 0,
     if task == "pairs":
         xte, yte = sample_pairs(xte, yte, 2000, gen)
     torch.manual_seed(seed)
-    model = make_model(task, variant)
+    model = build() if build is not None else make_model(task, variant)
     steps_per_epoch = (pairs_per_epoch if task == "pairs" else len(xtr)) // batch
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * steps_per_epoch)

@@ -366,3 +366,44 @@ def test_padre_bad_inputs_name_the_expected_shape(kwargs, x, c, error, match) ->
     m = PADRe(4, kernel_size=3, **kwargs)
     with pytest.raises(error, match=match):
         m(torch.randn(x), None if c is None else torch.randn(c))
+
+
+# ------------------------------------------------------------- mixers inside the Polymorpher
+def test_polymorpher_takes_any_mixer_and_stays_a_polynomial() -> None:
+    from polynets.models.polymorpher import PolymorpherClassifier
+
+    torch.manual_seed(0)
+    model = PolymorpherClassifier(6, 3, 2, dim=8, depth=1, norm="batch",
+                                  mixer=lambda d: PADRe(d, degree=3, kernel_size=3,
+                                                        spatial_dims=1))
+    assert isinstance(model.blocks[0].mixer, PADRe)
+    x = _t(4, 6, 3)
+    _assert_program_equals_module(model, x)
+    assert pn.certify(model, x).degree == 3 * 2  # PADRe-3, then the Mu-Layer squares
+    with pytest.raises(ConfigError, match="must return an nn.Module"):
+        PolymorpherClassifier(6, 3, 2, dim=8, mixer=lambda d: d)
+
+
+@pytest.mark.slow
+def test_mixer_ablation_benchmark_writes_json_with_mean_std_and_degrees(tmp_path) -> None:
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "mixer_ablation.py"
+    spec = importlib.util.spec_from_file_location("mixer_ablation", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = _t(2, 16, 64).float()
+    cross = bench.CrossHalves(64, degree=2)
+    a, b = x.chunk(2, dim=1)
+    torch.testing.assert_close(cross(x), torch.cat([cross.pom(a, b), cross.pom(b, a)], dim=1))
+    report = bench.main(["--mixers", "none", "cross_pom", "--seeds", "0", "1", "--epochs", "1",
+                         "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "mixer_ablation.json").read_text())
+    assert set(saved["mixers"]) == {"none", "cross_pom"} == set(report["mixers"])
+    for r in saved["mixers"].values():
+        accs = [run["test_accuracy"] for run in r["runs"]]
+        assert r["accuracy_mean"] == pytest.approx(np.mean(accs))
+        assert r["accuracy_std"] == pytest.approx(np.std(accs, ddof=1))
+    assert saved["mixers"]["none"]["degree"] == 16 and saved["mixers"]["cross_pom"]["degree"] == 36

@@ -7,6 +7,8 @@ inference) a whole stack is a polynomial of its input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -54,8 +56,10 @@ class Polymorpher(nn.Module):
         mlp_ratio: hidden width of the feed-forward, as a multiple of d.
         rank: rank of the Mu-Layer's ``BD`` branch (default hidden // 4).
         norm: ``"none"``, ``"batch"`` or ``"layer"``.
-        mixer: ``"pom"``, or ``"token"`` to replace the mixer by a token-wise Mu-Layer of about
-            the same size (a baseline that never mixes tokens).
+        mixer: ``"pom"``, ``"token"`` to replace the mixer by a token-wise Mu-Layer of about
+            the same size (a baseline that never mixes tokens), or a callable ``dim -> module``
+            building any token mixer ``(B, N, dim) -> (B, N, dim)`` (e.g. a 1-D
+            :class:`~polynets.padre.PADRe`); the PoM arguments are then unused.
 
     Shapes: x (B, N, d) -> (B, N, d).
     """
@@ -65,18 +69,25 @@ class Polymorpher(nn.Module):
                  mask: str | Tensor | None = None, block_size: int | None = None,
                  aggregation: str = "mean", form: str = "powers", ff: str = "mu",
                  mlp_ratio: float = 2, rank: int | None = None, norm: str = "none",
-                 mixer: str = "pom", bias: bool = True) -> None:
+                 mixer: str | Callable[[int], nn.Module] = "pom", bias: bool = True) -> None:
         super().__init__()
-        if mixer not in _MIXERS:
-            raise ConfigError(f"unknown mixer {mixer!r}; expected one of {list(_MIXERS)}")
+        if not callable(mixer) and mixer not in _MIXERS:
+            raise ConfigError(f"unknown mixer {mixer!r}; expected one of {list(_MIXERS)} or a "
+                              f"callable dim -> module")
         if not isinstance(mlp_ratio, (int, float)) or mlp_ratio <= 0:
             raise ConfigError(f"mlp_ratio must be a positive number, got {mlp_ratio!r}")
         self.dim = dim
         self.norm1 = make_norm(norm, dim)
-        if mixer == "pom":
-            self.mixer: nn.Module = PoM(dim, degree=degree, expand=expand, activation=activation,
-                                        gate=gate, mask=mask, block_size=block_size,
-                                        aggregation=aggregation, form=form, bias=bias)
+        if callable(mixer):
+            built = mixer(dim)
+            if not isinstance(built, nn.Module):
+                raise ConfigError(f"mixer callable must return an nn.Module, got "
+                                  f"{type(built).__name__}")
+            self.mixer: nn.Module = built
+        elif mixer == "pom":
+            self.mixer = PoM(dim, degree=degree, expand=expand, activation=activation,
+                             gate=gate, mask=mask, block_size=block_size,
+                             aggregation=aggregation, form=form, bias=bias)
         else:
             state = int(round(expand * dim)) * (degree if form == "products" else 1)
             self.mixer = MuLayer(dim, dim, hidden=_matched_hidden(dim, 3 * dim * state), bias=bias)
