@@ -407,3 +407,27 @@ def test_mixer_ablation_benchmark_writes_json_with_mean_std_and_degrees(tmp_path
         assert r["accuracy_mean"] == pytest.approx(np.mean(accs))
         assert r["accuracy_std"] == pytest.approx(np.std(accs, ddof=1))
     assert saved["mixers"]["none"]["degree"] == 16 and saved["mixers"]["cross_pom"]["degree"] == 36
+
+
+# ------------------------------------------------------------------------------- encrypted
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+@pytest.mark.parametrize("make", [
+    lambda: PairInput(PoM(4, degree=2, expand=1), (3, 4), (5, 4)),
+    lambda: PairInput(PADRe(4, degree=2, kernel_size=3, spatial_dims=1, modes="ab"),
+                      (3, 4), (5, 4)),
+    lambda: SplitPoM(4, ways=2, degree=2, form="jump"),
+], ids=["cross_pom", "multimodal_padre", "split_pom"])
+def test_two_input_and_speech_mixers_decrypt_to_the_model_output(packing, make) -> None:
+    he = pytest.importorskip("he")
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(3, 32) if isinstance(model, PairInput) else torch.randn(3, 3, 4)
+    prog = he.compile(model, x, calibration=x, packing=packing)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x).to_bytes()))
+    with torch.no_grad():
+        ref = model(x).numpy()
+    assert y.shape == ref.shape
+    assert float(np.abs(y - ref).max()) <= prog.params.expected_error + 1e-9
