@@ -3,8 +3,8 @@
 A :class:`~polynets.models.pom_dit.PoMDiT` (patch 2: 16 tokens, width 64, 4 blocks, PoM of
 degree 2 in place of attention, BatchNorm, Mu-Layer feed-forward) is trained by conditional flow
 matching on scikit-learn's bundled digits (pixels scaled to [-1, 1]) and sampled with Euler
-steps, classifier-free guidance and each step's predicted image clamped to the data range. Writes ``samples.png`` (one row per class) and
-``metrics.json`` into ``--out``.
+steps, classifier-free guidance and each step's predicted image clamped to the data range.
+Writes ``samples.png`` (one row per class) and ``metrics.json`` into ``--out``.
 
 How good are the samples: a logistic-regression classifier fitted on the real digits (held-out
 accuracy printed as the reference) labels the generated ones; the fraction labelled as the

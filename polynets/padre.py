@@ -287,7 +287,8 @@ class PADRe(nn.Module):
             if resize_rank is not None:
                 raise ConfigError("PADRe resize_rank is only used with out_tokens")
             return None
-        shape = (out_tokens,) if isinstance(out_tokens, int) else tuple(out_tokens)  # type: ignore[arg-type]
+        shape = (out_tokens,) if isinstance(out_tokens, int) \
+            else tuple(out_tokens)  # type: ignore[call-overload]
         if len(shape) != self.spatial_dims or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
             want = "(F_h, F_w)" if self.spatial_dims == 2 else "F"
