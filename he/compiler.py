@@ -21,14 +21,15 @@ from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
+from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError
-from polynets.lowering import Lowered, integer_factor, lower, step_levels
-from polynets.program import Interpreter, Node, PolyProgram
+from polynets.lowering import Lowered, lower, step_levels
+from polynets.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
 
@@ -54,63 +55,8 @@ def _program_digest(program: PolyProgram) -> str:
     return h.hexdigest()
 
 
-def _noise_gain(program: PolyProgram, maxabs: list[float], rms: list[float],
-                packing: str) -> tuple[float, float]:
-    """Linearised output error per unit of input (encryption) noise and of rescale noise.
-
-    Independent noise adds in quadrature through a linear map, so a map's gain is the largest
-    column 2-norm of its weight; each plaintext multiplication adds one unit for its rescale and
-    the rounding of its encoded weights (per unit of input magnitude, summed in quadrature over
-    the k inputs, so it scales with the calibrated RMS of the input); products propagate
-    worst-case through the calibrated ranges.
-
-    Returns ``(g_in, g_rs)``: the output error is about ``g_in * e_enc + g_rs * e_rescale``.
-    """
-    return _NoiseGain(maxabs, rms, packing).run(program)[program.output]
-
-
-class _NoiseGain(Interpreter):
-    """Per node ``(g_in, g_rs)``: its error per unit of encryption noise and of rescale noise
-    (see :func:`_noise_gain`); ``maxabs`` and ``rms`` are the calibrated ranges of the nodes."""
-
-    def __init__(self, maxabs: list[float], rms: list[float], packing: str):
-        self.maxabs, self.rms = maxabs, rms
-        # encoded weights round to 1/scale: a scalar (batch) exactly, a slot vector (vector
-        # packing) through the canonical embedding, about sqrt(N) times more
-        self.rounding = 1.0 / 12.0 if packing == "batch" else 1.0
-
-    def input(self, i: int, node: Node) -> tuple[float, float]:
-        return 1.0, 0.0
-
-    def linear(self, i: int, node: Node, x: tuple[float, float]) -> tuple[float, float]:
-        weight = node.attrs["weight"]
-        w = float(np.sqrt((np.asarray(weight, dtype=np.float64) ** 2).sum(axis=0)).max(
-            initial=0.0))
-        # + rescale rounding + rounding of the encoded weights times the input's magnitude
-        k = np.asarray(weight).shape[0]
-        return (w * x[0],
-                w * x[1] + 1.0 + self.rms[node.inputs[0]] * np.sqrt(k) * self.rounding)
-
-    def mul(self, i: int, node: Node, a: tuple[float, float],
-            b: tuple[float, float]) -> tuple[float, float]:
-        ma, mb = (self.maxabs[j] for j in node.inputs)
-        return ma * b[0] + mb * a[0], ma * b[1] + mb * a[1] + 1.0
-
-    def add(self, i: int, node: Node, a: tuple[float, float],
-            b: tuple[float, float]) -> tuple[float, float]:
-        return a[0] + b[0], a[1] + b[1]
-
-    def mul_const(self, i: int, node: Node, x: tuple[float, float]) -> tuple[float, float]:
-        v = np.asarray(node.attrs["value"], dtype=np.float64)
-        c = float(np.abs(v).max(initial=0.0))
-        exact = integer_factor(v) is not None
-        return (c * x[0],
-                c * x[1] + (0.0 if exact else 1.0 + self.rms[node.inputs[0]] * self.rounding))
-
-    def _widest(self, i: int, node: Node, *ins: tuple[float, float]) -> tuple[float, float]:
-        return max(g[0] for g in ins), max(g[1] for g in ins)
-
-    add_const = gather = _widest
+#: Calibration samples the noise analysis reads (per-element mean squares of every step).
+_NOISE_SAMPLES = 1024
 
 
 def _degree_depth(program: PolyProgram) -> tuple[int, int]:
@@ -423,10 +369,10 @@ def _dense_widest(lowered: Lowered) -> int:
 
 
 def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,
-                     maxabs: list[float], rms: list[float], options: dict[str, Any],
+                     maxabs: list[float], msq: list[np.ndarray], options: dict[str, Any],
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
                      scale_bits: int | None, samples: int | None) -> CompiledProgram:
-    gain = _noise_gain(program, maxabs, rms, packing)
+    gain = noise_gain(lowered, msq, packing)
     levels = lowered.depth_levels(packing)
     notes: list[str] = []
     error: TooDeepError | None = None
@@ -503,6 +449,51 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
     raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
 
 
+def _check_settings(objective: str, batch_size: int | None, security: int,
+                    memory_budget: int | None, samples_per_ciphertext: int | None) -> None:
+    """Refuse out-of-range compiler settings (never clamp them)."""
+    if objective not in OBJECTIVES:
+        raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if batch_size is not None and int(batch_size) < 1:
+        raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
+    if security not in SECURITY_LEVELS:
+        raise NotEncryptableError(f"security must be one of {SECURITY_LEVELS} bits, got "
+                                  f"{security!r}")
+    if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 1):
+        raise NotEncryptableError(f"memory_budget must be a positive int (bytes), got "
+                                  f"{memory_budget!r}")
+    if samples_per_ciphertext is not None and (
+            int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
+            int(samples_per_ciphertext) - 1)):
+        raise NotEncryptableError(f"samples_per_ciphertext must be a power of two, got "
+                                  f"{samples_per_ciphertext!r}")
+
+
+def _choose(found: list["CompiledProgram"], packing: str, objective: str,
+            batch_size: int | None, memory_budget: int | None) -> "CompiledProgram":
+    """The candidate packing with the lowest predicted cost for ``objective`` whose server fits
+    ``memory_budget`` (any, when none fits); with ``packing="auto"`` its ``why`` says so."""
+    scores = [_objective_cost(p.plan.predicted, objective, batch_size) for p in found]
+    budget = available_memory() if memory_budget is None else int(memory_budget)
+    memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
+    fits = [m <= budget for m in memory]
+    # a plan whose server would not fit the memory is chosen only when none fits
+    ranked = [(not f, s) for f, s in zip(fits, scores)]
+    best = found[min(range(len(found)), key=lambda i: ranked[i])]
+    if packing == "auto":
+        others = "; ".join(
+            f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree}"
+            + ("" if f else f", server {m / 2 ** 30:.1f} GiB > budget {budget / 2 ** 30:.1f} GiB")
+            + ")" for p, s, f, m in zip(found, scores, fits, memory))
+        why = (f"packing='auto', objective={objective!r}: predicted "
+               f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; " + best.plan.why)
+        best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
+                               {**best.options, "why": why}, best.certificate,
+                               _lowered=best.lowered,
+                               _plan=best.plan if best.packing == "vector" else None)
+    return best
+
+
 def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             packing: str = "vector", objective: str = "latency", precision_bits: int = 16,
             ring_degree: int | None = None, scale_bits: int | None = None,
@@ -553,28 +544,13 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     if packing not in PACKINGS + ("auto",):
         raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
                                   f"got {packing!r}")
-    if objective not in OBJECTIVES:
-        raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if batch_size is not None and int(batch_size) < 1:
-        raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
-    if security not in SECURITY_LEVELS:
-        raise NotEncryptableError(f"security must be one of {SECURITY_LEVELS} bits, got "
-                                  f"{security!r}")
-    if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 1):
-        raise NotEncryptableError(f"memory_budget must be a positive int (bytes), got "
-                                  f"{memory_budget!r}")
-    if samples_per_ciphertext is not None and (
-            int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
-            int(samples_per_ciphertext) - 1)):
-        raise NotEncryptableError(f"samples_per_ciphertext must be a power of two, got "
-                                  f"{samples_per_ciphertext!r}")
+    _check_settings(objective, batch_size, security, memory_budget, samples_per_ciphertext)
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
     values = program.run(calib, keep=True)
     maxabs = [float(np.max(np.abs(v), initial=0.0)) for v in values]
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
-    rms = [float(np.sqrt(np.mean(np.square(v)))) if v.size else 0.0 for v in values]
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
                "batch_size": None if batch_size is None else int(batch_size),
@@ -582,12 +558,14 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     lowered = lower(program)
+    # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
+    msq = step_values_msq(lowered, np.asarray(calib, dtype=np.float64)[:_NOISE_SAMPLES])
     kinds = PACKINGS if packing == "auto" else (packing,)
     found: list[CompiledProgram] = []
     error: TooDeepError | None = None
     for kind in kinds:
         try:
-            found.append(_compile_packing(program, lowered, kind, cert, maxabs, rms, options,
+            found.append(_compile_packing(program, lowered, kind, cert, maxabs, msq, options,
                                           rings, costs, precision_bits, scale_bits,
                                           samples_per_ciphertext))
         except TooDeepError as exc:
@@ -595,22 +573,4 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     if not found:
         assert error is not None
         raise error
-    scores = [_objective_cost(p.plan.predicted, objective, batch_size) for p in found]
-    budget = available_memory() if memory_budget is None else int(memory_budget)
-    memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
-    fits = [m <= budget for m in memory]
-    # a plan whose server would not fit the memory is chosen only when none fits
-    ranked = [(not f, s) for f, s in zip(fits, scores)]
-    best = found[min(range(len(found)), key=lambda i: ranked[i])]
-    if packing == "auto":
-        others = "; ".join(
-            f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree}"
-            + ("" if f else f", server {m / 2 ** 30:.1f} GiB > budget {budget / 2 ** 30:.1f} GiB")
-            + ")" for p, s, f, m in zip(found, scores, fits, memory))
-        why = (f"packing='auto', objective={objective!r}: predicted "
-               f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; " + best.plan.why)
-        best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
-                               {**best.options, "why": why}, best.certificate,
-                               _lowered=best.lowered,
-                               _plan=best.plan if best.packing == "vector" else None)
-    return best
+    return _choose(found, packing, objective, batch_size, memory_budget)

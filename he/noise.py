@@ -1,0 +1,109 @@
+"""How CKKS noise grows through a lowered program: the gains behind the promised output error.
+
+A CKKS value carries noise from its encryption and from every rescale (and, in vector packing,
+from the rounding of encoded weight diagonals and from key switching). Its growth is followed on
+the lowered steps (:mod:`polynets.lowering`), the maps the server actually applies, element by
+element: a weighted affine step sends the noise variances of its inputs through the squared
+weights and adds one unit for its rescale plus the rounding of its encoded weights times the
+inputs' calibrated mean squares; a product of two values multiplies each one's noise by the
+other's calibrated magnitude (added coherently, since both may carry the same upstream noise) and
+adds a rescale; a lift to a higher level adds a rescale. The calibrated magnitudes are per element
+(root mean square over the calibration data), so a wide activation's largest element does not
+stand in for all of them.
+
+:func:`noise_gain` returns ``(g_in, g_rs)``: the standard deviation of the noisiest output
+element per unit of encryption noise and per unit of rescale noise, which
+:func:`he.params.noise_unit` turns into the promised maximum error for a ring and a scale.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from polynets.lowering import Lowered, affine_is_free, step_levels
+
+__all__ = ["step_values_msq", "noise_gain"]
+
+#: Rounding of an encoded weight, per unit of the input it multiplies (standard deviation, in
+#: units of the rescale noise): a scalar (batch packing) rounds once; a slot vector (vector
+#: packing) through the canonical embedding, about sqrt(N) times more, which one unit covers.
+ROUNDING = {"batch": 1.0 / 12.0, "vector": 1.0}
+
+
+def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
+    """Per step, the mean square of each element of its value over the samples ``x``
+    (``(B, n_input)``, the flattened calibration inputs), evaluated step by step."""
+    steps = lowered.steps
+    last = [0] * len(steps)
+    for si, st in enumerate(steps):
+        for j in st.inputs:
+            last[j] = si
+    vals: list[np.ndarray | None] = [None] * len(steps)
+    msq: list[np.ndarray] = []
+    x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+    for si, st in enumerate(steps):
+        ins = [vals[j] for j in st.inputs]
+        if st.kind == "input":
+            v = x
+        elif st.kind == "affine":
+            v = sum((m @ a.T).T for m, a in zip(st.terms, ins))
+            if st.bias is not None:
+                v = v + np.asarray(st.bias, dtype=np.float64)[None, :]
+            v = np.broadcast_to(v, (len(x), st.n)) if np.ndim(v) < 2 else v
+        elif st.kind == "mul":
+            v = ins[0] * ins[1]
+        else:
+            v = ins[0] * float(st.factor)
+        vals[si] = v
+        msq.append(np.mean(np.square(v), axis=0))
+        for j in st.inputs:
+            if last[j] == si:
+                vals[j] = None
+    return msq
+
+
+def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str) -> tuple[float, float]:
+    """``(g_in, g_rs)`` of the output: the noise standard deviation of its noisiest element per
+    unit of encryption noise and per unit of rescale noise (see the module docstring)."""
+    steps = lowered.steps
+    levels = step_levels(steps, packing)
+    rounding = ROUNDING[packing]
+    v_in: list[np.ndarray] = []
+    v_rs: list[np.ndarray] = []
+    for si, st in enumerate(steps):
+        if st.kind == "input":
+            v_in.append(np.ones(st.n))
+            v_rs.append(np.zeros(st.n))
+            continue
+        level = max(levels[j] for j in st.inputs)
+        # an input below the step's level is lifted by a product with 1 and a rescale
+        ins = [(v_in[j], v_rs[j] + (1.0 if levels[j] < level and st.kind != "mul_int" else 0.0))
+               for j in st.inputs]
+        if st.kind == "affine":
+            a = np.zeros(st.n)
+            r = np.zeros(st.n)
+            for m, (ai, ri), j in zip(st.terms, ins, st.inputs):
+                m2 = m.multiply(m).tocsr()
+                a += m2 @ ai
+                r += m2 @ ri
+            if not affine_is_free(st, packing):
+                r += 1.0
+                for m, j in zip(st.terms, st.inputs):
+                    pattern = m.copy().tocsr()
+                    pattern.data = np.ones_like(pattern.data)
+                    r += rounding ** 2 * (pattern @ msq[j])
+        elif st.kind == "mul":
+            (a0, r0), (a1, r1) = ins
+            m0, m1 = (np.sqrt(msq[j]) for j in st.inputs)
+            a = (m0 * np.sqrt(a1) + m1 * np.sqrt(a0)) ** 2
+            r = (m0 * np.sqrt(r1) + m1 * np.sqrt(r0)) ** 2 + 1.0
+        else:
+            f2 = float(st.factor) ** 2
+            a, r = f2 * ins[0][0], f2 * ins[0][1]
+        v_in.append(a)
+        v_rs.append(r)
+    out = lowered.output
+    return (float(np.sqrt(np.max(v_in[out], initial=0.0))),
+            float(np.sqrt(np.max(v_rs[out], initial=0.0))))
