@@ -26,7 +26,10 @@ All models and the baseline are measured in the same run; the JSON has the machi
 and the ratios.
 
     python benchmarks/he_inference.py --data-dir ../shared/data/mnist [--models token1,monet2]
-        [--n-latency 10] [--workers 2] [--quick]
+        [--n-latency 10] [--workers 2] [--quick] [--orion]
+
+``--orion`` adds Orion (``pip install -e ".[orion]"``, see ``orion_baseline.py``) to the same run:
+its own LoLA example and each model converted to Orion layers with the same trained weights.
 """
 
 from __future__ import annotations
@@ -261,7 +264,10 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     k = prog.plan.interleave
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
     pred = prog.plan.predicted
+    err = float(np.max(np.abs(np.array(outs) - prog.simulate(x[:n].numpy()))))
     return {"logits": np.array(outs), "median_s": statistics.median(times),
+            "max_abs_error_vs_simulation": err, "promised_error": prog.params.expected_error,
+            "within_promise": err <= prog.params.expected_error,
             "server_median_s": statistics.median(server_times),
             "predicted_server_s": pred["seconds_per_ciphertext"],
             "prediction_error": pred["seconds_per_ciphertext"] /
@@ -332,6 +338,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-budget", type=float, default=240.0,
                     help="run batch packing only when a group is predicted within this many s")
     ap.add_argument("--quick", action="store_true", help="1 epoch, 200 test images, 2 timed")
+    ap.add_argument("--orion", action="store_true",
+                    help="also run Orion (optional extra [orion]) in the same run: its LoLA "
+                         "example and each of our models with our weights")
+    ap.add_argument("--orion-models", default="handnet,token1",
+                    help="our models also run in Orion (token2 needs ~10 GB there; monet2 has "
+                         "no Orion form)")
+    ap.add_argument("--orion-accuracy", type=int, default=100,
+                    help="test images Orion classifies encrypted")
     ap.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" /
                                             "he_inference.json"))
     args = ap.parse_args(argv)
@@ -361,6 +375,14 @@ def main(argv: list[str] | None = None) -> dict:
             "median_latency_s": base["median_s"], "ciphertext_bytes": base["ciphertext_bytes"],
             "public_context_bytes": base["public_context_bytes"], "params": base["params"]},
         "models": {}}
+    orion = None
+    if args.orion:
+        import orion_baseline as orion
+        if not orion.available():
+            raise SystemExit(orion.INSTALL_HINT)
+        lola = orion.run_lola((xtr, ytr), (xte, yte), epochs=1 if args.quick else 20,
+                              n_latency=n, n_accuracy=args.orion_accuracy)
+        res["baseline_orion_lola"] = lola
     for name in args.models.split(","):
         epochs, lr = RECIPES[name] if name in RECIPES else (10, 2e-3)
         epochs = 1 if args.quick else (args.epochs or epochs)
@@ -386,11 +408,25 @@ def main(argv: list[str] | None = None) -> dict:
             entry["batch"]["argmax_agreement"] = float(np.mean(
                 bat["logits"].argmax(1) == plain.argmax(1)))
             entry["batch"]["max_abs_error"] = float(np.max(np.abs(bat["logits"] - plain)))
+        if orion is not None and name in args.orion_models.split(","):
+            try:
+                o = orion.run_network(model, (xtr, ytr), (xte, yte), n_latency=n,
+                                      n_accuracy=args.orion_accuracy)
+            except Exception as exc:            # a network Orion cannot express is reported
+                o = {"error": f"{type(exc).__name__}: {exc}"}
+            entry["orion_same_network"] = o
+            if "latency" in o:
+                entry["vector"]["latency_speedup_vs_orion"] = (
+                    o["latency"]["median_round_trip_s"] / vec["median_s"])
         res["models"][name] = entry
         atomic_write_bytes(args.output, json.dumps(res, indent=2).encode())
     b = res["baseline_tenseal_tutorial"]
     print(f"\nbaseline (TenSEAL tutorial): plaintext accuracy {100 * b['plain_accuracy']:.2f}%, "
           f"median latency {b['median_latency_s'] * 1e3:.0f} ms")
+    if "baseline_orion_lola" in res:
+        lat = res["baseline_orion_lola"]["latency"]
+        print(f"baseline (Orion's LoLA example): median round trip "
+              f"{lat['median_round_trip_s'] * 1e3:.0f} ms")
     for name, e in res["models"].items():
         v, t = e["vector"], e["batch"]
         print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
@@ -398,7 +434,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
               f"{v['server_median_s']:.2f} s (predicted {v['predicted_server_s']:.2f} s), "
               f"{v['images_per_ciphertext']} images per ciphertext -> "
-              f"{v['filled_images_per_s']:.1f} img/s")
+              f"{v['filled_images_per_s']:.1f} img/s; max error vs simulation "
+              f"{v['max_abs_error_vs_simulation']:.2e} (promised {v['promised_error']:.2e})")
+        if "latency_speedup_vs_orion" in v:
+            print(f"   Orion, same network and weights: "
+                  f"{e['orion_same_network']['latency']['median_round_trip_s'] * 1e3:.0f} ms "
+                  f"-> {v['latency_speedup_vs_orion']:.1f}x")
         if "skipped" in t:
             print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
                   f"{t['predicted_images_per_s']:.1f} img/s per process)")
