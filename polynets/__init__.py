@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "polynets.pom": "PoM PoMState SplitPoM",
     "polynets.pair": "PairInput",
     "polynets.models.polymorpher": "Polymorpher PolymorpherClassifier",
+    "polynets.models.pom_dit": "PoMDiT PoMDiTBlock",
     "polynets.node": "PolyNODE ODEFlow PolyANODE",
     "polynets.padre": "PADRe Conv2Former CastlingAttention Hyena",
     "polynets.trace": "trace",
