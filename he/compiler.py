@@ -547,8 +547,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     _check_settings(objective, batch_size, security, memory_budget, samples_per_ciphertext)
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
-    values = program.run(calib, keep=True)
-    maxabs = [float(np.max(np.abs(v), initial=0.0)) for v in values]
+    maxabs = program.max_abs(calib)
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
     options = {"precision_bits": int(precision_bits),

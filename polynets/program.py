@@ -221,6 +221,20 @@ class ArrayInterpreter(Interpreter):
         return value if tuple(value.shape) == shape else self.expand(value, shape)
 
 
+class _MaxAbs(ArrayInterpreter):
+    """NumPy evaluation that records the largest |value| of every node into ``out``."""
+
+    def __init__(self, xb: Any, out: list[float]):
+        super().__init__(xb)
+        self.out = out
+
+    def finish(self, i: int, node: Node, value: Any) -> Any:
+        value = super().finish(i, node, value)
+        # np.maximum keeps a NaN once seen (Python's max would drop it)
+        self.out[i] = float(np.maximum(self.out[i], np.max(np.abs(value), initial=0.0)))
+        return value
+
+
 class PolyProgram:
     """A polynomial program: nodes in topological order, one input, one output.
 
@@ -335,6 +349,16 @@ class PolyProgram:
         out = values[self.output]
         if self.output_shape[:1] == (1,):
             return out.reshape((interpreter.batch,) + tuple(self.output_shape[1:]))
+        return out
+
+    def max_abs(self, x: np.ndarray, *, chunk: int = 256) -> list[float]:
+        """Largest |value| of every node over the batch ``x`` (shape ``(B, *input_shape[1:])``),
+        evaluated ``chunk`` samples at a time holding only live values, so the memory is that of
+        one chunk's live values whatever ``B``."""
+        xb = self._as_batch(_numeric_input(x))
+        out = [0.0] * len(self.nodes)
+        for lo in range(0, max(1, int(xb.shape[0])), chunk):
+            _MaxAbs(xb[lo:lo + chunk], out).run(self, release=True)
         return out
 
     def simulate(self, x: Any) -> np.ndarray:
