@@ -36,6 +36,9 @@ from polynets.errors import ConfigError, ShapeError
 
 __all__ = ["PoM", "PoMState", "SplitPoM", "causal_mask", "block_causal_mask"]
 
+#: Constant tensors (masks, reciprocal counts) a PoM keeps per sequence length, dtype and device.
+CONSTANT_CACHE_SIZE = 16
+
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor] | None] = {
     "linear": None,
     "gelu": F.gelu,
@@ -299,13 +302,18 @@ class PoM(nn.Module):
         return _constant(1.0 / np.maximum(counts, 1.0)[:, None], like)
 
     def _cached(self, name: str, length: int, like: Tensor) -> Tensor:
-        """Per-(length, dtype, device) cache of the constant mask matrix and reciprocal counts."""
+        """Per-(length, dtype, device) cache of the constant mask matrix and reciprocal counts,
+        least recently used first out beyond :data:`CONSTANT_CACHE_SIZE` entries."""
         key = (name, length, like.dtype, like.device)
-        if key not in self._constants:
+        if key in self._constants:
+            self._constants[key] = self._constants.pop(key)          # most recently used last
+        else:
             if name == "mask":
                 self._constants[key] = _constant(self.mask_bool.cpu().numpy(), like)
             else:
                 self._constants[key] = self._inv_counts(0, length, like)
+            while len(self._constants) > CONSTANT_CACHE_SIZE:
+                del self._constants[next(iter(self._constants))]
         return self._constants[key]
 
     def _prefix_state(self, feats: Tensor, carry: Tensor | None) -> Tensor:

@@ -433,3 +433,14 @@ def test_benchmark_script_writes_json_plot_and_ratios(tmp_path) -> None:
             r["sdpa"]["forward"]["median_s"] / r["pom"]["forward"]["median_s"])
         assert r["pom"]["memory"]["forward_backward_bytes"] >= 0
     assert saved["theoretical_crossover"] == pytest.approx((512 * 771 - 4 * 256 ** 2) / 512)
+
+
+def test_constant_cache_is_bounded():
+    from polynets.pom import CONSTANT_CACHE_SIZE
+
+    pom = pn.PoM(8, mask="causal").eval()
+    with torch.no_grad():
+        for n in range(2, 2 + 2 * CONSTANT_CACHE_SIZE):
+            ref = pom(torch.randn(1, n, 8))
+            assert ref.shape == (1, n, 8)
+    assert 0 < len(pom._constants) <= CONSTANT_CACHE_SIZE
