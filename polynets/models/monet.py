@@ -20,6 +20,8 @@ monet_ms_s     4, 6, 12, 14  128, 192, 256, 384   2 (4)            3          8
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -113,7 +115,7 @@ def _as_tuple(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     return values
 
 
-class TokenGridModel:
+class TokenGridModel(ABC):
     """timm conventions shared by models whose features are channels-last tokens ``(B, H, W, C)``.
 
     The model defines ``embed_tokens(image) -> tokens``, ``feature_units() -> list[nn.Module]``
@@ -135,13 +137,13 @@ class TokenGridModel:
     grad_checkpointing: bool = False
     output_fmt: str = "NHWC"
 
+    @abstractmethod
     def embed_tokens(self, x: Tensor) -> Tensor:
         """Image ``(B, in_chans, H, W)`` to tokens ``(B, H', W', C)``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def feature_units(self) -> list[nn.Module]:
         """The modules between the embedding and the head, in order."""
-        raise NotImplementedError
 
     def final_norm(self, x: Tensor) -> Tensor:
         """Normalisation after the last unit (identity unless the model has one)."""
