@@ -20,9 +20,8 @@ monet_ms_s     4, 6, 12, 14  128, 192, 256, 384   2 (4)            3          8
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
