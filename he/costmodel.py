@@ -36,14 +36,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "CostModel", "measure", "measure_fused", "calibrate",
-           "default_model", "cache_path"]
+__all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "CostModel", "measure", "calibrate", "default_model",
+           "cache_path"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt")
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
-#: Seconds per word of the fused primitives where a table lacks them: as they come out of whole
-#: batch runs on a 2-core x86-64 machine (fresh output memory, gathers larger than the caches),
-#: several times what :func:`measure_fused`'s small blocks time on an idle machine.
+#: Seconds per word of the fused primitives, as whole batch runs on a 2-core x86-64 machine show
+#: them (fresh output memory, gathers larger than the caches): several times what small blocks
+#: take on an idle machine, so :func:`measure` keeps these rather than timing small blocks.
 DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9,
                       "alloc": 2e-9}
 _SHIPPED = Path(__file__).with_name("cost_table.json")
@@ -202,78 +202,12 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def measure_fused(ring: int = 8192) -> dict[str, float]:
-    """Seconds per word of the fused primitives (:data:`WORD_PRIMITIVES`) on real ciphertexts:
-    gathered words from a one-output map, reduced words from a one-input map, products from a
-    square block once those are subtracted; ``alloc`` from fresh ciphertexts."""
-    import scipy.sparse as sp
-    import tenseal.sealapi as seal
-
-    from he.backend import Engine
-    from he.fused import fuse_map, raw_access
-    from he.params import CKKSParams
-
-    params = CKKSParams(ring, (35, 27, 27, 27, 45), 27, 3, 128, 0.0, 1.0, "fused-map timing")
-    eng = Engine(params)
-    keygen = seal.KeyGenerator(eng.context)
-    pk = seal.PublicKey()
-    keygen.create_public_key(pk)
-    encryptor = seal.Encryptor(eng.context, pk)
-    cts = []
-    for i in range(96):
-        ct = seal.Ciphertext()
-        encryptor.encrypt(eng.encode_scalar(0.01 * i, 0, eng.scales[0]), ct)
-        cts.append(ct)
-    raw = raw_access(cts[0])
-    if not raw.ok:
-        return dict(DEFAULT_WORD_COSTS)
-    moduli = [m.value() for m in eng.context.get_context_data(cts[0].parms_id()).parms()
-              .coeff_modulus()]
-    rng = np.random.default_rng(0)
-
-    def timed(r_out: int, k: int) -> tuple[dict[str, float], float]:
-        w = rng.normal(size=(r_out, k)) * 0.5
-        fmap, _ = fuse_map([sp.csr_matrix(w)], [np.ones(k, bool)], [np.full(k, eng.scales[0])],
-                           np.arange(r_out), moduli, min_fanin=1)
-        assert fmap is not None
-        outs = []
-        for _ in range(r_out):
-            out = seal.Ciphertext()
-            eng.evaluator.negate(cts[0], out)
-            outs.append(out)
-        fmap.apply(raw, cts[:k], outs, moduli)
-        best = min(_time(lambda: fmap.apply(raw, cts[:k], outs, moduli), 1) for _ in range(2))
-        return {op: v * ring for op, v in fmap.work(moduli).items()}, best
-
-    # one output (input-bound), one input (output-bound), then a square block for the products
-    w_in, t_in = timed(1, 96)
-    w_out, t_out = timed(96, 1)
-    per_in = t_in / (w_in["fused_in"] + w_in["fused_out"] + 1.0)
-    per_out = t_out / (w_out["fused_in"] + w_out["fused_out"] + 1.0)
-    w_sq, t_sq = timed(96, 96)
-    rest = t_sq - per_in * w_sq["fused_in"] - per_out * w_sq["fused_out"]
-    words = {"fused_mac": max(rest / w_sq["fused_mac"], 1e-12), "fused_in": per_in,
-             "fused_out": per_out}
-    # fresh ciphertexts, kept alive so that each one takes memory not used before
-    kept: list[Any] = []
-
-    def fresh() -> None:
-        for _ in range(16):
-            out = seal.Ciphertext()
-            eng.evaluator.negate(cts[0], out)
-            kept.append(out)
-
-    words["alloc"] = _time(fresh, 1) / 16 / (2 * len(moduli) * ring)
-    return words
-
-
 def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:
     """Measure this machine's costs and cache them (atomically) where :func:`default_model`
     looks; returns the model."""
     from polynets.program import atomic_write_bytes
 
     model = measure(progress=progress)
-    model.words = measure_fused()
     target = Path(path) if path is not None else cache_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(target, json.dumps(model.to_dict(), indent=1).encode())
