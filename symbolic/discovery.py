@@ -451,7 +451,8 @@ class EquationDiscovery(BaseEstimator):
         its own windows). ``selection="bic"`` takes the lowest BIC; ``"cv"`` the lowest held-out
         window error (:func:`held_out_error`, stored as ``cv``) of all distinct supports;
         ``"bic+cv"`` the lowest held-out error among the ``CV_SHORTLIST`` distinct supports of
-        lowest BIC.
+        lowest BIC when it beats the BIC choice's by more than two standard errors (of a mean
+        square over the held-out residuals), else the BIC choice.
         """
         for c in fitted:
             res = c["result"]
@@ -475,7 +476,18 @@ class EquationDiscovery(BaseEstimator):
             c["cv"] = held_out_error(self.library_, c["result"], c["active"],
                                      self.trajectories_, rtol=rtol,
                                      atol=self.atol * rtol / self.rtol)
-        return min(shortlist, key=lambda c: (c["cv"], c["criterion"]))
+        best = min(shortlist, key=lambda c: (c["cv"], c["criterion"]))
+        if self.selection == "cv" or best is ranked[0]:
+            return best
+        # BIC's choice stands unless the held-out error is clearly lower elsewhere: by more than
+        # two standard errors of a mean square over the held-out residuals; a BIC choice whose
+        # cross-validation blew up (a refit on half the windows diverged) leaves it undecided
+        n = max(ranked[0]["result"].n_residuals, 1)
+        if not math.isfinite(ranked[0]["cv"]):
+            return ranked[0]
+        if best["cv"] < ranked[0]["cv"] * (1.0 - 2.0 * math.sqrt(2.0 / n)):
+            return best
+        return ranked[0]
 
     # ------------------------------------------------------------------------------- results
     def __sklearn_is_fitted__(self) -> bool:
