@@ -21,7 +21,7 @@ monet_ms_s     4, 6, 12, 14  128, 192, 256, 384   2 (4)            3          8
 from __future__ import annotations
 
 import warnings
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -34,6 +34,7 @@ from timm.models import (build_model_with_cfg, checkpoint, generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
+from polynets.models.head import ClassifierHead
 from polynets.errors import ConfigError
 from polynets.layers import (NORMS, PatchEmbed, PolyBlock, PyramidPatchEmbed, check_shape,
                              to_2tuple)
@@ -114,7 +115,7 @@ def _as_tuple(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     return values
 
 
-class TokenGridModel(ABC):
+class TokenGridModel(ClassifierHead):
     """timm conventions shared by models whose features are channels-last tokens ``(B, H, W, C)``.
 
     The model defines ``embed_tokens(image) -> tokens``, ``feature_units() -> list[nn.Module]``
@@ -204,28 +205,15 @@ class TokenGridModel(ABC):
             return intermediates
         return self.final_norm(x), intermediates
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Tokens ``(B, H', W', C)`` to logits ``(B, num_classes)`` (pooled ``(B, C)`` with
-        ``pre_logits``; with ``global_pool=""`` the tokens are classified one by one)."""
+    def pool(self, x: Tensor) -> Tensor:
+        """Tokens ``(B, H', W', C)`` to ``(B, C)`` (with ``global_pool=""`` the tokens are kept
+        and classified one by one)."""
         check_shape(f"{type(self).__name__} head", x, ("B", "H", "W", self.num_features))
-        if self.global_pool == "avg":
-            x = x.mean(dim=(1, 2))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
+        return x.mean(dim=(1, 2)) if self.global_pool == "avg" else x
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """New linear head for ``num_classes`` (0 removes it); pooling kept unless given."""
-        if global_pool is not None:
-            self.global_pool = _check_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
-        self._init_head()
+    @staticmethod
+    def _check_pool(global_pool: str) -> str:
+        return _check_pool(global_pool)
 
 
 class MONet(TokenGridModel, nn.Module):

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from polynets.errors import ConfigError, ShapeError
 from polynets.layers import MuLayer, make_norm
+from polynets.models.head import ClassifierHead
 from polynets.pom import PoM, PoMState
 
 __all__ = ["Polymorpher", "PolymorpherClassifier"]
@@ -120,7 +121,7 @@ class Polymorpher(nn.Module):
         return y + self.ff(self.norm2(y)), state
 
 
-class PolymorpherClassifier(nn.Module):
+class PolymorpherClassifier(ClassifierHead, nn.Module):
     """Sequence classifier: tokens -> linear embedding + learned positions -> Polymorphers ->
     norm -> mean pool -> linear head.
 
@@ -174,22 +175,6 @@ class PolymorpherClassifier(nn.Module):
                              f"{self.in_features}), got {tuple(x.shape)}")
         return self.norm(self.blocks(self.embed(x) + self.pos_embed))
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pool tokens and apply the head: (B, N, dim) -> (B, num_classes) (or (B, dim))."""
-        x = x.mean(dim=1) if self.global_pool == "mean" else x.sum(dim=1)
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits: (B, seq_len, in_features) -> (B, num_classes)."""
-        return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """New head for ``num_classes`` (0: none); pooling changes only when given."""
-        if global_pool is not None:
-            self.global_pool = self._check_pool(global_pool)
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.dim, num_classes) if num_classes > 0 else nn.Identity()
+    def pool(self, x: Tensor) -> Tensor:
+        """Tokens (B, N, dim) to (B, dim): their mean, or sum with ``global_pool="sum"``."""
+        return x.mean(dim=1) if self.global_pool == "mean" else x.sum(dim=1)
