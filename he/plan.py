@@ -42,7 +42,7 @@ from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
-           "choose_fanin", "FANIN_CANDIDATES"]
+           "choose_fanin", "FANIN_CANDIDATES", "shared_splits"]
 
 Order = tuple[int, ...] | None
 
@@ -149,6 +149,104 @@ def _bsgs(keys: np.ndarray) -> tuple[int, int]:
         if cost < best[0]:
             best = (cost, n1)
     return step, best[1]
+
+
+def _coo_int(a: sp.spmatrix) -> tuple[np.ndarray, np.ndarray]:
+    coo = a.tocoo()
+    return coo.row.astype(np.int64), coo.col.astype(np.int64)
+
+
+def _rotations_of(split: tuple[int, int], keys: np.ndarray) -> tuple[set[int], set[int]]:
+    """Baby and giant rotation offsets (nonzero) of diagonal offsets ``keys`` under ``split``."""
+    step, n1 = split
+    units = keys // step
+    babies = {int(b) * step for b in np.unique(units % n1) if b}
+    giants = {int(g) * n1 * step for g in np.unique(units // n1) if g}
+    return babies, giants
+
+
+def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps: int = 3
+                  ) -> dict[tuple[int, int], tuple[int, int]]:
+    """BSGS splits ``(step, n1)`` of every (affine step, input period) that minimise the
+    rotations of the whole plan.
+
+    ``terms``: ``(step, input, level, p_in, diagonal offsets)`` of every materialised map. The
+    terms of one step and input period share one split (they share giant rotations); the baby
+    rotations of an input at a level are shared by every map that reads it there, so maps of one
+    input (a Mu-Layer's A and BD read the same X) gain from more baby steps and fewer giants
+    than each would choose alone. Maps linked by shared inputs (one level, so rotations of one
+    price) are searched together: coordinate descent over unit steps dividing each map's offsets
+    and power-of-two baby counts, from each map's own best split and from every split shared by
+    all of them; the cost is distinct baby rotations per (input, level) plus giant rotations per
+    (step, period)."""
+    Var = tuple[int, int]
+    var_keys: dict[Var, list[tuple[tuple[int, int], np.ndarray]]] = {}
+    for si, j, lvl, p_in, d in terms:
+        var_keys.setdefault((si, p_in), []).append(((j, lvl), np.unique(d)))
+    union = {v: np.unique(np.concatenate([k for _, k in ts])) for v, ts in var_keys.items()}
+    choice = {v: _bsgs(u) for v, u in union.items()}
+    readers: dict[tuple[int, int], list[Var]] = {}
+    for v, ts in var_keys.items():
+        for src, _ in ts:
+            readers.setdefault(src, []).append(v)
+    for comp in _components(var_keys, readers):
+        if len(comp) < 2:
+            continue
+        cands: dict[Var, list[tuple[int, int]]] = {}
+        for v in comp:
+            u = union[v]
+            g = int(np.gcd.reduce(u)) or 1
+            units = {g} | {math.gcd(g, choice[w][0]) for w in comp}
+            span = int(u.max()) + 1
+            cands[v] = [(s, 1 << e) for s in sorted(units)
+                        for e in range(0, (span // s + 1).bit_length() + 1)]
+
+        def cost(ch: dict[Var, tuple[int, int]]) -> int:
+            babies: dict[tuple[int, int], set[int]] = {}
+            n = 0
+            for v in comp:
+                n += len(_rotations_of(ch[v], union[v])[1])
+                for src, k in var_keys[v]:
+                    babies.setdefault(src, set()).update(_rotations_of(ch[v], k)[0])
+            return n + sum(len(b) for b in babies.values())
+
+        def descend(ch: dict[Var, tuple[int, int]]) -> dict[Var, tuple[int, int]]:
+            for _ in range(sweeps):
+                before = dict(ch)
+                for v in comp:
+                    ch = min(({**ch, v: s} for s in cands[v]),
+                             key=lambda c: (cost(c), c[v] != ch[v]))
+                if ch == before:
+                    break
+            return ch
+
+        own = {v: choice[v] for v in comp}
+        starts = [own] + [{v: s if s in cands[v] else own[v] for v in comp}
+                          for s in sorted({s for v in comp for s in cands[v]})]
+        choice.update(min((descend(s) for s in starts), key=cost))
+    return choice
+
+
+def _components(var_keys: dict[Any, list[tuple[Any, np.ndarray]]],
+                readers: dict[Any, list[Any]]) -> list[list[Any]]:
+    """Groups of maps linked by the inputs they read."""
+    seen: set[Any] = set()
+    comps = []
+    for v0 in var_keys:
+        if v0 in seen:
+            continue
+        comp, todo = [], [v0]
+        seen.add(v0)
+        while todo:
+            v = todo.pop()
+            comp.append(v)
+            for src, _ in var_keys[v]:
+                for w in readers[src]:
+                    if w not in seen:
+                        seen.add(w)
+                        todo.append(w)
+        comps.append(sorted(comp))
+    return comps
 
 
 def _folds(p_in: int, p_out: int) -> list[int]:
@@ -563,25 +661,16 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         raise ValueError(f"cannot interleave {k} samples of {widest} slots in {slots}")
     vslots = slots // k
     vsteps: list[VStep] = []
+    step_mats: dict[int, list[sp.csr_matrix | None]] = {}
     for si, st in enumerate(steps):
         vs = VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
                    factor=st.factor)
-        if st.kind == "affine":
+        if st.kind == "affine" and si not in planes_at:
             mats: list[sp.csr_matrix | None] = [
                 None if _term_is_identity(m, maps[si], maps[j]) else
                 _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
                 for j, m in zip(st.inputs, st.terms)]
-            # terms of one input period share one BSGS split, so they share giant rotations
-            split: dict[int, tuple[int, int]] = {}
-            for p_in in {periods[j] for j, a in zip(st.inputs, mats) if a is not None}:
-                keys = [_diagonals_of(*(lambda c: (c.row.astype(np.int64),
-                                                   c.col.astype(np.int64)))(a.tocoo()),
-                                      p_in, periods[si])[1]
-                        for j, a in zip(st.inputs, mats) if a is not None and periods[j] == p_in]
-                split[p_in] = _bsgs(np.unique(np.concatenate(keys)))
-            vs.matvecs = [None if a is None else
-                          make_matvec(a, periods[j], periods[si], split[periods[j]])
-                          for j, a in zip(st.inputs, mats)]
+            step_mats[si] = mats
         elif st.kind in ("mul", "mul_int"):
             if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
                 raise ValueError(f"step {si}: operands of a product in different layouts")
@@ -589,6 +678,14 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
             vs.bias = np.zeros(periods[si])
             vs.bias[maps[si]] = st.bias
         vsteps.append(vs)
+    splits = shared_splits([(si, j, max(levels[i] for i in steps[si].inputs), periods[j],
+                             _diagonals_of(*_coo_int(a), periods[j], periods[si])[1])
+                            for si, mats in step_mats.items()
+                            for j, a in zip(steps[si].inputs, mats) if a is not None])
+    for si, mats in step_mats.items():
+        vsteps[si].matvecs = [None if a is None else
+                              make_matvec(a, periods[j], periods[si], splits[si, periods[j]])
+                              for j, a in zip(steps[si].inputs, mats)]
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders)
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,

@@ -14,8 +14,8 @@ from torch import nn
 import he
 import polynets as pn
 from he.costmodel import CostModel, default_model, measure
-from he.plan import (build_vector_plan, candidate_orders, layout_groups, search_layouts,
-                     slot_map)
+from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, layout_groups,
+                     search_layouts, shared_splits, slot_map)
 from polynets.lowering import integer_factor, lower
 
 
@@ -160,6 +160,32 @@ def test_cost_model_picks_the_cheaper_layout_for_a_per_token_channel_map():
     groups = layout_groups(lowered)
     for i, g in enumerate(groups):
         assert orders[i] == orders[g]
+
+
+def _plan_rotations(terms, splits):
+    babies, giants = {}, 0
+    union = {}
+    for si, j, lvl, p_in, d in terms:
+        babies.setdefault((j, lvl), set()).update(_rotations_of(splits[si, p_in], d)[0])
+        union.setdefault((si, p_in), []).append(d)
+    for v, ds in union.items():
+        giants += len(_rotations_of(splits[v], np.unique(np.concatenate(ds)))[1])
+    return giants + sum(len(b) for b in babies.values())
+
+
+def test_maps_of_one_input_share_baby_steps_and_take_fewer_giants():
+    """A shifted channel map (32 channel offsets x 5 token shifts, as a Poly-Block's first
+    Mu-Layer has) read by two steps: alone each picks 8+16 rotations; sharing the baby steps,
+    more babies and fewer giants cost fewer rotations in all."""
+    chans = np.arange(32) * 64
+    keys = np.unique((chans[:, None] + np.array([0, 1, 8, -8, -1])[None]).ravel() % 2048)
+    terms = [(1, 0, 2, 2048, keys), (2, 0, 2, 2048, keys)]
+    alone = {(1, 2048): _bsgs(keys), (2, 2048): _bsgs(keys)}
+    shared = shared_splits(terms)
+    assert shared[1, 2048] == shared[2, 2048]
+    assert _plan_rotations(terms, shared) < _plan_rotations(terms, alone)
+    # a map that shares nothing keeps its own best split
+    assert shared_splits([(3, 1, 0, 2048, keys)]) == {(3, 2048): _bsgs(keys)}
 
 
 @pytest.mark.parametrize("packing", ["vector", "batch"])
