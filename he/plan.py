@@ -42,7 +42,7 @@ from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
-           "choose_fanin", "FANIN_CANDIDATES", "shared_splits"]
+           "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms"]
 
 Order = tuple[int, ...] | None
 
@@ -67,6 +67,30 @@ def slot_map(shape: Sequence[int], order: Order) -> np.ndarray:
     out = np.zeros(n, dtype=np.int64)
     for a, s in zip(order, strides):
         out += idx[a] * s
+    return out
+
+
+def _suffix_products(shape: Sequence[int]) -> set[int]:
+    out, acc = set(), 1
+    for n in reversed(shape):
+        acc *= int(n)
+        out.add(acc)
+    return out
+
+
+def layout_shapes(lowered: Lowered) -> list[tuple[int, ...]]:
+    """The shape each value is laid out by: its own, or the finest shape of another value of
+    the program that refines it by splitting axes (a patch embedding's ``(49, 32)`` tokens are
+    the Mu-Layer's ``(7, 7, 32)`` grid). Row-major element order is the same under the split, so
+    a value and its refinement can share a layout, which no order of the coarser shape's own
+    axes reaches (channel-major over a 7 x 7 grid pads each row, not the 49 tokens)."""
+    shapes = [tuple(int(n) for n in st.shape) for st in lowered.steps]
+    distinct = sorted(set(shapes), key=lambda t: -sum(n > 1 for n in t))
+    out = []
+    for sh in shapes:
+        size, sp_ = int(np.prod(sh, dtype=np.int64)), _suffix_products(sh)
+        out.append(next((t for t in distinct if int(np.prod(t, dtype=np.int64)) == size
+                         and sp_ <= _suffix_products(t)), sh))
     return out
 
 
@@ -290,6 +314,26 @@ def _counts_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int) -> dict[str,
             "plaintexts": int(keys.size), "folds": len(_folds(p_in, p_out))}
 
 
+def same_terms(terms: Sequence[sp.spmatrix], rtol: float = 1e-12) -> list[int]:
+    """For each term of an affine step, the first term with the same matrix (itself when none
+    is): a map applied to several inputs (a Mu-Layer's A on the block's input and on the
+    residual branch, a head on the summed stages) runs once on the sum of the inputs. Identity
+    terms stay as they are (they cost an addition either way)."""
+    reps: list[int] = []
+    for t, m in enumerate(terms):
+        rep = t
+        if not is_identity(m):
+            scale = abs(m).max() if m.nnz else 0.0
+            for u in range(t):
+                o = terms[u]
+                if reps[u] == u and o.shape == m.shape and o.nnz == m.nnz and \
+                        not is_identity(o) and abs(o - m).max() <= rtol * scale:
+                    rep = u
+                    break
+        reps.append(rep)
+    return reps
+
+
 def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
                 bsgs: tuple[int, int] | None = None) -> MatVec:
     """Plan ``a`` (shape (width_out, width_in)) for inputs of period ``p_in``, outputs ``p_out``;
@@ -332,6 +376,14 @@ class VStep:
     planes: list[np.ndarray] = field(default_factory=list)   # per input ct: (per_ct * p_out,)
     plane_folds: list[int] = field(default_factory=list)
     plane_cts: list[int] = field(default_factory=list)       # which input cts the planes read
+    sums: list[tuple[int, ...]] = field(default_factory=list)  # per term: terms summed first
+
+    def sources(self) -> list[tuple[int, ...] | None]:
+        """Per term, the steps whose values are summed before its map (one map applied to
+        several inputs runs once on their sum); None for a term summed into an earlier one."""
+        if not self.sums:
+            return [(j,) for j in self.inputs]
+        return [tuple(self.inputs[u] for u in g) if g else None for g in self.sums]
 
 
 @dataclass
@@ -385,7 +437,7 @@ class VectorPlan:
         for si, s in enumerate(self.steps):
             c = {"rotate": 0, "mul_plain": 0, "mul_ct": 0, "rescale": 0, "add": 0,
                  "plaintexts": 0}
-            mvs = [(j, mv) for j, mv in zip(s.inputs, s.matvecs) if mv is not None]
+            mvs = [(j, mv) for j, mv in zip(s.sources(), s.matvecs) if mv is not None]
             if mvs:
                 lin = max(self.steps[j].level for j in s.inputs)
                 new = {(j, lin, b) for j, mv in mvs for b in mv.babies if b} - babies_done
@@ -507,6 +559,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     affine steps.
     """
     steps = lowered.steps
+    shapes = layout_shapes(lowered)
     levels = step_levels(steps, "vector")
     group = layout_groups(lowered)
     gids = sorted(set(group))
@@ -514,15 +567,15 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     planes = set(_planes_readers(lowered, max_planes))
     cands: dict[int, list[Order]] = {}
     for g in gids:
-        shapes = {tuple(steps[i].shape) for i in members[g]}
-        opts = candidate_orders(next(iter(shapes))) if len(shapes) == 1 else [None]
-        cands[g] = [o for o in opts if next_pow2(_width(steps[members[g][0]].shape, o)) <= slots]
+        kinds = {shapes[i] for i in members[g]}
+        opts = candidate_orders(next(iter(kinds))) if len(kinds) == 1 else [None]
+        cands[g] = [o for o in opts if next_pow2(_width(shapes[members[g][0]], o)) <= slots]
     maps: dict[tuple[int, Order], tuple[np.ndarray, int]] = {}
 
     def smap(si: int, order: Order) -> tuple[np.ndarray, int]:
         key = (si, order)
         if key not in maps:
-            sm = slot_map(steps[si].shape, order)
+            sm = slot_map(shapes[si], order)
             maps[key] = (sm, int(sm.max()) + 1 if sm.size else 1)
         return maps[key]
 
@@ -532,6 +585,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
                 for t, m in enumerate(st.terms)}
 
     term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
+    reps: dict[int, list[int]] = {}
 
     def term_counts(si: int, t: int, o_out: Order, o_in: Order) -> dict[str, int]:
         key = (si, t, o_out, o_in)
@@ -559,8 +613,13 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
         o_out = choice[group[si]]
         key = (si, o_out) + tuple(choice[group[j]] for j in st.inputs)
         if key not in memo:
-            total = _step_total([term_counts(si, t, o_out, choice[group[j]])
-                                 for t, j in enumerate(st.inputs)])
+            if si not in reps:
+                reps[si] = same_terms(st.terms)
+            # a term with the same map and input layout as an earlier one is summed into it
+            total = _step_total([{"add": 1} if u != t and shapes[j] == shapes[st.inputs[u]] and
+                                 choice[group[j]] == choice[group[st.inputs[u]]] else
+                                 term_counts(si, t, o_out, choice[group[j]])
+                                 for (t, j), u in zip(enumerate(st.inputs), reps[si])])
             memo[key] = price(total, max(levels[j] for j in st.inputs))
         return memo[key]
 
@@ -598,7 +657,7 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
 
 def widest_period(lowered: Lowered, orders: Sequence[Order]) -> int:
     """Slots the widest value needs in the given layouts (a power of two)."""
-    return max(next_pow2(_width(st.shape, o)) for st, o in zip(lowered.steps, orders))
+    return max(next_pow2(_width(sh, o)) for sh, o in zip(layout_shapes(lowered), orders))
 
 
 def choose_plane_packing(lowered: Lowered, orders: Sequence[Order], vslots: int,
@@ -608,10 +667,11 @@ def choose_plane_packing(lowered: Lowered, orders: Sequence[Order], vslots: int,
     cost the client ``ceil(k / per_ct)`` encryptions and the server ``log2(per_ct)`` folds;
     ``price(counts)`` prices both (primitives ``encrypt``, ``mul_plain``, ``rotate``, ``add``)."""
     out = {}
+    shapes = layout_shapes(lowered)
     for si in _planes_readers(lowered, max_planes):
         st = lowered.steps[si]
         k = int(np.diff(st.terms[0].tocsr().indptr).max())
-        p_out = next_pow2(_width(st.shape, orders[si]))
+        p_out = next_pow2(_width(shapes[si], orders[si]))
         best = None
         per_ct = 1
         while per_ct * p_out <= vslots:
@@ -649,7 +709,11 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     for i, g in enumerate(group):
         if orders[i] != orders[g]:
             raise ValueError(f"steps {i} and {g} must share a layout")
-    maps = [slot_map(st.shape, o) for st, o in zip(steps, orders)]
+    shapes = layout_shapes(lowered)
+    for si, (sh, o) in enumerate(zip(shapes, orders)):
+        if o is not None and o not in candidate_orders(sh):
+            raise ValueError(f"step {si}: layout {o} is not an order of the axes of {sh}")
+    maps = [slot_map(sh, o) for sh, o in zip(shapes, orders)]
     widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
     periods = [next_pow2(w) for w in widths]
     planes_at = _planes_readers(lowered, max_planes)
@@ -670,6 +734,13 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                 None if _term_is_identity(m, maps[si], maps[j]) else
                 _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
                 for j, m in zip(st.inputs, st.terms)]
+            vs.sums = [(t,) for t in range(len(mats))]
+            for t, u in enumerate(same_terms(st.terms)):
+                ju, jt = st.inputs[u], st.inputs[t]
+                if u != t and mats[u] is not None and mats[t] is not None and \
+                        np.array_equal(maps[ju], maps[jt]):
+                    vs.sums[u] += (t,)
+                    vs.sums[t], mats[t] = (), None
             step_mats[si] = mats
         elif st.kind in ("mul", "mul_int"):
             if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
@@ -678,10 +749,11 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
             vs.bias = np.zeros(periods[si])
             vs.bias[maps[si]] = st.bias
         vsteps.append(vs)
-    splits = shared_splits([(si, j, max(levels[i] for i in steps[si].inputs), periods[j],
+    splits = shared_splits([(si, src, max(levels[i] for i in steps[si].inputs), periods[j],
                              _diagonals_of(*_coo_int(a), periods[j], periods[si])[1])
                             for si, mats in step_mats.items()
-                            for j, a in zip(steps[si].inputs, mats) if a is not None])
+                            for j, src, a in zip(steps[si].inputs, vsteps[si].sources(), mats)
+                            if a is not None])
     for si, mats in step_mats.items():
         vsteps[si].matvecs = [None if a is None else
                               make_matvec(a, periods[j], periods[si], splits[si, periods[j]])

@@ -384,18 +384,28 @@ def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int) -> Any:
     return ct
 
 
-def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[int],
+def _summed_inputs(eng: Engine, st: Any, xs: list[Any]) -> list[Any]:
+    """The inputs of an affine step's terms, those of one map summed (see ``VStep.sources``):
+    the sum in the first term's place, None in the others'."""
+    if not st.sums:
+        return xs
+    return [None if not g else xs[t] if len(g) == 1 else
+            _accumulate(eng, [eng.add(xs[g[0]], xs[g[1]]), *(xs[u] for u in g[2:])])
+            for t, g in enumerate(st.sums)]
+
+
+def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[Any],
             xs: list[Any], rotated: dict[tuple[int, int, int], Any]) -> Any:
     """An affine step by the BSGS diagonal method: baby-step rotations of an input shared with
     every map that reads it (``rotated``), giant-step rotations shared by the terms of one input
     period, one rescale, the folds of the widest term shared (folding is linear), then the
     identity terms added."""
     k = kern.interleave
-    lin = max(eng.level(x) for x in xs)
+    lin = max(eng.level(x) for x in xs if x is not None)
     by_period: dict[int, dict[int, Any]] = {}
     folds_of: dict[int, list[int]] = {}
     for ti, (src, mv, x) in enumerate(zip(srcs, st.matvecs, xs)):
-        if mv is None:
+        if mv is None or src is None:
             continue
         sums = by_period.setdefault(mv.p_in, {})
         folds_of[mv.p_in] = mv.folds
@@ -425,7 +435,7 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[i
     if out is not None:
         out = _fold(eng, eng.rescale(out), folds, k)
     for mv, x in zip(st.matvecs, xs):
-        if mv is None:
+        if mv is None and x is not None:
             out = x if out is None else eng.add(out, x)
     return out
 
@@ -446,8 +456,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
-            out = _affine(eng, kern, si, st, st.inputs,
-                          [eng.lift(vals[s], lin) for s in st.inputs], rotated)
+            out = _affine(eng, kern, si, st, st.sources(),
+                          _summed_inputs(eng, st, [eng.lift(vals[s], lin) for s in st.inputs]),
+                          rotated)
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         else:

@@ -188,6 +188,72 @@ def test_maps_of_one_input_share_baby_steps_and_take_fewer_giants():
     assert shared_splits([(3, 1, 0, 2048, keys)]) == {(3, 2048): _bsgs(keys)}
 
 
+class SharedHead(nn.Module):
+    """One head read by three values of different degrees (a residual stack's read-out)."""
+
+    def __init__(self, dim: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x * x
+        u = self.mix(s) * s
+        return self.head(s) + self.head(u) + self.head(x * u)
+
+
+def test_one_map_on_several_inputs_runs_once_on_their_sum():
+    torch.manual_seed(3)
+    model = SharedHead().eval()
+    x = torch.rand(4, 8) * 2 - 1
+    prog = he.compile(model, x, calibration=x, packing="vector")
+    summed = [s for s in prog.plan.steps if any(len(g) > 1 for g in s.sums)]
+    assert summed, "the head's terms were not merged"
+    last = prog.plan.steps[prog.plan.output]
+    assert sum(mv is not None for mv in last.matvecs) < len(last.inputs)
+    y = _roundtrip(prog, x.numpy())
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+class GridTokens(nn.Module):
+    """Patch embedding + BatchNorm, residual Mu-Layers, a linear head (the benchmark's token
+    model in small): the residual stream is a (tokens, channels) value, the Mu-Layers' a
+    (h, w, channels) grid."""
+
+    def __init__(self, depth: int = 2, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = pn.PatchEmbed(8, 2, 1, dim)
+        self.norm = pn.layers.ChannelsLastBatchNorm(dim)
+        self.mus = nn.ModuleList(pn.MuLayer(dim, norm="batch") for _ in range(depth))
+        self.head = nn.Linear(16 * dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.norm(self.embed(x))
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.flatten(1))
+
+
+def test_token_grid_and_its_flat_tokens_share_one_layout():
+    """The flat (16, 8) tokens and the (4, 4, 8) grid are one row-major order: the flat value
+    is laid out by the grid's shape, so one channel-major layout serves both and the maps that
+    read both keep one diagonal per channel offset."""
+    from he.plan import layout_shapes
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 8, 8)
+    net = _bn_eval(GridTokens(), x)
+    low = lower(pn.trace(net, x[:1]))
+    shapes = layout_shapes(low)
+    flat = [i for i, st in enumerate(low.steps) if tuple(st.shape) == (1, 16, 8)]
+    assert flat and all(shapes[i] == (1, 4, 4, 8) for i in flat)
+    prog = he.compile(net, x, calibration=x, packing="vector")
+    y = _roundtrip(prog, x[:2].numpy())
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+
+
 @pytest.mark.parametrize("packing", ["vector", "batch"])
 def test_token_model_in_chosen_layouts_decrypts_to_model_output(packing):
     torch.manual_seed(1)
@@ -391,3 +457,15 @@ def test_weights_that_encode_to_zero_are_skipped_not_sent_to_seal(packing):
     prog = he.compile(model, x, packing=packing)
     y = _roundtrip(prog, x.numpy())
     assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
+
+
+def test_a_stored_layout_that_is_not_an_order_of_the_values_axes_is_refused():
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 8, 8)
+    net = _bn_eval(GridTokens(depth=1), x)
+    prog = he.compile(net, x, calibration=x, packing="vector")
+    bad = [[2, 1] if o is not None else None for o in prog.plan.orders]
+    bad[1] = [2, 1]           # an order of the flat (16, 8) shape, not of its (4, 4, 8) grid
+    with pytest.raises(ValueError, match="not an order of the axes"):
+        he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                           {**prog.options, "layouts": bad})
