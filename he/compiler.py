@@ -179,6 +179,11 @@ class CompiledProgram:
         elif packing == "vector":
             orders = self.options.get("layouts")
             per_ct = self.options.get("planes_per_ct")
+            stacked = self.options.get("stacked", [])
+            if not isinstance(stacked, list) or any(
+                    not isinstance(p, list) or len(p) != 2 or any(type(i) is not int for i in p)
+                    for p in stacked):
+                raise ValueError("stacked must be a list of [step, step] pairs")
             self.plan = build_vector_plan(
                 self.lowered, params.slots,
                 None if orders is None else [None if o is None else tuple(o) for o in orders],
@@ -186,7 +191,8 @@ class CompiledProgram:
                 output_shape=tuple(program.output_shape),
                 max_input_ciphertexts=int(self.options["max_input_ciphertexts"]),
                 planes_per_ct=None if per_ct is None else {int(k): int(v)
-                                                           for k, v in per_ct.items()})
+                                                           for k, v in per_ct.items()},
+                stacked=stacked)
         else:
             live = live_rows(self.lowered)
             self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
@@ -415,7 +421,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                     lowered, slots, orders, interleave=k,
                     output_shape=tuple(program.output_shape),
                     max_input_ciphertexts=int(options["max_input_ciphertexts"]),
-                    planes_per_ct=per_ct)
+                    planes_per_ct=per_ct, price=price)
                 predicted = _predict_vector(trial, params, costs)
                 score = _objective_cost(predicted, objective, batch_size)
                 if best is None or score < best[0]:
@@ -425,6 +431,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             opts["layouts"] = [None if o is None else list(o) for o in orders]
             opts["planes_per_ct"] = {str(i): v for i, v in per_ct.items()}
             opts["interleave"] = plan.interleave
+            opts["stacked"] = [list(p) for p in plan.stacked]
             opts["predicted"] = predicted
             changed = sum(o is not None for o in orders)
             opts["why"] = (f"layouts searched under the cost model ({costs.source}): "

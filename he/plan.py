@@ -362,7 +362,8 @@ def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
 # ----------------------------------------------------------------------------- plan
 @dataclass
 class VStep:
-    """One vector-packing step; ``kind`` in input, affine, planes, mul, mul_int."""
+    """One vector-packing step; ``kind`` in input, affine, planes, mul, mul_int, half (the
+    second map of a stacked pair, see :func:`_stack_pairs`)."""
 
     kind: str
     inputs: tuple[int, ...]
@@ -377,6 +378,7 @@ class VStep:
     plane_folds: list[int] = field(default_factory=list)
     plane_cts: list[int] = field(default_factory=list)       # which input cts the planes read
     sums: list[tuple[int, ...]] = field(default_factory=list)  # per term: terms summed first
+    shift: int = 0                       # half: rotation bringing a stacked map's half in place
 
     def sources(self) -> list[tuple[int, ...] | None]:
         """Per term, the steps whose values are summed before its map (one map applied to
@@ -402,6 +404,7 @@ class VectorPlan:
     slots: int
     interleave: int
     orders: list[Order]
+    stacked: list[tuple[int, int]] = field(default_factory=list)   # (a, b): b in a's 2nd half
     predicted: dict[str, Any] = field(default_factory=dict)
     why: str = ""
 
@@ -421,6 +424,8 @@ class VectorPlan:
                 if mv is not None:
                     steps |= mv.rotations()
             steps |= set(s.plane_folds)
+            if s.kind == "half":
+                steps.add(s.shift)
         return sorted((r * self.interleave) % self.slots for r in steps)
 
     @property
@@ -465,6 +470,8 @@ class VectorPlan:
                 c["rescale"] += 1
             elif s.kind == "mul_int":
                 c["mul_plain"] += 1
+            elif s.kind == "half":
+                c["rotate"] += 1
             if s.bias is not None:
                 c["add"] += 1
                 c["plaintexts"] += 1
@@ -688,32 +695,198 @@ def choose_plane_packing(lowered: Lowered, orders: Sequence[Order], vslots: int,
     return out
 
 
+def _checked_orders(lowered: Lowered, orders: Sequence[Order] | None) -> list[Order]:
+    """``orders`` (default row-major everywhere), checked: one per step, shared by each layout
+    group, each an order of its value's layout shape."""
+    steps = lowered.steps
+    orders = list(orders) if orders is not None else [None] * len(steps)
+    if len(orders) != len(steps):
+        raise ValueError(f"{len(orders)} layouts for {len(steps)} steps")
+    for i, g in enumerate(layout_groups(lowered)):
+        if orders[i] != orders[g]:
+            raise ValueError(f"steps {i} and {g} must share a layout")
+    for si, (sh, o) in enumerate(zip(layout_shapes(lowered), orders)):
+        if o is not None and o not in candidate_orders(sh):
+            raise ValueError(f"step {si}: layout {o} is not an order of the axes of {sh}")
+    return orders
+
+
+def _affine_terms(lowered: Lowered, si: int, partner: int | None, maps: list[np.ndarray],
+                  widths: list[int], periods: list[int], vs: VStep) -> list[sp.csr_matrix | None]:
+    """Slot matrices of an affine step's terms (None: an identity term), with the partner's
+    stacked in the second half of the period when the step is stacked; sets ``vs.sums``
+    (terms with one map and one input layout are summed first, see :func:`same_terms`)."""
+    steps = lowered.steps
+    st = steps[si]
+    half = periods[si] // 2
+    mats: list[sp.csr_matrix | None] = []
+    for t, (j, m) in enumerate(zip(st.inputs, st.terms)):
+        if partner is None and _term_is_identity(m, maps[si], maps[j]):
+            mats.append(None)
+            continue
+        a = _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
+        if partner is not None:
+            a = a + _slot_matrix(steps[partner].terms[t], maps[partner] + half, widths[si],
+                                 maps[j], widths[j])
+        mats.append(a)
+    reps = same_terms(st.terms)
+    if partner is not None:
+        other = same_terms(steps[partner].terms)
+        reps = [u if other[t] == u else t for t, u in enumerate(reps)]
+    vs.sums = [(t,) for t in range(len(mats))]
+    for t, u in enumerate(reps):
+        ju, jt = st.inputs[u], st.inputs[t]
+        if u != t and mats[u] is not None and mats[t] is not None and \
+                periods[ju] == periods[jt] and np.array_equal(maps[ju], maps[jt]):
+            vs.sums[u] += (t,)
+            vs.sums[t], mats[t] = (), None
+    return mats
+
+
+def _stack_pairs(lowered: Lowered, maps: list[np.ndarray], periods: list[int], vslots: int,
+                 planes_at: Sequence[int], price: Callable[[dict[str, int], int], float] | None,
+                 fixed: Sequence[Sequence[int]] | None) -> tuple[dict[int, int], set[int]]:
+    """Pairs ``a -> b`` of affine steps multiplied together (a Mu-Layer's AX and BDX) that run
+    as one map stacked in a period twice as long: ``[a; b]``, then ``b``'s half rotated into
+    place (one rotation) and multiplied, ``[ab; ba]``, which is ``ab`` at its own period.
+
+    They must read the same inputs through no identity term, fit twice in the slots, and ``b``
+    feed only the product. What ``a`` reaches through sums and products without a map (the
+    Mu-Layer's ``+ AX``) holds a meaningful first half and a second half that no map reads: those
+    values take the doubled period too (returned with the stacked steps). A pair is taken where
+    the modelled time (``price(counts, level)``; without one, rotations and plaintext
+    multiplications both) of the pair and of the maps reading the doubled values does not grow.
+    ``fixed``: the pairs to take (a stored plan's), checked but not priced.
+    """
+    steps = lowered.steps
+    periods = list(periods)
+    readers: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(steps))}
+    for si, st in enumerate(steps):
+        for t, j in enumerate(st.inputs):
+            readers[j].append((si, t))
+    levels = step_levels(steps, "vector")
+    used: set[int] = set(planes_at)
+    pairs: dict[int, int] = {}
+    wide: set[int] = set()
+    want = None if fixed is None else {(int(a), int(b)) for a, b in fixed}
+    for mi, st in enumerate(steps):
+        if st.kind != "mul" or len(set(st.inputs)) != 2:
+            continue
+        for a, b in (st.inputs, st.inputs[::-1]):
+            if want is not None and (a, b) not in want:
+                continue
+            reach = _stackable(lowered, a, b, mi, maps, periods, vslots, readers, used | wide)
+            if reach is None:
+                continue
+            if want is None and not _stacking_pays(lowered, a, b, mi, reach, maps, periods,
+                                                   readers, levels, price):
+                continue
+            pairs[a] = b
+            used |= {a, b}
+            wide |= reach
+            for v in reach | {b}:
+                periods[v] *= 2
+            break
+    if want is not None and set(pairs.items()) != want:
+        raise ValueError(f"stacked pairs {sorted(want - set(pairs.items()))} do not fit the "
+                         "program")
+    return pairs, wide
+
+
+def _stackable(lowered: Lowered, a: int, b: int, mi: int, maps: list[np.ndarray],
+               periods: list[int], vslots: int, readers: dict[int, list[tuple[int, int]]],
+               taken: set[int]) -> set[int] | None:
+    """The values stacking ``a -> b`` (multiplied in ``mi``) doubles, or None when it cannot:
+    the maps must read the same inputs through no identity term and fit twice in the slots,
+    ``b`` feed only the product, and what ``a`` reaches without a map (sums through identity
+    terms, products; ``mi`` excepted) be no planes step, input or output."""
+    steps = lowered.steps
+    sa, sb = steps[a], steps[b]
+    p = periods[a]
+    if {a, b} & taken or sa.kind != "affine" or sb.kind != "affine" or \
+            sa.inputs != sb.inputs or periods[b] != p or 2 * p > vslots or \
+            not np.array_equal(maps[a], maps[b]) or \
+            any(is_identity(m) for m in (*sa.terms, *sb.terms)) or \
+            any(c != mi for c, _ in readers[b]):
+        return None
+    reach, todo = {a}, [a]
+    while todo:
+        v = todo.pop()
+        for c, t in readers[v]:
+            if c == mi or c in reach:
+                continue
+            st = steps[c]
+            if st.kind == "affine" and not is_identity(st.terms[t]):
+                continue                         # a map reads only the first half
+            if st.kind not in ("affine", "mul", "mul_int") or c in taken or \
+                    c == lowered.output or periods[c] != p:
+                return None
+            reach.add(c)
+            todo.append(c)
+    return reach
+
+
+def _stacking_pays(lowered: Lowered, a: int, b: int, mi: int, reach: set[int],
+                   maps: list[np.ndarray], periods: list[int],
+                   readers: dict[int, list[tuple[int, int]]], levels: list[int],
+                   price: Callable[[dict[str, int], int], float] | None) -> bool:
+    """Whether stacking ``a`` and ``b`` costs no more than the two maps apart: the pair's
+    diagonals and rotations (plus the half's rotation), and the maps reading the doubled
+    values, whose input period doubles."""
+    steps = lowered.steps
+    p = periods[a]
+    apart: list[tuple[dict[str, int], int]] = []
+    stacked: list[tuple[dict[str, int], int]] = [({"rotate": 1}, levels[a])]
+
+    def counts(rows: np.ndarray, cols: np.ndarray, p_in: int, p_out: int) -> dict[str, int]:
+        c = _counts_of(rows, cols, p_in, p_out)
+        return {"rotate": c["rotate"] + c["folds"], "mul_plain": c["mul_plain"]}
+
+    def term(si: int, t: int, out_shift: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        coo = steps[si].terms[t].tocoo()
+        keep = coo.data != 0
+        j = steps[si].inputs[t]
+        return maps[si][coo.row[keep]] + out_shift, maps[j][coo.col[keep]]
+
+    lin = max(levels[j] for j in steps[a].inputs)
+    for t, j in enumerate(steps[a].inputs):
+        (ra, ca), (rb, cb) = term(a, t), term(b, t, p)
+        apart += [(counts(ra, ca, periods[j], p), lin), (counts(rb - p, cb, periods[j], p), lin)]
+        stacked.append((counts(np.concatenate([ra, rb]), np.concatenate([ca, cb]),
+                               periods[j], 2 * p), lin))
+    for v in reach:
+        for c, t in readers[v]:
+            if c in reach or c == mi:
+                continue
+            r, col = term(c, t)
+            lc = max(levels[j] for j in steps[c].inputs)
+            apart.append((counts(r, col, p, periods[c]), lc))
+            stacked.append((counts(r, col, 2 * p, periods[c]), lc))
+    if price is not None:
+        return sum(price(c, lv) for c, lv in stacked) <= sum(price(c, lv) for c, lv in apart)
+    return all(sum(c[k] for c, _ in stacked) <= sum(c[k] for c, _ in apart)
+               for k in ("rotate", "mul_plain"))
+
+
 def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
                       interleave: int | None = None, output_shape: tuple[int, ...] = (),
                       max_planes: int = 64, max_input_ciphertexts: int = 8,
-                      planes_per_ct: dict[int, int] | None = None) -> VectorPlan:
+                      planes_per_ct: dict[int, int] | None = None,
+                      price: Callable[[dict[str, int], int], float] | None = None,
+                      stacked: Sequence[Sequence[int]] | None = None) -> VectorPlan:
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
     value leaves room for. ``planes_per_ct``: planes per input ciphertext of each planes step
     (see :func:`choose_plane_packing`); for the others, as few as keep the step within
     ``max_input_ciphertexts`` ciphertexts. Steps that read the same arrangement of the input
-    share its ciphertexts.
+    share its ciphertexts. The two maps of a product stack where that is cheaper under
+    ``price(counts, level)`` (see :func:`_stack_pairs`), or as ``stacked`` pairs say (a stored
+    plan's ``VectorPlan.stacked``).
     """
     steps = lowered.steps
-    orders = list(orders) if orders is not None else [None] * len(steps)
-    if len(orders) != len(steps):
-        raise ValueError(f"{len(orders)} layouts for {len(steps)} steps")
-    levels = step_levels(steps, "vector")
-    group = layout_groups(lowered)
-    for i, g in enumerate(group):
-        if orders[i] != orders[g]:
-            raise ValueError(f"steps {i} and {g} must share a layout")
-    shapes = layout_shapes(lowered)
-    for si, (sh, o) in enumerate(zip(shapes, orders)):
-        if o is not None and o not in candidate_orders(sh):
-            raise ValueError(f"step {si}: layout {o} is not an order of the axes of {sh}")
-    maps = [slot_map(sh, o) for sh, o in zip(shapes, orders)]
+    orders = _checked_orders(lowered, orders)
+    maps = [slot_map(sh, o) for sh, o in zip(layout_shapes(lowered), orders)]
     widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
     periods = [next_pow2(w) for w in widths]
     planes_at = _planes_readers(lowered, max_planes)
@@ -724,31 +897,32 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     if k < 1 or k & (k - 1) or widest * k > slots:
         raise ValueError(f"cannot interleave {k} samples of {widest} slots in {slots}")
     vslots = slots // k
-    vsteps: list[VStep] = []
+    levels = step_levels(steps, "vector")
+    pairs, wide = _stack_pairs(lowered, maps, periods, vslots, planes_at, price, stacked)
+    for v in wide | set(pairs.values()):
+        widths[v] = periods[v] = 2 * periods[v]
+    vsteps = [VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
+                    factor=st.factor) for si, st in enumerate(steps)]
+    halves = {b: a for a, b in pairs.items()}
     step_mats: dict[int, list[sp.csr_matrix | None]] = {}
     for si, st in enumerate(steps):
-        vs = VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
-                   factor=st.factor)
+        vs = vsteps[si]
+        if si in halves:            # the stacked map's second half, rotated into place
+            vs.kind, vs.inputs, vs.shift = "half", (halves[si],), periods[si] // 2
+            continue
         if st.kind == "affine" and si not in planes_at:
-            mats: list[sp.csr_matrix | None] = [
-                None if _term_is_identity(m, maps[si], maps[j]) else
-                _slot_matrix(m, maps[si], widths[si], maps[j], widths[j])
-                for j, m in zip(st.inputs, st.terms)]
-            vs.sums = [(t,) for t in range(len(mats))]
-            for t, u in enumerate(same_terms(st.terms)):
-                ju, jt = st.inputs[u], st.inputs[t]
-                if u != t and mats[u] is not None and mats[t] is not None and \
-                        np.array_equal(maps[ju], maps[jt]):
-                    vs.sums[u] += (t,)
-                    vs.sums[t], mats[t] = (), None
-            step_mats[si] = mats
+            step_mats[si] = _affine_terms(lowered, si, pairs.get(si), maps, widths, periods, vs)
         elif st.kind in ("mul", "mul_int"):
             if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
                 raise ValueError(f"step {si}: operands of a product in different layouts")
-        if st.bias is not None and np.any(st.bias):
+        biases = [(st.bias, maps[si])]
+        if si in pairs:
+            biases.append((steps[pairs[si]].bias, maps[pairs[si]] + periods[si] // 2))
+        if any(v is not None and np.any(v) for v, _ in biases):
             vs.bias = np.zeros(periods[si])
-            vs.bias[maps[si]] = st.bias
-        vsteps.append(vs)
+            for v, at in biases:
+                if v is not None:
+                    vs.bias[at] = v
     splits = shared_splits([(si, src, max(levels[i] for i in steps[si].inputs), periods[j],
                              _diagonals_of(*_coo_int(a), periods[j], periods[si])[1])
                             for si, mats in step_mats.items()
@@ -758,7 +932,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         vsteps[si].matvecs = [None if a is None else
                               make_matvec(a, periods[j], periods[si], splits[si, periods[j]])
                               for j, a in zip(steps[si].inputs, mats)]
-    plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders)
+    plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
+                      stacked=sorted(pairs.items()))
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))

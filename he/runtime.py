@@ -461,6 +461,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
                           rotated)
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
+        elif st.kind == "half":
+            out = eng.rotate(vals[st.inputs[0]], st.shift * kern.interleave)
         else:
             out = eng.mul_int(vals[st.inputs[0]], st.factor)
         if ("b", si) in kern.store:

@@ -469,3 +469,31 @@ def test_a_stored_layout_that_is_not_an_order_of_the_values_axes_is_refused():
     with pytest.raises(ValueError, match="not an order of the axes"):
         he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
                            {**prog.options, "layouts": bad})
+
+
+def test_the_two_maps_of_a_product_run_stacked_where_that_is_cheaper():
+    """A Mu-Layer's AX and BDX read the same input: in half the slots they run as one map
+    stacked in a doubled period, BDX's half rotated into place; the result, and what the
+    shortcut's ``+ AX`` carries, decrypt to the model's output."""
+    torch.manual_seed(2)
+    x = torch.rand(8, 1, 8, 8)
+    net = _bn_eval(GridTokens(depth=2), x)
+    prog = he.compile(net, x, calibration=x, packing="vector", samples_per_ciphertext=1)
+    assert prog.plan.stacked
+    a, b = prog.plan.stacked[0]
+    assert prog.plan.steps[b].kind == "half"
+    mul = next(s for s in prog.plan.steps if s.kind == "mul" and set(s.inputs) == {a, b})
+    assert prog.plan.steps[a].period == 2 * mul.period
+    apart = build_vector_plan(prog.lowered, prog.params.slots, prog.plan.orders, interleave=1,
+                              stacked=[])
+    assert prog.plan.cost()["plain_mults"] < apart.cost()["plain_mults"]
+    y = _roundtrip(prog, x[:3].numpy())
+    with torch.no_grad():
+        ref = net(x[:3]).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:3]))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+    again = he.CompiledProgram.from_bytes(prog.to_bytes())
+    assert again.plan.stacked == prog.plan.stacked
+    with pytest.raises(ValueError, match="stacked"):
+        he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                           {**prog.options, "stacked": [[a, a]]})
