@@ -374,6 +374,63 @@ def _dense_widest(lowered: Lowered) -> int:
     return max(next_pow2(st.n) for st in lowered.steps)
 
 
+def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, costs: CostModel,
+                   options: dict[str, Any], samples: int | None
+                   ) -> tuple[VectorPlan, dict[str, Any]]:
+    """The vector plan the cost model prefers at these parameters (layouts searched, then the
+    samples per ciphertext for the objective) and the options that rebuild it on loading."""
+    ring, slots = params.poly_modulus_degree, params.slots
+
+    def price(counts: dict[str, int], level: int) -> float:
+        return costs.price({k: v for k, v in counts.items() if k != "plaintexts"}, ring,
+                           _limbs(params, level))
+
+    orders, _ = search_layouts(lowered, slots, price)
+    objective = options["objective"]
+    most = slots // widest_period(lowered, orders)
+    tries = [samples] if samples is not None else [most >> i for i in range(most.bit_length())][:8]
+    best: tuple[float, Any, Any, Any] | None = None
+    for k in tries:
+        per_ct = choose_plane_packing(lowered, orders, slots // k,
+                                      lambda counts: costs.price(counts, ring, _limbs(params, 0)))
+        trial = build_vector_plan(lowered, slots, orders, interleave=k,
+                                  output_shape=tuple(program.output_shape),
+                                  max_input_ciphertexts=int(options["max_input_ciphertexts"]),
+                                  planes_per_ct=per_ct, price=price)
+        predicted = _predict_vector(trial, params, costs)
+        score = _objective_cost(predicted, objective, options.get("batch_size"))
+        if best is None or score < best[0]:
+            best = (score, trial, per_ct, predicted)
+    assert best is not None
+    score, plan, per_ct, predicted = best
+    changed = sum(o is not None for o in orders)
+    opts = {**options, "layouts": [None if o is None else list(o) for o in orders],
+            "planes_per_ct": {str(i): v for i, v in per_ct.items()},
+            "interleave": plan.interleave, "stacked": [list(p) for p in plan.stacked],
+            "predicted": predicted,
+            "why": (f"layouts searched under the cost model ({costs.source}): {changed} of "
+                    f"{len(orders)} values in a strided layout; {len(plan.stacked)} pairs of "
+                    f"maps stacked; widest value {plan.widest} slots, room for {most} samples "
+                    f"per ciphertext; {plan.interleave} chosen for {objective} "
+                    f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client encryption "
+                    f"included)")}
+    return plan, opts
+
+
+def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
+                  options: dict[str, Any]) -> dict[str, Any]:
+    """Options of a batch-packed program: the fan-in from which each step's rows are fused
+    (the cost model's choice) and the prediction."""
+    live = live_rows(lowered)
+    fanin = _batch_fanin(lowered, live, params, costs)
+    fused = sum(f > 0 for f in fanin)
+    return {**options, "fused_fanin": fanin,
+            "predicted": _predict_batch(lowered, live, params, costs, fanin),
+            "why": (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted "
+                    f"steps as fused integer matrix products (rows from the fan-in the cost "
+                    f"model chose)")}
+
+
 def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,
                      maxabs: list[float], msq: list[np.ndarray], options: dict[str, Any],
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
@@ -400,65 +457,31 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
         if notes:
             params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
         build_context(params)       # SEAL must accept the chain now, not when a client is made
-        opts = dict(options)
         if packing == "vector":
-            def price(counts: dict[str, int], level: int, _p: CKKSParams = params) -> float:
-                return costs.price({k: v for k, v in counts.items() if k != "plaintexts"},
-                                   ring, _limbs(_p, level))
-
-            orders, _ = search_layouts(lowered, slots, price)
-            objective = options["objective"]
-            batch_size = options.get("batch_size")
-            most = slots // widest_period(lowered, orders)
-            tries = [samples] if samples is not None else \
-                [most >> i for i in range(most.bit_length())][:8]
-            best: tuple[float, Any, Any, Any] | None = None
-            for k in tries:
-                per_ct = choose_plane_packing(
-                    lowered, orders, slots // k,
-                    lambda counts, _p=params: costs.price(counts, ring, _limbs(_p, 0)))
-                trial = build_vector_plan(
-                    lowered, slots, orders, interleave=k,
-                    output_shape=tuple(program.output_shape),
-                    max_input_ciphertexts=int(options["max_input_ciphertexts"]),
-                    planes_per_ct=per_ct, price=price)
-                predicted = _predict_vector(trial, params, costs)
-                score = _objective_cost(predicted, objective, batch_size)
-                if best is None or score < best[0]:
-                    best = (score, trial, per_ct, predicted)
-            assert best is not None
-            score, plan, per_ct, predicted = best
-            opts["layouts"] = [None if o is None else list(o) for o in orders]
-            opts["planes_per_ct"] = {str(i): v for i, v in per_ct.items()}
-            opts["interleave"] = plan.interleave
-            opts["stacked"] = [list(p) for p in plan.stacked]
-            opts["predicted"] = predicted
-            changed = sum(o is not None for o in orders)
-            opts["why"] = (f"layouts searched under the cost model ({costs.source}): "
-                           f"{changed} of {len(orders)} values in a strided layout; widest "
-                           f"value {plan.widest} slots, room for {most} samples per "
-                           f"ciphertext; {plan.interleave} chosen for {objective} "
-                           f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client "
-                           f"encryption included)")
+            plan, opts = _vector_choice(program, lowered, params, costs, options, samples)
         else:
-            live = live_rows(lowered)
-            fanin = _batch_fanin(lowered, live, params, costs)
-            opts["fused_fanin"] = fanin
-            opts["predicted"] = _predict_batch(lowered, live, params, costs, fanin)
-            fused = sum(f > 0 for f in fanin)
-            opts["why"] = (f"one sample per slot; dead inputs and outputs skipped; {fused} "
-                           f"weighted steps as fused integer matrix products (rows from the "
-                           f"fan-in the cost model chose)")
+            plan, opts = None, _batch_choice(lowered, params, costs, options)
         return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,
-                               _plan=plan if packing == "vector" else None)
+                               _plan=plan)
     if error is not None:
         raise error
     raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
 
 
-def _check_settings(objective: str, batch_size: int | None, security: int,
-                    memory_budget: int | None, samples_per_ciphertext: int | None) -> None:
+def _check_settings(packing: str, objective: str, batch_size: int | None, security: int,
+                    memory_budget: int | None, samples_per_ciphertext: int | None,
+                    **bounded: int | None) -> None:
     """Refuse out-of-range compiler settings (never clamp them)."""
+    bounds = {"precision_bits": (1, 40), "scale_bits": (20, 60),
+              "max_input_ciphertexts": (1, 4096)}
+    for name, value in bounded.items():
+        lo, hi = bounds[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not lo <= value <= hi):
+            raise NotEncryptableError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    if packing not in PACKINGS + ("auto",):
+        raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
+                                  f"got {packing!r}")
     if objective not in OBJECTIVES:
         raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if batch_size is not None and int(batch_size) < 1:
@@ -542,16 +565,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             argument is out of range.
         TooDeepError: more levels than any secure parameter set offers.
     """
-    for name, value, lo, hi in (("precision_bits", precision_bits, 1, 40),
-                                ("scale_bits", scale_bits, 20, 60),
-                                ("max_input_ciphertexts", max_input_ciphertexts, 1, 4096)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not lo <= value <= hi):
-            raise NotEncryptableError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
-    if packing not in PACKINGS + ("auto",):
-        raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
-                                  f"got {packing!r}")
-    _check_settings(objective, batch_size, security, memory_budget, samples_per_ciphertext)
+    _check_settings(packing, objective, batch_size, security, memory_budget,
+                    samples_per_ciphertext, precision_bits=precision_bits, scale_bits=scale_bits,
+                    max_input_ciphertexts=max_input_ciphertexts)
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
     maxabs = program.max_abs(calib)

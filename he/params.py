@@ -161,6 +161,33 @@ def _budget_levels(ring: int, first: int, special: int, scale_bits: int, securit
     return max(0, (max_modulus_bits(ring, security) - first - special) // scale_bits)
 
 
+def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float],
+                err_target: float, scale_bits: int | None, rotations: bool, security: int
+                ) -> tuple[int, int, int, int, float, int]:
+    """Prime sizes for one ring: ``(first, scale, special, boost, rotation noise, levels the
+    budget holds)``. The scale keeps the output error near ``err_target``; with rotations the
+    special prime gets the largest extra (``boost``, even down from the maximum) that still
+    leaves room for ``levels``, or none when even that does not fit."""
+    boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
+    for boost in boosts:
+        # key switching adds ~N * 2^-boost (in units of the scale) per rotated value
+        rot = ring * 2.0 ** -boost if rotations else 0.0
+        if scale_bits is None:
+            want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
+            sb = max(_MIN_SCALE_BITS, math.ceil(want))
+        else:
+            sb = int(scale_bits)
+        first = sb + mag_bits + _MARGIN_BITS
+        if first > _MAX_PRIME_BITS:
+            sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
+            first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
+        special = min(_MAX_PRIME_BITS, max(first, sb) + boost)
+        supported = _budget_levels(ring, first, special, sb, security)
+        if levels <= supported:
+            break
+    return first, sb, special, boost, rot, supported
+
+
 def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                   precision_bits: int = 16, output_abs: float = 1.0, slots_needed: int = 1,
                   ring_degree: int | None = None, scale_bits: int | None = None,
@@ -195,34 +222,18 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
     sb = _MIN_SCALE_BITS
     reasons: list[str] = []
     err_target = max(output_abs, 1e-3) * 2.0 ** -precision_bits
-    boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
     for ring in rings:
         if ring // 2 < slots_needed:
             reasons.append(f"N={ring}: {ring // 2} slots < {slots_needed} needed")
             continue
-        for boost in boosts:
-            # key switching adds ~N * 2^-boost (in units of the scale) per rotated value
-            rot = ring * 2.0 ** -boost if rotations else 0.0
-            if scale_bits is None:
-                want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
-                sb = max(_MIN_SCALE_BITS, math.ceil(want))
-            else:
-                sb = int(scale_bits)
-            first = sb + mag_bits + _MARGIN_BITS
-            if first > _MAX_PRIME_BITS:
-                sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
-                first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
-            special = min(_MAX_PRIME_BITS, max(first, sb) + boost)
-            supported = _budget_levels(ring, first, special, sb, security)
-            best_supported = max(best_supported, supported)
-            if levels <= supported:
-                break
-        else:
+        first, sb, special, boost, rot, supported = _ring_chain(
+            ring, levels, mag_bits, gain, err_target, scale_bits, rotations, security)
+        best_supported = max(best_supported, supported)
+        if levels > supported:
             reasons.append(f"N={ring}: {first}+{levels}x{sb}+{special} bits > "
                            f"{max_modulus_bits(ring, security)}")
             continue
         chain = (first,) + (sb,) * levels + (special,)
-        expected = noise_unit(ring, sb, gain, rot)
         why = (f"{levels} rescaling levels on the longest path -> {levels} primes of {sb} bits; "
                f"scale 2^{sb} so encryption/rounding noise (gains {gain[0]:.3g}/{gain[1]:.3g} to "
                f"the output) stays near 2^-{precision_bits} of the output range "
@@ -235,7 +246,8 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
         if reasons:
             why += " (" + "; ".join(reasons) + ")"
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
-                            levels=levels, security_bits=security, expected_error=expected,
+                            levels=levels, security_bits=security,
+                            expected_error=noise_unit(ring, sb, gain, rot),
                             max_abs=float(max_abs), why=why)
         params.check()
         return params

@@ -565,101 +565,107 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     candidate order that fits ``slots``. Returns the orders and the modelled seconds of the
     affine steps.
     """
-    steps = lowered.steps
-    shapes = layout_shapes(lowered)
-    levels = step_levels(steps, "vector")
-    group = layout_groups(lowered)
-    gids = sorted(set(group))
-    members = {g: [i for i in range(len(steps)) if group[i] == g] for g in gids}
-    planes = set(_planes_readers(lowered, max_planes))
-    cands: dict[int, list[Order]] = {}
-    for g in gids:
-        kinds = {shapes[i] for i in members[g]}
-        opts = candidate_orders(next(iter(kinds))) if len(kinds) == 1 else [None]
-        cands[g] = [o for o in opts if next_pow2(_width(shapes[members[g][0]], o)) <= slots]
-    maps: dict[tuple[int, Order], tuple[np.ndarray, int]] = {}
+    search = _LayoutSearch(lowered, slots, price, max_planes)
+    # starts: row-major everywhere, and each order applied to every group that admits it (maps
+    # are cheapest when their input and output agree, which one group at a time cannot find)
+    cands = search.cands
+    starts: list[dict[int, Order]] = [{g: None for g in cands}]
+    for o in sorted({o for opts in cands.values() for o in opts if o is not None}):
+        starts.append({g: o if o in opts else None for g, opts in cands.items()})
+    best_cost, best_choice = min((search.descend(s, sweeps) for s in starts),
+                                 key=lambda t: (t[0], sum(o is not None for o in t[1].values())))
+    return [best_choice[search.group[i]] for i in range(len(lowered.steps))], best_cost
 
-    def smap(si: int, order: Order) -> tuple[np.ndarray, int]:
+
+class _LayoutSearch:
+    """The modelled cost of affine steps under a choice of layouts, one per layout group, with
+    the slot maps, term counts and step costs memoised across the choices tried."""
+
+    def __init__(self, lowered: Lowered, slots: int,
+                 price: Callable[[dict[str, int], int], float], max_planes: int) -> None:
+        self.steps = steps = lowered.steps
+        self.price = price
+        self.shapes = layout_shapes(lowered)
+        self.levels = step_levels(steps, "vector")
+        self.group = group = layout_groups(lowered)
+        gids = sorted(set(group))
+        members = {g: [i for i in range(len(steps)) if group[i] == g] for g in gids}
+        self.planes = set(_planes_readers(lowered, max_planes))
+        self.cands: dict[int, list[Order]] = {}
+        for g in gids:
+            kinds = {self.shapes[i] for i in members[g]}
+            opts = candidate_orders(next(iter(kinds))) if len(kinds) == 1 else [None]
+            self.cands[g] = [o for o in opts
+                             if next_pow2(_width(self.shapes[members[g][0]], o)) <= slots]
+        self.affected = {g: sorted({i for i, s in enumerate(steps) if s.kind == "affine" and
+                                    (group[i] == g or any(group[j] == g for j in s.inputs))})
+                         for g in gids}
+        self.identity = {(si, t): is_identity(m) for si, st in enumerate(steps)
+                         for t, m in enumerate(st.terms)}
+        self.maps: dict[tuple[int, Order], tuple[np.ndarray, int]] = {}
+        self.coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
+        self.memo: dict[tuple[Any, ...], float] = {}
+        self.reps: dict[int, list[int]] = {}
+
+    def smap(self, si: int, order: Order) -> tuple[np.ndarray, int]:
         key = (si, order)
-        if key not in maps:
-            sm = slot_map(shapes[si], order)
-            maps[key] = (sm, int(sm.max()) + 1 if sm.size else 1)
-        return maps[key]
+        if key not in self.maps:
+            sm = slot_map(self.shapes[si], order)
+            self.maps[key] = (sm, int(sm.max()) + 1 if sm.size else 1)
+        return self.maps[key]
 
-    memo: dict[tuple[Any, ...], float] = {}
-    coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    identity = {(si, t): is_identity(m) for si, st in enumerate(steps)
-                for t, m in enumerate(st.terms)}
-
-    term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
-    reps: dict[int, list[int]] = {}
-
-    def term_counts(si: int, t: int, o_out: Order, o_in: Order) -> dict[str, int]:
+    def term_counts(self, si: int, t: int, o_out: Order, o_in: Order) -> dict[str, int]:
         key = (si, t, o_out, o_in)
-        if key not in term_memo:
-            st = steps[si]
-            out_map, out_w = smap(si, o_out)
-            in_map, in_w = smap(st.inputs[t], o_in)
-            if identity[si, t] and np.array_equal(out_map, in_map):
-                term_memo[key] = {"add": 1}
+        if key not in self.term_memo:
+            st = self.steps[si]
+            out_map, out_w = self.smap(si, o_out)
+            in_map, in_w = self.smap(st.inputs[t], o_in)
+            if self.identity[si, t] and np.array_equal(out_map, in_map):
+                self.term_memo[key] = {"add": 1}
             else:
-                if (si, t) not in coos:
+                if (si, t) not in self.coos:
                     coo = st.terms[t].tocoo()
                     keep = coo.data != 0
-                    coos[si, t] = (coo.row[keep].astype(np.int64),
-                                   coo.col[keep].astype(np.int64))
-                r, c = coos[si, t]
-                term_memo[key] = _counts_of(out_map[r], in_map[c], next_pow2(in_w),
-                                            next_pow2(out_w))
-        return term_memo[key]
+                    self.coos[si, t] = (coo.row[keep].astype(np.int64),
+                                        coo.col[keep].astype(np.int64))
+                r, c = self.coos[si, t]
+                self.term_memo[key] = _counts_of(out_map[r], in_map[c], next_pow2(in_w),
+                                                 next_pow2(out_w))
+        return self.term_memo[key]
 
-    def step_cost(si: int, choice: dict[int, Order]) -> float:
-        st = steps[si]
-        if st.kind != "affine" or si in planes:
+    def step_cost(self, si: int, choice: dict[int, Order]) -> float:
+        st, group, shapes = self.steps[si], self.group, self.shapes
+        if st.kind != "affine" or si in self.planes:
             return 0.0
         o_out = choice[group[si]]
         key = (si, o_out) + tuple(choice[group[j]] for j in st.inputs)
-        if key not in memo:
-            if si not in reps:
-                reps[si] = same_terms(st.terms)
+        if key not in self.memo:
+            if si not in self.reps:
+                self.reps[si] = same_terms(st.terms)
             # a term with the same map and input layout as an earlier one is summed into it
             total = _step_total([{"add": 1} if u != t and shapes[j] == shapes[st.inputs[u]] and
                                  choice[group[j]] == choice[group[st.inputs[u]]] else
-                                 term_counts(si, t, o_out, choice[group[j]])
-                                 for (t, j), u in zip(enumerate(st.inputs), reps[si])])
-            memo[key] = price(total, max(levels[j] for j in st.inputs))
-        return memo[key]
+                                 self.term_counts(si, t, o_out, choice[group[j]])
+                                 for (t, j), u in zip(enumerate(st.inputs), self.reps[si])])
+            self.memo[key] = self.price(total, max(self.levels[j] for j in st.inputs))
+        return self.memo[key]
 
-    affected = {g: sorted({i for i, s in enumerate(steps) if s.kind == "affine" and
-                           (group[i] == g or any(group[j] == g for j in s.inputs))})
-                for g in gids}
-
-    def descend(choice: dict[int, Order]) -> tuple[float, dict[int, Order]]:
+    def descend(self, choice: dict[int, Order], sweeps: int) -> tuple[float, dict[int, Order]]:
+        """Coordinate descent over the groups from ``choice``: the modelled seconds and orders."""
         for _ in range(sweeps):
             changed = False
-            for g in gids:
-                if len(cands[g]) < 2 or not affected[g]:
+            for g, opts in self.cands.items():
+                if len(opts) < 2 or not self.affected[g]:
                     continue
-                scored = []
-                for o in cands[g]:
-                    trial = {**choice, g: o}
-                    scored.append((sum(step_cost(i, trial) for i in affected[g]),
-                                   o is not None, o))
+                scored = [(sum(self.step_cost(i, {**choice, g: o}) for i in self.affected[g]),
+                           o is not None, o) for o in opts]
                 best = min(scored, key=lambda t: (t[0], t[1]))
                 changed |= best[2] != choice[g]
                 choice = {**choice, g: best[2]}
             if not changed:
                 break
-        return sum(step_cost(i, choice) for i in range(len(steps))), choice
-
-    # starts: row-major everywhere, and each order applied to every group that admits it (maps
-    # are cheapest when their input and output agree, which one group at a time cannot find)
-    starts: list[dict[int, Order]] = [{g: None for g in gids}]
-    for o in sorted({o for g in gids for o in cands[g] if o is not None}):
-        starts.append({g: o if o in cands[g] else None for g in gids})
-    best_cost, best_choice = min((descend(s) for s in starts),
-                                 key=lambda t: (t[0], sum(o is not None for o in t[1].values())))
-    return [best_choice[group[i]] for i in range(len(steps))], best_cost
+        return sum(self.step_cost(i, choice) for i in range(len(self.steps))), choice
 
 
 def widest_period(lowered: Lowered, orders: Sequence[Order]) -> int:
@@ -868,39 +874,14 @@ def _stacking_pays(lowered: Lowered, a: int, b: int, mi: int, reach: set[int],
                for k in ("rotate", "mul_plain"))
 
 
-def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
-                      interleave: int | None = None, output_shape: tuple[int, ...] = (),
-                      max_planes: int = 64, max_input_ciphertexts: int = 8,
-                      planes_per_ct: dict[int, int] | None = None,
-                      price: Callable[[dict[str, int], int], float] | None = None,
-                      stacked: Sequence[Sequence[int]] | None = None) -> VectorPlan:
-    """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
-
-    ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
-    value leaves room for. ``planes_per_ct``: planes per input ciphertext of each planes step
-    (see :func:`choose_plane_packing`); for the others, as few as keep the step within
-    ``max_input_ciphertexts`` ciphertexts. Steps that read the same arrangement of the input
-    share its ciphertexts. The two maps of a product stack where that is cheaper under
-    ``price(counts, level)`` (see :func:`_stack_pairs`), or as ``stacked`` pairs say (a stored
-    plan's ``VectorPlan.stacked``).
-    """
+def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray],
+                  widths: list[int], periods: list[int], planes_at: Sequence[int]
+                  ) -> list[VStep]:
+    """The plan's steps: affine steps with their diagonal maps (BSGS splits chosen jointly, see
+    :func:`shared_splits`) and biases, stacked pairs' second halves as ``half`` steps, products
+    checked to multiply values of one layout. Planes steps are filled in later."""
     steps = lowered.steps
-    orders = _checked_orders(lowered, orders)
-    maps = [slot_map(sh, o) for sh, o in zip(layout_shapes(lowered), orders)]
-    widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
-    periods = [next_pow2(w) for w in widths]
-    planes_at = _planes_readers(lowered, max_planes)
-    widest = max(periods)
-    if widest > slots:
-        raise ValueError(f"a value needs {widest} slots, more than the {slots} available")
-    k = interleave if interleave is not None else slots // widest
-    if k < 1 or k & (k - 1) or widest * k > slots:
-        raise ValueError(f"cannot interleave {k} samples of {widest} slots in {slots}")
-    vslots = slots // k
     levels = step_levels(steps, "vector")
-    pairs, wide = _stack_pairs(lowered, maps, periods, vslots, planes_at, price, stacked)
-    for v in wide | set(pairs.values()):
-        widths[v] = periods[v] = 2 * periods[v]
     vsteps = [VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
                     factor=st.factor) for si, st in enumerate(steps)]
     halves = {b: a for a, b in pairs.items()}
@@ -932,6 +913,42 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         vsteps[si].matvecs = [None if a is None else
                               make_matvec(a, periods[j], periods[si], splits[si, periods[j]])
                               for j, a in zip(steps[si].inputs, mats)]
+    return vsteps
+
+
+def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
+                      interleave: int | None = None, output_shape: tuple[int, ...] = (),
+                      max_planes: int = 64, max_input_ciphertexts: int = 8,
+                      planes_per_ct: dict[int, int] | None = None,
+                      price: Callable[[dict[str, int], int], float] | None = None,
+                      stacked: Sequence[Sequence[int]] | None = None) -> VectorPlan:
+    """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
+
+    ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
+    value leaves room for. ``planes_per_ct``: planes per input ciphertext of each planes step
+    (see :func:`choose_plane_packing`); for the others, as few as keep the step within
+    ``max_input_ciphertexts`` ciphertexts. Steps that read the same arrangement of the input
+    share its ciphertexts. The two maps of a product stack where that is cheaper under
+    ``price(counts, level)`` (see :func:`_stack_pairs`), or as ``stacked`` pairs say (a stored
+    plan's ``VectorPlan.stacked``).
+    """
+    steps = lowered.steps
+    orders = _checked_orders(lowered, orders)
+    maps = [slot_map(sh, o) for sh, o in zip(layout_shapes(lowered), orders)]
+    widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
+    periods = [next_pow2(w) for w in widths]
+    planes_at = _planes_readers(lowered, max_planes)
+    widest = max(periods)
+    if widest > slots:
+        raise ValueError(f"a value needs {widest} slots, more than the {slots} available")
+    k = interleave if interleave is not None else slots // widest
+    if k < 1 or k & (k - 1) or widest * k > slots:
+        raise ValueError(f"cannot interleave {k} samples of {widest} slots in {slots}")
+    vslots = slots // k
+    pairs, wide = _stack_pairs(lowered, maps, periods, vslots, planes_at, price, stacked)
+    for v in wide | set(pairs.values()):
+        widths[v] = periods[v] = 2 * periods[v]
+    vsteps = _vector_steps(lowered, pairs, maps, widths, periods, planes_at)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
                       stacked=sorted(pairs.items()))
     for si in planes_at:
