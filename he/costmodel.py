@@ -125,81 +125,87 @@ def _time(fn: Any, reps: int) -> float:
 
 def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = False) -> CostModel:
     """Time SEAL's primitives on this machine at several limb counts per ring."""
-    import tenseal.sealapi as seal
-
-    from he.backend import save_object
-    from he.params import MAX_MODULUS_BITS
-
-    table: dict[int, dict[str, list[tuple[int, float]]]] = {}
-    for ring in rings:
-        # primes of the size compiled programs use (the cost per limb does not depend on it), so
-        # the table reaches the limb counts they have: 6 at N=8192, 14 at 16384, 24 at 32768
-        primes = min(24, (MAX_MODULUS_BITS[ring] - 40) // 28)   # + one 40-bit special prime
-        enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
-        enc.set_poly_modulus_degree(ring)
-        enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [28] * primes + [40]))
-        ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
-        keygen = seal.KeyGenerator(ctx)
-        sk = keygen.secret_key()
-        pk = seal.PublicKey()
-        keygen.create_public_key(pk)
-        rk = seal.RelinKeys()
-        keygen.create_relin_keys(rk)
-        gk = seal.GaloisKeys()
-        keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
-        encoder = seal.CKKSEncoder(ctx)
-        ev = seal.Evaluator(ctx)
-        encryptor = seal.Encryptor(ctx, pk, sk)
-        values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
-        reps = max(2, 65536 // ring)
-        ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
-        data = ctx.first_context_data()
-        sampled = sorted({primes, max(1, primes // 2), max(1, primes // 4), 2, 1}, reverse=True)
-        while data is not None:
-            limbs = len(data.parms().coeff_modulus())
-            pid = data.parms_id()
-            if limbs in sampled:
-                pt = seal.Plaintext()
-                encoder.encode(values, pid, 2.0 ** 12, pt)
-                ct = seal.Ciphertext()
-                encoder_pt = seal.Plaintext()
-                encoder.encode(values, pid, 2.0 ** 12, encoder_pt)
-                encryptor.encrypt(encoder_pt, ct)
-                out = seal.Ciphertext()
-                timings = {
-                    "encode": lambda: encoder.encode(values, pid, 2.0 ** 12, seal.Plaintext()),
-                    "add": lambda: ev.add(ct, ct, out),
-                    "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
-                    "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
-                    "encrypt": lambda: save_object(encryptor.encrypt_symmetric(encoder_pt)),
-                }
-                for op, fn in timings.items():
-                    ops[op].append((limbs, _time(fn, reps)))
-
-                def mul_ct() -> None:
-                    ev.multiply(ct, ct, out)
-                    ev.relinearize_inplace(out, rk)
-
-                if limbs > 1:
-                    ops["mul_ct"].append((limbs, _time(mul_ct, reps)))
-                    def square_rescale() -> None:
-                        ev.square(ct, out)
-                        ev.rescale_to_next_inplace(out)
-
-                    square = _time(lambda: ev.square(ct, out), reps)
-                    ops["rescale"].append((limbs, max(_time(square_rescale, reps) - square,
-                                                      1e-7)))
-                if progress:
-                    print(f"  N={ring} limbs={limbs}: " + ", ".join(
-                        f"{op} {pts[-1][1] * 1e3:.3f} ms" for op, pts in ops.items() if pts))
-            data = data.next_context_data()
-        for op in ops:
-            ops[op].sort()
-        if not ops["rescale"]:
-            ops["rescale"] = [(1, ops["mul_plain"][0][1])]
-        table[ring] = ops
+    table = {ring: _measure_ring(ring, progress) for ring in rings}
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]]]:
+    """Seconds of each primitive at a few limb counts of one ring, with primes of the size
+    compiled programs use (the cost per limb does not depend on it), so the table reaches the
+    limb counts they have: 6 at N=8192, 14 at 16384, 24 at 32768."""
+    import tenseal.sealapi as seal
+
+    from he.params import MAX_MODULUS_BITS
+
+    primes = min(24, (MAX_MODULUS_BITS[ring] - 40) // 28)   # + one 40-bit special prime
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(ring)
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [28] * primes + [40]))
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    rk = seal.RelinKeys()
+    keygen.create_relin_keys(rk)
+    gk = seal.GaloisKeys()
+    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+    tools = (seal.CKKSEncoder(ctx), seal.Evaluator(ctx),
+             seal.Encryptor(ctx, pk, keygen.secret_key()), rk, gk)
+    values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
+    reps = max(2, 65536 // ring)
+    ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
+    sampled = {primes, max(1, primes // 2), max(1, primes // 4), 2, 1}
+    data = ctx.first_context_data()
+    while data is not None:
+        limbs = len(data.parms().coeff_modulus())
+        if limbs in sampled:
+            for op, seconds in _time_level(seal, tools, data.parms_id(), values, reps,
+                                           limbs).items():
+                ops[op].append((limbs, seconds))
+            if progress:
+                print(f"  N={ring} limbs={limbs}: " + ", ".join(
+                    f"{op} {pts[-1][1] * 1e3:.3f} ms" for op, pts in ops.items() if pts))
+        data = data.next_context_data()
+    for op in ops:
+        ops[op].sort()
+    if not ops["rescale"]:
+        ops["rescale"] = [(1, ops["mul_plain"][0][1])]
+    return ops
+
+
+def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float], reps: int,
+                limbs: int) -> dict[str, float]:
+    """Seconds of each primitive on a ciphertext at the level ``pid`` (``limbs`` primes)."""
+    from he.backend import save_object
+
+    encoder, ev, encryptor, rk, gk = tools
+    pt = seal.Plaintext()
+    encoder.encode(values, pid, 2.0 ** 12, pt)
+    ct = seal.Ciphertext()
+    encryptor.encrypt(pt, ct)
+    out = seal.Ciphertext()
+    timings = {
+        "encode": lambda: encoder.encode(values, pid, 2.0 ** 12, seal.Plaintext()),
+        "add": lambda: ev.add(ct, ct, out),
+        "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
+        "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
+        "encrypt": lambda: save_object(encryptor.encrypt_symmetric(pt)),
+    }
+    result = {op: _time(fn, reps) for op, fn in timings.items()}
+    if limbs > 1:
+        def mul_ct() -> None:
+            ev.multiply(ct, ct, out)
+            ev.relinearize_inplace(out, rk)
+
+        def square_rescale() -> None:
+            ev.square(ct, out)
+            ev.rescale_to_next_inplace(out)
+
+        result["mul_ct"] = _time(mul_ct, reps)
+        square = _time(lambda: ev.square(ct, out), reps)
+        result["rescale"] = max(_time(square_rescale, reps) - square, 1e-7)
+    return result
 
 
 def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:

@@ -72,6 +72,56 @@ def _accuracy(logits: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(logits.reshape(len(y), -1).argmax(1) == y))
 
 
+def _classify(prog: Any, client: Any, server: Any, xte: np.ndarray, progress: bool,
+              echo: Any) -> tuple[np.ndarray, float]:
+    """Encrypt the test images, run them on the server, decrypt: the logits and the seconds."""
+    k = prog.samples_per_ciphertext
+    echo(f"== 5. classify {len(xte)} encrypted test images ({prog.packing} packing, {k} images "
+         f"per ciphertext)")
+    t0 = time.perf_counter()
+    ct_bytes = client.encrypt(xte).to_bytes()
+    t1 = time.perf_counter()
+    out_bytes = server.run(ct_bytes, progress=progress).to_bytes()
+    t2 = time.perf_counter()
+    dec = client.decrypt(out_bytes)
+    t3 = time.perf_counter()
+    echo(f"   encrypt {t1 - t0:.1f} s ({len(ct_bytes) / 2 ** 20:.1f} MiB), server {t2 - t1:.1f} s "
+         f"(predicted {prog.plan.predicted['seconds_per_ciphertext'] * -(-len(xte) // k):.1f} s), "
+         f"decrypt {t3 - t2:.2f} s -> {len(xte) / (t3 - t0):.1f} images/s")
+    return dec, t3 - t0
+
+
+def _latency(model: Any, xtr: np.ndarray, xte: np.ndarray, dec: np.ndarray, n: int,
+             echo: Any) -> float:
+    """Compile ``model`` for latency and time ``n`` test images alone, one round trip each;
+    milliseconds per image (median). Says so if a class differs from the batch run's ``dec``."""
+    import torch
+
+    import he
+
+    echo(f"== 6. latency: compile for objective='latency' and time {n} image(s) alone, one "
+         f"round trip each")
+    fast = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="auto",
+                      objective="latency", precision_bits=PRECISION_BITS)
+    echo("\n".join(line for line in fast.summary().splitlines()
+                    if line.lstrip().startswith(("vector plan", "batch plan", "predicted"))))
+    fclient = he.Client(fast)
+    fserver = he.Server(fast, fclient.public_context())
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        one = fclient.decrypt(fserver.run(fclient.encrypt(xte[i:i + 1]).to_bytes()).to_bytes())
+        times.append(time.perf_counter() - t0)
+        if one.argmax(1)[0] != dec[i].argmax():
+            echo(f"   image {i}: the latency program's class differs from the batch run's")
+    latency_ms = float(np.median(times)) * 1e3
+    echo(f"   {latency_ms:.0f} ms per image round trip (encrypt, server, decrypt; predicted "
+         f"{fast.plan.predicted['round_trip_seconds'] * 1e3:.0f} ms); "
+         f"N={fast.params.poly_modulus_degree}, {fast.samples_per_ciphertext} image(s) per "
+         f"ciphertext")
+    return latency_ms
+
+
 def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int = 16,
              vector_samples: int = 3, seed: int = 0, progress: bool = True,
              echo: Any = print) -> DemoResult:
@@ -118,45 +168,13 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
          f"{len(prog.plan.rotations())} Galois keys, no secret key)")
 
     k = prog.samples_per_ciphertext
-    echo(f"== 5. classify {len(xte)} encrypted test images ({prog.packing} packing, {k} images "
-         f"per ciphertext)")
-    t0 = time.perf_counter()
-    ct_bytes = client.encrypt(xte).to_bytes()
-    t1 = time.perf_counter()
-    out_bytes = server.run(ct_bytes, progress=progress).to_bytes()
-    t2 = time.perf_counter()
-    dec = client.decrypt(out_bytes)
-    t3 = time.perf_counter()
+    dec, total_s = _classify(prog, client, server, xte, progress, echo)
     acc_enc = _accuracy(dec, yte)
     agree = float(np.mean(dec.argmax(1) == plain.argmax(1)))
-    total_s = t3 - t0
-    echo(f"   encrypt {t1 - t0:.1f} s ({len(ct_bytes) / 2 ** 20:.1f} MiB), server {t2 - t1:.1f} s "
-         f"(predicted {prog.plan.predicted['seconds_per_ciphertext'] * -(-len(xte) // k):.1f} s), "
-         f"decrypt {t3 - t2:.2f} s -> {len(xte) / total_s:.1f} images/s")
 
     latency_ms = None
     if vector_samples > 0:
-        echo(f"== 6. latency: compile for objective='latency' and time {vector_samples} image(s) "
-             f"alone, one round trip each")
-        fast = he.compile(model, torch.as_tensor(xtr[:1]), calibration=xtr, packing="auto",
-                          objective="latency", precision_bits=PRECISION_BITS)
-        echo("\n".join(line for line in fast.summary().splitlines()
-                        if line.lstrip().startswith(("vector plan", "batch plan", "predicted"))))
-        fclient = he.Client(fast)
-        fserver = he.Server(fast, fclient.public_context())
-        times = []
-        for i in range(vector_samples):
-            t0 = time.perf_counter()
-            one = fclient.decrypt(fserver.run(fclient.encrypt(xte[i:i + 1]).to_bytes())
-                                  .to_bytes())
-            times.append(time.perf_counter() - t0)
-            if one.argmax(1)[0] != dec[i].argmax():
-                echo(f"   image {i}: the latency program's class differs from the batch run's")
-        latency_ms = float(np.median(times)) * 1e3
-        echo(f"   {latency_ms:.0f} ms per image round trip (encrypt, server, decrypt; predicted "
-             f"{fast.plan.predicted['round_trip_seconds'] * 1e3:.0f} ms); "
-             f"N={fast.params.poly_modulus_degree}, {fast.samples_per_ciphertext} image(s) per "
-             f"ciphertext")
+        latency_ms = _latency(model, xtr, xte, dec, vector_samples, echo)
 
     echo("== result")
     echo(f"   plaintext accuracy  {100 * acc_plain:.2f}%")
