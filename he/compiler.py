@@ -2,7 +2,7 @@
 
 A :class:`CompiledProgram` is everything a client and a server agree on: the polynomial program,
 the CKKS parameters, the packing and its plan, and the calibrated range of every value. It
-serialises to bytes (the program's own ``.npz`` format plus a JSON header; no pickle) and loads
+serialises to bytes (the program's own safetensors format plus a JSON header; no pickle) and loads
 back with the same fingerprint.
 """
 

@@ -1,8 +1,8 @@
 """Safe reading and atomic writing of files and bytes, shared by every package.
 
-Untrusted input is bounded before it is parsed (file size, JSON size and nesting, ``.npy``
-headers checked against the data before anything is allocated; no pickle), and files are written
-so that a reader sees the old content or the new one, never half of it.
+Untrusted input is bounded before it is parsed (file size, JSON size and nesting, ``.npy`` and
+safetensors headers checked against the data before anything is allocated; no pickle), and files
+are written so that a reader sees the old content or the new one, never half of it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from polynets.errors import PolynetsError, ProgramFormatError, WriteError
 
 __all__ = ["atomic_write_bytes", "read_bytes_limited", "loads_json_strict", "load_npy_bytes",
-           "read_npy", "is_int", "MAX_FILE_BYTES", "MAX_RANK", "MAX_JSON_BYTES",
+           "read_npy", "dump_safetensors", "read_safetensors", "is_int", "MAX_FILE_BYTES", "MAX_RANK", "MAX_JSON_BYTES",
            "MAX_JSON_DEPTH", "ARRAY_KINDS"]
 
 MAX_FILE_BYTES = 1 << 32         # the largest file a loader reads (4 GiB)
@@ -70,6 +70,90 @@ def read_npy(f: Any, size: int, name: str,
         raise error(f"{label} is truncated")
     arr = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
     return arr.copy(order="K")
+
+
+#: safetensors dtype names of the numbers that load (little-endian, as the format stores them)
+_SAFETENSORS_DTYPES = {"BOOL": "|b1", "U8": "|u1", "I8": "|i1", "U16": "<u2", "I16": "<i2",
+                       "U32": "<u4", "I32": "<i4", "U64": "<u8", "I64": "<i8", "F16": "<f2",
+                       "F32": "<f4", "F64": "<f8"}
+
+
+def dump_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """``arrays`` (numbers) and a string map as safetensors bytes: a little-endian 8-byte header
+    length, the JSON header (``__metadata__`` and each array's dtype, shape and byte range),
+    padded with spaces to 8 bytes, then the arrays' bytes. Keys are sorted and arrays laid out
+    in name order, so the same content always gives the same bytes."""
+    names = {dt: name for name, dt in _SAFETENSORS_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    chunks, at = [], 0
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        a = a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
+        dt = names.get(a.dtype.str)
+        if dt is None:
+            raise TypeError(f"array {name!r} has dtype {a.dtype}; safetensors stores numbers")
+        raw = a.tobytes()
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [at, at + len(raw)]}
+        chunks.append(raw)
+        at += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
+
+
+def read_safetensors(data: bytes, what: str, max_array_bytes: int,
+                     error: Callable[[str], Exception] = ProgramFormatError
+                     ) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """The metadata and arrays of safetensors bytes. The header's length, JSON (size, nesting),
+    dtypes, shapes and byte ranges are checked first, against the data and ``max_array_bytes``,
+    so that nothing is allocated for a header that lies; the ranges must tile the data buffer
+    exactly (no gap, overlap or trailing bytes). Anything else raises ``error(message)``."""
+    data = bytes(data)
+    if len(data) < 8:
+        raise error(f"{what}: {len(data)} bytes, too short for a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(MAX_JSON_BYTES, len(data) - 8):
+        raise error(f"{what}: header of {size} bytes in {len(data)} bytes of data (truncated or "
+                    f"not safetensors)")
+    header = loads_json_strict(data[8:8 + size], f"{what} header", error)
+    if not isinstance(header, dict):
+        raise error(f"{what}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise error(f"{what}: __metadata__ must map names to strings")
+    buffer = memoryview(data)[8 + size:]
+    spans: list[tuple[int, int, str, np.dtype, tuple[int, ...]]] = []
+    for name, spec in header.items():
+        try:
+            dtype = np.dtype(_SAFETENSORS_DTYPES[spec["dtype"]])
+            shape = tuple(spec["shape"])
+            begin, end = spec["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise error(f"{what}: array {name!r} is malformed ({type(exc).__name__}: "
+                        f"{exc})") from exc
+        if len(shape) > MAX_RANK or not all(is_int(d) and d >= 0 for d in shape) or \
+                not (is_int(begin) and is_int(end)):
+            raise error(f"{what}: array {name!r}: invalid shape {shape} or offsets")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise error(f"{what}: array {name!r}: shape {shape} of {spec['dtype']} needs "
+                        f"{math.prod(shape) * dtype.itemsize} bytes, its range holds "
+                        f"{end - begin}")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort()
+    at = 0
+    for begin, end, name, _, _ in spans:
+        if begin != at:
+            raise error(f"{what}: array {name!r} starts at byte {begin}, expected {at} (gap "
+                        f"or overlap)")
+        at = end
+    if at != len(buffer):
+        raise error(f"{what}: arrays cover {at} bytes of a {len(buffer)}-byte buffer "
+                    f"(truncated or trailing bytes)")
+    if at > max_array_bytes:
+        raise error(f"{what}: {at} bytes of arrays, more than the {max_array_bytes} allowed")
+    arrays = {name: np.frombuffer(buffer[begin:end], dtype=dtype).reshape(shape).copy()
+              for begin, end, name, dtype, shape in spans}
+    return metadata, arrays
 
 
 def load_npy_bytes(data: bytes, what: str,

@@ -32,6 +32,7 @@ and ``object`` arrays of sympy expressions for symbolic expansion.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -46,8 +47,8 @@ import numpy as np
 
 # the file helpers lived here first; they stay importable from this module
 from polynets._io import (ARRAY_KINDS, MAX_FILE_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH,  # noqa: F401
-                          MAX_RANK, atomic_write_bytes, is_int, load_npy_bytes, loads_json_strict,
-                          read_bytes_limited, read_npy)
+                          MAX_RANK, atomic_write_bytes, dump_safetensors, is_int, load_npy_bytes,
+                          loads_json_strict, read_bytes_limited, read_npy, read_safetensors)
 from polynets.errors import ProgramFormatError, ShapeError, UnsupportedOpError
 
 __all__ = ["Node", "PolyProgram", "Interpreter", "ArrayInterpreter", "OPS", "FORMAT_VERSION",
@@ -57,7 +58,8 @@ OPS: tuple[str, ...] = ("input", "linear", "mul", "add", "mul_const", "add_const
 _ARITY = {"input": (0, 0), "linear": (1, 1), "mul": (2, 2), "add": (2, 2),
           "mul_const": (1, 1), "add_const": (1, 1), "gather": (1, None)}
 _ARRAY_ATTRS = {"weight", "bias", "value", "index"}
-FORMAT_VERSION = 1
+#: 2: safetensors (arrays, with the JSON header in its metadata); 1: ``.npz``, still read
+FORMAT_VERSION = 2
 _MAGIC = "polynets-program"
 
 MAX_ARRAY_BYTES = 1 << 31        # decompressed size of all arrays of one program (2 GiB)
@@ -399,7 +401,8 @@ class PolyProgram:
 
     # ----------------------------------------------------------------------------- files
     def to_bytes(self) -> bytes:
-        """Serialise to an ``.npz`` archive (JSON header + arrays); loading runs no code."""
+        """Serialise to safetensors bytes: the arrays as tensors, the JSON header (nodes, output,
+        metadata) in the file's metadata; loading runs no code."""
         arrays: dict[str, np.ndarray] = {}
         nodes = []
         for i, n in enumerate(self.nodes):
@@ -413,35 +416,44 @@ class PolyProgram:
                     attrs[k] = v
             nodes.append({"op": n.op, "inputs": list(n.inputs), "shape": list(n.shape),
                           "attrs": attrs, "path": n.path})
-        header = {"format": _MAGIC, "version": FORMAT_VERSION, "output": self.output,
-                  "meta": self.meta, "nodes": nodes}
-        arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-        buf = io.BytesIO()
-        np.savez_compressed(buf, **arrays)
-        return buf.getvalue()
+        header = json.dumps({"format": _MAGIC, "version": FORMAT_VERSION, "output": self.output,
+                             "meta": self.meta, "nodes": nodes})
+        return dump_safetensors(arrays, {_MAGIC: header, "sha256": _digest(header, arrays)})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "PolyProgram":
-        """Load a program written by :meth:`to_bytes`; malformed bytes raise ProgramFormatError.
+        """Load a program written by :meth:`to_bytes` (or the ``.npz`` files of format version
+        1); malformed bytes raise ProgramFormatError.
 
-        Nothing is decompressed or allocated before its size has been checked: every array's
-        ``.npy`` header is read first and its shape and dtype checked against the archive's
-        sizes and :data:`MAX_ARRAY_BYTES`; object arrays never load.
+        Nothing is allocated before its size has been checked: the safetensors header's byte
+        ranges are checked against the data and :data:`MAX_ARRAY_BYTES` (an ``.npz`` member's
+        ``.npy`` header against the archive's sizes); object arrays never load.
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ProgramFormatError(f"expected bytes, got {type(data).__name__}")
-        files = _read_npz(bytes(data))
-        raw_header = files.pop("__header__", None)
-        if raw_header is None or raw_header.dtype != np.uint8 or raw_header.ndim != 1:
-            raise ProgramFormatError("not a polynets program file (no header)")
-        header = loads_json_strict(raw_header.tobytes(), "polynets program header",
-                                   ProgramFormatError)
+        data = bytes(data)
+        if data[:4] == b"PK\x03\x04":
+            files = _read_npz(data)
+            raw_header = files.pop("__header__", None)
+            if raw_header is None or raw_header.dtype != np.uint8 or raw_header.ndim != 1:
+                raise ProgramFormatError("not a polynets program file (no header)")
+            raw, version = raw_header.tobytes(), 1
+        else:
+            metadata, files = read_safetensors(data, "polynets program", MAX_ARRAY_BYTES)
+            if _MAGIC not in metadata:
+                raise ProgramFormatError("not a polynets program file (no header)")
+            if metadata.get("sha256") != _digest(metadata[_MAGIC], files):
+                raise ProgramFormatError("polynets program: content does not match its digest "
+                                         "(corrupted or edited)")
+            raw, version = metadata[_MAGIC].encode(), FORMAT_VERSION
+        header = loads_json_strict(raw, "polynets program header", ProgramFormatError)
         if not isinstance(header, dict) or header.get("format") != _MAGIC:
             raise ProgramFormatError("not a polynets program file (missing format marker)")
-        if header.get("version") != FORMAT_VERSION or isinstance(header.get("version"), bool):
+        if header.get("version") != version or isinstance(header.get("version"), bool):
             raise ProgramFormatError(
-                f"program format version {header.get('version')!r} is not supported; this "
-                f"polynets reads version {FORMAT_VERSION}")
+                f"program format version {header.get('version')!r} is not supported in this "
+                f"container; this polynets writes version {FORMAT_VERSION} (safetensors) and "
+                f"reads version 1 (.npz) too")
         specs = header.get("nodes")
         if not isinstance(specs, list):
             raise ProgramFormatError("malformed polynets program: 'nodes' must be a list")
@@ -461,7 +473,7 @@ class PolyProgram:
             raise ProgramFormatError(f"malformed polynets program: {exc!r}") from exc
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the program to ``path`` atomically (``.npz`` archive, no pickle)."""
+        """Write the program to ``path`` atomically (safetensors, no pickle)."""
         atomic_write_bytes(path, self.to_bytes())
 
     @classmethod
@@ -522,6 +534,17 @@ def _node_from_spec(i: int, spec: Any, files: dict[str, np.ndarray]) -> Node:
     if "axis" in attrs and not is_int(attrs["axis"]):
         raise ProgramFormatError(f"{where}: attribute 'axis' must be an integer")
     return Node(op=op, inputs=tuple(inputs), shape=tuple(shape), attrs=attrs, path=path)
+
+
+def _digest(header: str, arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 of a program file's header and arrays (names, dtypes, shapes, bytes): safetensors
+    holds no checksum, and a flipped bit in a weight must be an error, not another model."""
+    h = hashlib.sha256(header.encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(json.dumps([name, a.dtype.str, list(a.shape)]).encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
 
 
 def _read_npz(data: bytes) -> dict[str, np.ndarray]:

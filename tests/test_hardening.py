@@ -30,6 +30,8 @@ import polynets as pn
 from he.container import (BLOB_SCHEMAS, bool_field, dict_field, float_field, int_field,
                           list_field, pack, str_field, unpack)
 from polynets.errors import PolynetsError, ProgramFormatError, ShapeError, WriteError
+from polynets._io import dump_safetensors, read_safetensors
+from polynets.program import _digest as program_digest
 from polynets.program import (PolyProgram, atomic_write_bytes, load_npy_bytes,
                               loads_json_strict)
 
@@ -369,16 +371,38 @@ def _members(data: bytes) -> dict[str, bytes]:
         return {n[:-4]: z.read(n) for n in z.namelist()}
 
 
+def _parts(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    meta, arrays = read_safetensors(data, "program", 1 << 31)
+    return json.loads(meta["polynets-program"]), arrays
+
+
+def _signed(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A program file with a recomputed digest: what someone editing it on purpose writes."""
+    text = json.dumps(header)
+    return dump_safetensors(arrays, {"polynets-program": text,
+                                     "sha256": program_digest(text, arrays)})
+
+
+def _v1(program: PolyProgram) -> bytes:
+    """The program as format version 1 wrote it (an .npz archive), which still loads."""
+    header, arrays = _parts(program.to_bytes())
+    header["version"] = 1
+    arrays["__header__"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
+
+
 def _with_header(data: bytes, edit) -> bytes:
-    members = _members(data)
-    header = json.loads(np.load(io.BytesIO(members["__header__"])).tobytes())
+    header, arrays = _parts(data)
     edit(header)
-    members["__header__"] = _npy(np.frombuffer(json.dumps(header).encode(), dtype=np.uint8))
-    return _npz(members)
+    return _signed(header, arrays)
 
 
-def test_every_truncation_and_bit_flip_of_a_program_file_is_refused_or_harmless(program):
-    data = program.to_bytes()
+@pytest.mark.parametrize("form", ["safetensors", "npz"])
+def test_every_truncation_and_bit_flip_of_a_program_file_is_refused_or_harmless(program, form):
+    data = program.to_bytes() if form == "safetensors" else _v1(program)
+    assert PolyProgram.from_bytes(data).to_bytes() == program.to_bytes()
     x = np.random.default_rng(0).standard_normal((5, 3))
     reference = program.run(x)
     rng = np.random.default_rng(1)
@@ -400,7 +424,7 @@ def test_every_truncation_and_bit_flip_of_a_program_file_is_refused_or_harmless(
 
 
 def test_an_npy_header_claiming_a_huge_shape_is_refused_before_allocation(program):
-    members = _members(program.to_bytes())
+    members = _members(_v1(program))
     name = next(k for k in members if k.endswith("_weight"))
     header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (1099511627776, 2), }"
     raw = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header) + 1) + header + b"\n" + bytes(16)
@@ -410,6 +434,54 @@ def test_an_npy_header_claiming_a_huge_shape_is_refused_before_allocation(progra
     assert time.perf_counter() - start < 1.0
     with pytest.raises(ProgramFormatError, match="dtype"):
         PolyProgram.from_bytes(_npz({**members, name: _npy(np.array(["a", "b"]))}))
+
+
+def _raw_safetensors(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + body
+
+
+@pytest.mark.parametrize("header, body, match", [
+    ({"w": {"dtype": "F64", "shape": [1 << 40, 2], "data_offsets": [0, 16]}}, bytes(16),
+     "needs"),
+    ({"w": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]},
+      "v": {"dtype": "F64", "shape": [1], "data_offsets": [8, 16]}}, bytes(16), "overlap"),
+    ({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(16), "trailing"),
+    ({"w": {"dtype": "BF16", "shape": [1], "data_offsets": [0, 2]}}, bytes(2), "malformed"),
+    ({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]},
+      "__metadata__": {"polynets-program": 3}}, bytes(8), "strings"),
+    ({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8), "no header"),
+])
+def test_safetensors_headers_that_lie_are_refused_before_allocation(header, body, match):
+    start = time.perf_counter()
+    with pytest.raises(ProgramFormatError, match=match):
+        PolyProgram.from_bytes(_raw_safetensors(header, body))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_safetensors_header_longer_than_the_file_is_refused():
+    with pytest.raises(ProgramFormatError, match="truncated or not safetensors"):
+        PolyProgram.from_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+
+
+def test_an_edited_weight_is_refused_unless_the_digest_is_recomputed(program):
+    header, arrays = _parts(program.to_bytes())
+    name = next(k for k in arrays if k.endswith("_weight"))
+    arrays[name] = arrays[name] + 1.0
+    text = json.dumps(header)
+    stale = dump_safetensors(arrays, {"polynets-program": text,
+                                      "sha256": program_digest(text, _parts(
+                                          program.to_bytes())[1])})
+    with pytest.raises(ProgramFormatError, match="digest"):
+        PolyProgram.from_bytes(stale)
+    edited = PolyProgram.from_bytes(_signed(header, arrays))
+    assert not np.array_equal(edited.run(np.ones((1, 3))), program.run(np.ones((1, 3))))
+
+
+def test_the_npz_files_of_format_version_1_still_load(program):
+    again = PolyProgram.from_bytes(_v1(program))
+    x = np.random.default_rng(2).standard_normal((4, 3))
+    assert np.array_equal(again.run(x), program.run(x))
 
 
 def test_every_bit_flip_and_truncation_of_an_npy_array_is_an_error_or_an_array():
@@ -431,12 +503,11 @@ def test_every_bit_flip_and_truncation_of_an_npy_array_is_an_error_or_an_array()
 
 
 def test_program_files_with_non_finite_weights_are_refused(program):
-    members = _members(program.to_bytes())
-    name = next(k for k in members if k.endswith("_weight"))
-    weight = np.load(io.BytesIO(members[name]))
-    weight.flat[0] = np.inf
+    header, arrays = _parts(program.to_bytes())
+    name = next(k for k in arrays if k.endswith("_weight"))
+    arrays[name].flat[0] = np.inf
     with pytest.raises(ProgramFormatError, match="NaN or infinite"):
-        PolyProgram.from_bytes(_npz({**members, name: _npy(weight)}))
+        PolyProgram.from_bytes(_signed(header, arrays))
 
 
 @pytest.mark.parametrize("edit", [
@@ -466,7 +537,8 @@ def test_program_files_with_non_finite_weights_are_refused(program):
     lambda h: h.update(output=99),
     lambda h: h.update(meta=[1]),
     lambda h: h.update(version=True),
-    lambda h: h.update(version=2),
+    lambda h: h.update(version=1),
+    lambda h: h.update(version=3),
     lambda h: h.update(format="other"),
 ])
 def test_program_headers_of_the_wrong_json_types_are_program_format_errors(program, edit):
@@ -650,3 +722,14 @@ def test_many_bit_flips_and_truncations_of_ciphertexts_and_contexts(setup):
     n += _all_refused(setup["secret"], lambda b: unpack(b, "secret-context", "context"),
                       he.SerializationError, flips=3000, stride=4099)
     assert n > 50000
+
+
+def test_program_files_are_safetensors_the_reference_reader_loads(program):
+    from safetensors.numpy import load
+
+    data = program.to_bytes()
+    _, arrays = _parts(data)
+    theirs = load(data)
+    assert sorted(theirs) == sorted(arrays)
+    for name, value in arrays.items():
+        assert theirs[name].dtype == value.dtype and np.array_equal(theirs[name], value)
