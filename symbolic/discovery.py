@@ -59,7 +59,8 @@ from symbolic.expand import default_variables, to_sympy
 from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
-from symbolic.shooting import EXACT_RMS, ShootingResult, fit_trajectories, make_windows
+from symbolic.shooting import (BUDGET_FACTOR, EXACT_RMS, ShootingResult, fit_trajectories,
+                               make_windows)
 from symbolic.weak import sparse_supports, weak_lstsq
 
 __all__ = ["EquationDiscovery"]
@@ -88,7 +89,8 @@ MAX_SEARCH_RTOL = 1e-6
 
 def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                    trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float,
-                   atol: float, max_iter: int = WARM_EVALUATIONS) -> float:
+                   atol: float, max_iter: int = WARM_EVALUATIONS,
+                   budget: int | None = None) -> float:
     """Two-fold cross-validation of a trajectory fit over its windows.
 
     The windows of ``res`` are dealt alternately into two folds (both span the whole record).
@@ -96,7 +98,8 @@ def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
     then only the held-out windows' initial states are fitted with those coefficients fixed;
     the held-out residual (in units of each variable's std) is summed over both folds. Returns
     the mean squared held-out residual, floored at ``EXACT_RMS**2`` (models exact to the
-    integration accuracy tie); ``inf`` if a fit blows up.
+    integration accuracy tie); ``inf`` if a fit blows up (or needs more than ``budget``
+    right-hand-side evaluations per integration).
     """
     windows = make_windows(trajectories, res.window)
     if len(windows) < 2:
@@ -110,10 +113,11 @@ def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
         test = [w for w in range(len(windows)) if w % 2 == fold]
         try:
             fitted = fit_trajectories(exps, res.coef, active, [windows[w] for w in train],
-                                      x0=x0[train], rtol=rtol, atol=atol, max_iter=max_iter)
+                                      x0=x0[train], rtol=rtol, atol=atol, max_iter=max_iter,
+                                      budget=budget)
             held = fit_trajectories(exps, fitted.coef, np.zeros_like(active),
                                     [windows[w] for w in test], x0=x0[test], rtol=rtol,
-                                    atol=atol, max_iter=max_iter, fixed=True)
+                                    atol=atol, max_iter=max_iter, fixed=True, budget=budget)
         except FitError:
             return math.inf
         for (_, Xw), states in zip([windows[w] for w in test], held.states):
@@ -263,11 +267,20 @@ class EquationDiscovery(BaseEstimator):
         rtol = self.rtol if exact else self._search_rtol
         res = fit_trajectories(self.library_, coef, active, self.trajectories_, window=window,
                                x0=x0, rtol=rtol, atol=self.atol * rtol / self.rtol,
-                               max_iter=max_iter)
+                               max_iter=max_iter, budget=None if exact else self._budget())
+        if self._work is None and not exact:
+            self._work = res.work
         rms = math.sqrt(res.rss / max(res.n_residuals, 1))
         self._search_rtol = max(self._search_rtol,
                                 min(MAX_SEARCH_RTOL, SEARCH_RTOL_FACTOR * rms))
         return res
+
+    def _budget(self) -> int | None:
+        """Right-hand-side evaluations a search fit may spend per integration: ``BUDGET_FACTOR``
+        times what the first fitted model (the dense start, which reproduces the data) took on
+        the data, so a pruned model that turns stiff is abandoned like a blow-up instead of
+        integrated at any cost; None until a model was fitted."""
+        return None if self._work is None else BUDGET_FACTOR * max(self._work, 500)
 
     def _fit_safely(self, coef: np.ndarray, active: np.ndarray) -> ShootingResult:
         """Trajectory fit on the configured windows; a start that blows up is fitted on windows
@@ -346,64 +359,9 @@ class EquationDiscovery(BaseEstimator):
 
     def _fit(self, t: Any, X: Any, noise: float | None) -> "EquationDiscovery":
         start = time.perf_counter()
-        self._validate()
-        trajectories = as_trajectories(t, X, min_points=5)
-        dim = trajectories[0][1].shape[1]
-        names = [str(v) for v in self.variables] if self.variables is not None \
-            else default_variables(dim)
-        if len(names) != dim:
-            raise SymbolicDataError(f"X has {dim} state columns but {len(names)} variable "
-                                    f"names were given: {names}")
-        noise = self.noise if noise is None else noise
-        syms = as_symbols(names)
-        self.variables_ = syms
-        self.trajectories_ = trajectories
-        self.library_ = monomial_exponents(dim, int(self.degree))
-        self._search_rtol = float(self.rtol)
-        p = len(self.library_)
-        full = np.ones((p, dim), dtype=bool)
-        field = PolyField(syms, self.library_, np.zeros((p, dim)))
+        noise = self._prepare(t, X, noise)
         timings: dict[str, float] = {}
-
-        candidates: list[dict] = []
-        explored: set[bytes] = set()
-
-        def attempt(label: str, coef: Any, active: np.ndarray) -> dict:
-            record: dict = {"start": label, "start_terms": int(active.sum())}
-            candidates.append(record)
-            began = time.perf_counter()
-            try:
-                coef = coef() if callable(coef) else coef
-                if not np.all(np.isfinite(coef)):
-                    raise FitError(f"the {label} start has non-finite coefficients")
-                res = self._fit_safely(coef, active)
-                record["start_converged"] = res.converged
-                if not res.converged and active.all():
-                    raise FitError(f"the dense fit did not converge ({res.message}); a stalled "
-                                   f"dense fit is no basis for elimination")
-                res, kept, rounds = self._eliminate(res, active, noise)
-            except (FitError, PolynetsError, np.linalg.LinAlgError) as exc:
-                record.update(error=str(exc), seconds=time.perf_counter() - began)
-                return record
-            record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
-                          rss=res.rss, window=res.window,
-                          converged=res.converged, result=res, active=kept, rounds=rounds,
-                          support=kept.tobytes())
-            return record
-
-        dense = attempt("node", lambda: self._train_node(trajectories, syms), full)
-        timings["node"] = time.perf_counter() - start
-        if "error" in dense:
-            attempt("lstsq", lambda: lstsq_integral(field, full, trajectories), full)
-        explored.add(full.tobytes())
-        if self.sparse_starts:
-            for active, coef in sparse_supports(field, trajectories):
-                key = active.tobytes()
-                if key in explored or any(c.get("support") == key for c in candidates) or \
-                        active.sum() > MAX_SPARSE_START * active.size:
-                    continue
-                explored.add(key)
-                attempt("weak", coef, active)
+        candidates = self._starts(noise, timings, start)
         fitted = [c for c in candidates if "result" in c]
         if not fitted:
             reasons = "; ".join(f"{c['start']}: {c['error']}" for c in candidates)
@@ -413,12 +371,88 @@ class EquationDiscovery(BaseEstimator):
                 f"polynomial ODE of degree <= {self.degree}: sample more densely, raise degree, "
                 f"or remove outliers")
         best = self._select(fitted)
-        res, active = best["result"], best["active"]
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
         self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
                                                                     "support")}
                             for c in candidates]
+        self._finish(best["result"], best["active"])
+        timings["total"] = time.perf_counter() - start
+        self.timings_ = timings
+        return self
+
+    def _prepare(self, t: Any, X: Any, noise: float | None) -> float | None:
+        """Check the settings and data; set the variables, trajectories and monomial library.
+        Returns the noise level to use."""
+        self._validate()
+        trajectories = as_trajectories(t, X, min_points=5)
+        dim = trajectories[0][1].shape[1]
+        names = [str(v) for v in self.variables] if self.variables is not None \
+            else default_variables(dim)
+        if len(names) != dim:
+            raise SymbolicDataError(f"X has {dim} state columns but {len(names)} variable "
+                                    f"names were given: {names}")
+        self.variables_ = as_symbols(names)
+        self.trajectories_ = trajectories
+        self.library_ = monomial_exponents(dim, int(self.degree))
+        self._search_rtol = float(self.rtol)
+        self._work: int | None = None
+        return self.noise if noise is None else noise
+
+    def _starts(self, noise: float | None, timings: dict[str, float], began: float
+                ) -> list[dict]:
+        """Fit and prune from every start: the Poly-NODE expansion (integral least squares if it
+        fails), then each sparse weak-form support not seen yet. One record per start."""
+        syms, trajectories = self.variables_, self.trajectories_
+        p, dim = len(self.library_), len(syms)
+        full = np.ones((p, dim), dtype=bool)
+        field = PolyField(syms, self.library_, np.zeros((p, dim)))
+        candidates: list[dict] = []
+        dense = self._attempt("node", lambda: self._train_node(trajectories, syms), full, noise,
+                              candidates)
+        timings["node"] = time.perf_counter() - began
+        if "error" in dense:
+            self._attempt("lstsq", lambda: lstsq_integral(field, full, trajectories), full,
+                          noise, candidates)
+        explored = {full.tobytes()}
+        if self.sparse_starts:
+            for active, coef in sparse_supports(field, trajectories):
+                key = active.tobytes()
+                if key in explored or any(c.get("support") == key for c in candidates) or \
+                        active.sum() > MAX_SPARSE_START * active.size:
+                    continue
+                explored.add(key)
+                self._attempt("weak", coef, active, noise, candidates)
+        return candidates
+
+    def _attempt(self, label: str, coef: Any, active: np.ndarray, noise: float | None,
+                 candidates: list[dict]) -> dict:
+        """Fit from one start (``coef`` or a function computing it) and prune; the record (with
+        the error if the start failed) is appended to ``candidates`` and returned."""
+        record: dict = {"start": label, "start_terms": int(active.sum())}
+        candidates.append(record)
+        began = time.perf_counter()
+        try:
+            coef = coef() if callable(coef) else coef
+            if not np.all(np.isfinite(coef)):
+                raise FitError(f"the {label} start has non-finite coefficients")
+            res = self._fit_safely(coef, active)
+            record["start_converged"] = res.converged
+            if not res.converged and active.all():
+                raise FitError(f"the dense fit did not converge ({res.message}); a stalled "
+                               f"dense fit is no basis for elimination")
+            res, kept, rounds = self._eliminate(res, active, noise)
+        except (FitError, PolynetsError, np.linalg.LinAlgError) as exc:
+            record.update(error=str(exc), seconds=time.perf_counter() - began)
+            return record
+        record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
+                      rss=res.rss, window=res.window, converged=res.converged, result=res,
+                      active=kept, rounds=rounds, support=kept.tobytes())
+        return record
+
+    def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
+        """The chosen support refit at the exact tolerances (and on longer windows when
+        ``polish`` says so and they fit as well), coefficients snapped; sets the results."""
         if self._search_rtol > self.rtol:
             res = self._refit(res.coef, active, res.x0, res.window, exact=True)
         self.fit_window_ = res.window
@@ -439,9 +473,6 @@ class EquationDiscovery(BaseEstimator):
         self.x0_ = res.x0
         self.result_ = res
         self.converged_ = res.converged
-        timings["total"] = time.perf_counter() - start
-        self.timings_ = timings
-        return self
 
     def _select(self, fitted: list[dict]) -> dict:
         """Choose among the candidates; returns the chosen one.
@@ -475,7 +506,7 @@ class EquationDiscovery(BaseEstimator):
         for c in shortlist:
             c["cv"] = held_out_error(self.library_, c["result"], c["active"],
                                      self.trajectories_, rtol=rtol,
-                                     atol=self.atol * rtol / self.rtol)
+                                     atol=self.atol * rtol / self.rtol, budget=self._budget())
         best = min(shortlist, key=lambda c: (c["cv"], c["criterion"]))
         if self.selection == "cv" or best is ranked[0]:
             return best

@@ -21,6 +21,7 @@ Gauss-Newton covariance of the coefficients, from which z-scores follow.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy import sparse
@@ -44,7 +45,8 @@ Jacobian: fastest and most accurate for small problems); above it the sparse Jac
 LSMR, whose cost scales with its non-zeros."""
 
 BUDGET_FACTOR = 10
-"""Right-hand-side evaluations allowed per trial point, as a multiple of the start's."""
+"""Right-hand-side evaluations allowed per trial point, as a multiple of the start's (or of a
+reference the caller gives, see ``fit_trajectories(budget=...)``)."""
 
 NULL_EIGENVALUE = 1e-9
 """Eigenvalues of the coefficients' correlation-scaled information matrix below this fraction
@@ -63,7 +65,8 @@ class ShootingResult:
     residuals; ``sigma2`` its per-degree-of-freedom variance; ``converged`` whether the solver
     stopped on a tolerance at a stationary point; ``status``/``message`` the solver's own report;
     ``window`` the window length used; ``states`` the model's states at every sample, one
-    (n_k, dim) array per trajectory (the data smoothed by the fitted ODE, window by window).
+    (n_k, dim) array per trajectory (the data smoothed by the fitted ODE, window by window);
+    ``work`` the right-hand-side evaluations one integration of the fitted model took.
     """
 
     coef: np.ndarray
@@ -79,6 +82,7 @@ class ShootingResult:
     message: str = ""
     window: int | None = None
     states: list[np.ndarray] | None = None
+    work: int = 0
 
 
 class _Sensitivity:
@@ -307,7 +311,7 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                      window: int | None = None, x0: np.ndarray | None = None,
                      rtol: float = 1e-10, atol: float = 1e-12, method: str = "DOP853",
                      max_iter: int = 100, tol: float = 1e-10,
-                     fixed: bool = False) -> ShootingResult:
+                     fixed: bool = False, budget: int | None = None) -> ShootingResult:
     """Fit the active coefficients of ``dx/dt = phi(x) @ coef`` to trajectories.
 
     ``exps`` (p, d) monomial exponents, ``coef`` (p, d) initial coefficients, ``active`` (p, d)
@@ -318,7 +322,9 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     ``xtol`` = ``gtol`` = ``tol`` and at most ``max_iter`` evaluations. Raises
     :class:`FitError` when the starting model blows up on the windows. Inactive entries are
     zero, or with ``fixed=True`` keep their value in ``coef`` (e.g. ``active`` all False and
-    ``fixed=True`` fits only the window starts of a given model).
+    ``fixed=True`` fits only the window starts of a given model). ``budget``: right-hand-side
+    evaluations one integration may take (default: ``BUDGET_FACTOR`` times the start's); a
+    start that needs more raises FitError, a trial point that needs more counts as a blow-up.
     """
     exps = np.asarray(exps, dtype=np.int64)
     active = np.asarray(active, dtype=bool)
@@ -326,23 +332,11 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     coef = coef.copy() if fixed else np.where(active, coef, 0.0)
     windows = make_windows(trajectories, window)
     d = exps.shape[1]
-    scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
-    scale = np.where(scale > 0, scale, 1.0)
     start = np.array([X[0] for _, X in windows]) if x0 is None else \
         np.array(x0, dtype=np.float64).reshape(len(windows), d)
     theta = np.concatenate([coef[active], start.reshape(-1)])
-    problem = None
-    for solver in (method, "LSODA"):
-        problem = _Shooting(exps, coef, active, windows, scale, rtol, atol, solver)
-        if problem.evaluate(theta) is not None:
-            break
-    else:
-        longest = max(len(tw) for tw, _ in windows)
-        raise FitError(f"the starting polynomial model blows up within windows of {longest} "
-                       f"samples; start from other coefficients or use shorter windows")
-    # a trial point needing far more right-hand-side evaluations than the start is treated
-    # like a blow-up (the trust region shrinks) instead of being integrated at any cost
-    problem.budget = max(5000, BUDGET_FACTOR * problem.used)
+    problem = _shooting_problem(exps, coef, active, windows, trajectories, theta, rtol, atol,
+                                method, budget)
     dense = problem.n_res * problem.n_par <= DENSE_ENTRIES
     jac = (lambda th: problem.jacobian(th).toarray()) if dense else problem.jacobian
     with threadpool_limits(limits=1):
@@ -353,9 +347,46 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     final = problem.evaluate(sol.x)
     if final is None:
         raise FitError("the trajectory fit ended where the model blows up")
+    return _shooting_result(problem, sol, final, coef, active, windows, trajectories, window)
+
+
+def _shooting_problem(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
+                      windows: list[tuple[np.ndarray, np.ndarray]],
+                      trajectories: list[tuple[np.ndarray, np.ndarray]], theta: np.ndarray,
+                      rtol: float, atol: float, method: str,
+                      budget: int | None) -> "_Shooting":
+    """The multiple-shooting problem at ``theta``, integrated by ``method`` or, where that fails,
+    LSODA; a trial point needing far more right-hand-side evaluations than the start (or than
+    ``budget``) is treated like a blow-up (the trust region shrinks) instead of being
+    integrated at any cost. Raises FitError when the start blows up with both or needs more
+    than ``budget``."""
+    scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
+    scale = np.where(scale > 0, scale, 1.0)
+    for solver in (method, "LSODA"):
+        problem = _Shooting(exps, coef, active, windows, scale, rtol, atol, solver)
+        if budget is not None:
+            problem.budget = int(budget)
+        if problem.evaluate(theta) is not None:
+            problem.budget = min(max(5000, BUDGET_FACTOR * problem.used),
+                                 problem.budget if budget is not None else 1 << 62)
+            return problem
+    longest = max(len(tw) for tw, _ in windows)
+    within = "" if budget is None else f" or needs more than {int(budget)} right-hand-side " \
+        f"evaluations (stiff)"
+    raise FitError(f"the starting polynomial model blows up{within} within windows of "
+                   f"{longest} samples; start from other coefficients or use shorter windows")
+
+
+def _shooting_result(problem: "_Shooting", sol: Any, final: tuple[np.ndarray, Any],
+                     coef: np.ndarray, active: np.ndarray,
+                     windows: list[tuple[np.ndarray, np.ndarray]],
+                     trajectories: list[tuple[np.ndarray, np.ndarray]],
+                     window: int | None) -> ShootingResult:
+    """Coefficients, window starts, z-scores (zero where unidentifiable), noise estimate and
+    honest convergence flag of a finished least-squares fit."""
     r, jac = final
     c, x = problem.unpack(sol.x)
-    q = problem.q
+    q, d = problem.q, coef.shape[1]
     cost = float(r @ r)
     n_res, n_par = r.size, sol.x.size
     sigma2 = cost / max(n_res - n_par, 1)
@@ -372,4 +403,4 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     bounds = np.cumsum([len(tk) for tk, _ in trajectories])[:-1]
     return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, int(sol.nfev), converged,
                           int(sol.status), str(sol.message), window,
-                          np.split(smoothed, bounds))
+                          np.split(smoothed, bounds), int(problem.used))

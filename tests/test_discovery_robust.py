@@ -9,6 +9,7 @@ from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils.validation import check_is_fitted
 
 from symbolic import EquationDiscovery, ExpressionError, NotFittedError
+from symbolic.errors import FitError
 from symbolic.field import monomial_exponents
 from symbolic.shooting import fit_trajectories, group_windows, make_windows
 from symbolic.systems import SYSTEMS, generate, score_terms
@@ -254,3 +255,29 @@ def test_cross_validated_selection_recovers_the_noisy_rossler_support():
                               progress=False).fit(traj.t, traj.X)
     rel, missed, spurious = _errors(model.coefficients(), traj.truth)
     assert (missed, spurious) == (0, 0) and rel < 0.2
+
+
+def test_a_start_needing_more_work_than_its_budget_is_refused_as_stiff():
+    coef = _lv_coef()
+    exps = monomial_exponents(2, 2)
+    res = fit_trajectories(exps, coef, coef != 0, _mixed_steps(), window=20)
+    assert res.work > 0
+    with pytest.raises(FitError, match="right-hand-side evaluations"):
+        fit_trajectories(exps, coef, coef != 0, _mixed_steps(), window=20,
+                         budget=res.work // 4)
+    again = fit_trajectories(exps, coef, coef != 0, _mixed_steps(), window=20,
+                             budget=10 * res.work)
+    assert np.allclose(again.coef, res.coef)
+
+
+@pytest.mark.slow
+def test_a_pruned_model_that_turns_stiff_does_not_stall_the_fit():
+    """Clean SIR data, Poly-NODE seed 1: a warm refit after an elimination round once spent
+    minutes integrating a stiff intermediate model; the work budget set by the dense start's
+    integration abandons it like a blow-up and the exact terms are still found."""
+    traj = generate("sir", noise=0.0, seed=1)
+    found = EquationDiscovery(degree=2, variables=list(traj.system.variables),
+                              progress=False, seed=1).fit(traj.t, traj.X)
+    score = score_terms(found.coefficients(), traj.truth)
+    assert score["missed"] == 0 and score["spurious"] == 0
+    assert score["max_rel_error"] < 1e-6
