@@ -40,7 +40,7 @@ import numpy as np
 import sympy
 import torch
 
-from polynets.program import atomic_write_bytes
+from polynets.ir.program import atomic_write_bytes
 from symbolic import EquationDiscovery
 from symbolic.systems import ALL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, generate, score_terms
 

@@ -27,7 +27,7 @@ import torch
 
 import he
 import polynets as pn
-from polynets.program import atomic_write_bytes
+from polynets.ir.program import atomic_write_bytes
 
 
 def monet(depth: int, x: torch.Tensor) -> torch.nn.Module:

@@ -52,8 +52,8 @@ from tqdm.auto import tqdm
 import he
 import polynets as pn
 from he.runtime import available_memory
-from polynets.data import read_idx
-from polynets.program import atomic_write_bytes
+from polynets.training.data import read_idx
+from polynets.ir.program import atomic_write_bytes
 
 
 class Square(nn.Module):

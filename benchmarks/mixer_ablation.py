@@ -14,7 +14,7 @@ feed-forward, mean pooling) trained with the same recipe; only the token mixer c
   of the other digit's rows;
 * ``pom_jump``, ``pom_selective``, ``pom_split2``, ``pom_split3``: the speech paper's variants.
 
-Each model's polynomial degree in its input is certified with :func:`polynets.certify`.
+Each model's polynomial degree in its input is certified with :func:`polynets.ir.certify`.
 Usage: ``python benchmarks/mixer_ablation.py [--seeds 0 1 2] [--epochs 10] [--mixers ...]``;
 writes ``benchmarks/results/mixer_ablation.json`` (``--out`` to change the folder).
 """
@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 from pom_sequence import train_and_evaluate  # noqa: E402
 
 import polynets as pn  # noqa: E402
-from polynets.models.polymorpher import PolymorpherClassifier  # noqa: E402
-from polynets.padre import PADRe, CastlingAttention, Conv2Former, Hyena  # noqa: E402
-from polynets.pom import PoM, SplitPoM  # noqa: E402
+from polynets.nn.models.polymorpher import PolymorpherClassifier  # noqa: E402
+from polynets.nn.padre import PADRe, CastlingAttention, Conv2Former, Hyena  # noqa: E402
+from polynets.nn.pom import PoM, SplitPoM  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SEQ_LEN, TOKEN, DIM, DEPTH = 16, 8, 64, 2

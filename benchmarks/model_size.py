@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import polynets  # noqa: F401  (registers the MONet models in timm)
-from polynets.program import atomic_write_bytes
+from polynets.ir.program import atomic_write_bytes
 
 # Table 1 of the MONet paper: parameters (millions) and FLOPs (G, multiply-accumulates).
 PAPER = {

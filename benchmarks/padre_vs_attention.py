@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pom_vs_attention import (Attention, _atomic_write, _forward,  # noqa: E402
                               _forward_backward, machine_info, memory_pool, time_call)
 
-from polynets.padre import PADRe, CastlingAttention, Conv2Former  # noqa: E402
-from polynets.pom import PoM  # noqa: E402
+from polynets.nn.padre import PADRe, CastlingAttention, Conv2Former  # noqa: E402
+from polynets.nn.pom import PoM  # noqa: E402
 
 WIDTH = 192
 HEADS = 3

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from polynets.pom import PoM
+from polynets.nn.pom import PoM
 
 WIDTH = 256
 HEADS = 4
@@ -144,7 +144,7 @@ def memory_pool() -> ProcessPoolExecutor:
     # live tensors rather than of a fragmented heap (read by glibc when the server starts).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "polynets.pom", "__main__"])
+    ctx.set_forkserver_preload(["torch", "polynets.nn.pom", "__main__"])
     return ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import polynets as pn  # noqa: E402
 from polynets._io import atomic_write_bytes, read_bytes_limited, read_safetensors  # noqa: E402
 from polynets.errors import ProgramFormatError  # noqa: E402
-from polynets.program import MAX_ARRAY_BYTES, PolyProgram  # noqa: E402
+from polynets.ir.program import MAX_ARRAY_BYTES, PolyProgram  # noqa: E402
 
 
 def npz_bytes(program: PolyProgram) -> bytes:

@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 import polynets  # noqa: F401  (registers monet_t, monet_s, monet_ms_t, monet_ms_s in timm)
-from polynets.device import autocast_dtype, select_device
+from polynets.training.device import autocast_dtype, select_device
 
 RESULTS = Path(__file__).resolve().parent / "results" / "training_throughput.json"
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from polynets.program import atomic_write_bytes  # noqa: E402
+from polynets.ir.program import atomic_write_bytes  # noqa: E402
 from symbolic import EquationDiscovery  # noqa: E402
 from symbolic.systems import generate  # noqa: E402
 

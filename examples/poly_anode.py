@@ -31,8 +31,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from polynets.node import ODEFlow, PolyANODE, annulus_data, train_flow  # noqa: E402
-from polynets.program import atomic_write_bytes  # noqa: E402
+from polynets.nn.node import ODEFlow, PolyANODE, annulus_data, train_flow  # noqa: E402
+from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 
 class MLPField(nn.Module):

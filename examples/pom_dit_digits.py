@@ -1,6 +1,6 @@
 """Class-conditional generation of 8x8 digits with a small PoM diffusion transformer.
 
-A :class:`~polynets.models.pom_dit.PoMDiT` (patch 2: 16 tokens, width 64, 4 blocks, PoM of
+A :class:`~polynets.nn.models.pom_dit.PoMDiT` (patch 2: 16 tokens, width 64, 4 blocks, PoM of
 degree 2 in place of attention, BatchNorm, Mu-Layer feed-forward) is trained by conditional flow
 matching on scikit-learn's bundled digits (pixels scaled to [-1, 1]) and sampled with Euler
 steps, classifier-free guidance and each step's predicted image clamped to the data range.
@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from polynets.models.pom_dit import PoMDiT, flow_matching_loss, sample  # noqa: E402
-from polynets.program import atomic_write_bytes  # noqa: E402
+from polynets.nn.models.pom_dit import PoMDiT, flow_matching_loss, sample  # noqa: E402
+from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 
 def load_digits_images() -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from polynets.errors import ConfigError
-from polynets.models.polymorpher import PolymorpherClassifier
+from polynets.nn.models.polymorpher import PolymorpherClassifier
 
 TASKS = ("pairs", "rows")
 

@@ -104,7 +104,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _load_model(spec: str, model_args: str | None) -> Any:
     """A checkpoint file, or a registered model name built with the JSON ``--model-args``."""
-    from polynets.checkpoint import build_model, check_model_kwargs, load_model, model_builder
+    from polynets.training.checkpoint import build_model, check_model_kwargs, load_model, model_builder
 
     if os.path.lexists(spec):
         if model_args:

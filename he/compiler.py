@@ -28,8 +28,8 @@ from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, cho
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError
-from polynets.lowering import Lowered, lower, step_levels
-from polynets.program import PolyProgram
+from polynets.ir.lowering import Lowered, lower, step_levels
+from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
 
@@ -60,7 +60,7 @@ _NOISE_SAMPLES = 1024
 
 
 def _degree_depth(program: PolyProgram) -> tuple[int, int]:
-    from polynets.certify import analyse
+    from polynets.ir.certify import analyse
 
     info = analyse(program)[program.output]
     return int(info.degree), int(info.depth)
@@ -149,13 +149,13 @@ class CompiledProgram:
     """A polynomial program compiled for CKKS: parameters, packing plan, calibrated ranges.
 
     Attributes:
-        program: the :class:`~polynets.program.PolyProgram` (float64 weights).
+        program: the :class:`~polynets.ir.program.PolyProgram` (float64 weights).
         params: the chosen :class:`~he.params.CKKSParams` (``str(params)`` says why).
         packing: ``"vector"`` (``plan.interleave`` samples per ciphertext, interleaved) or
             ``"batch"`` (one sample per slot).
         calibration: per-node max |value| on the calibration data.
         degree, depth: total degree and ciphertext-ciphertext multiplicative depth.
-        lowered: the program's CKKS steps (:func:`polynets.lowering.lower`).
+        lowered: the program's CKKS steps (:func:`polynets.ir.lowering.lower`).
         plan: the lowering chosen -- a :class:`~he.plan.VectorPlan` (layouts, rotations,
             samples per ciphertext) or a :class:`~he.plan.BatchPlan` -- with op counts, the cost
             model's predicted time per ciphertext and per sample, the server's memory and why

@@ -211,7 +211,7 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
 def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:
     """Measure this machine's costs and cache them (atomically) where :func:`default_model`
     looks; returns the model."""
-    from polynets.program import atomic_write_bytes
+    from polynets.ir.program import atomic_write_bytes
 
     model = measure(progress=progress)
     target = Path(path) if path is not None else cache_path()

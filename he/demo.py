@@ -58,7 +58,7 @@ def train_classifier(model: Any, x: np.ndarray, y: np.ndarray, *, epochs: int, l
     import torch
     from torch.utils.data import TensorDataset
 
-    from polynets.train import TrainConfig, Trainer
+    from polynets.training.train import TrainConfig, Trainer
 
     ds = TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
     cfg = TrainConfig(epochs=epochs, batch_size=64, lr=lr, weight_decay=5e-4,

@@ -2,7 +2,7 @@
 
 A CKKS value carries noise from its encryption and from every rescale (and, in vector packing,
 from the rounding of encoded weight diagonals and from key switching). Its growth is followed on
-the lowered steps (:mod:`polynets.lowering`), the maps the server actually applies, element by
+the lowered steps (:mod:`polynets.ir.lowering`), the maps the server actually applies, element by
 element: a weighted affine step sends the noise variances of its inputs through the squared
 weights and adds one unit for its rescale plus the rounding of its encoded weights times the
 inputs' calibrated mean squares; a product of two values multiplies each one's noise by the
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from polynets.lowering import Lowered, affine_is_free, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["step_values_msq", "noise_gain"]
 

@@ -1,6 +1,6 @@
 """Vector-packing plans: layouts, diagonal matrix-vector products and their modelled cost.
 
-A program is first lowered to steps (:mod:`polynets.lowering`: affine maps between ciphertext
+A program is first lowered to steps (:mod:`polynets.ir.lowering`: affine maps between ciphertext
 products, composed, one level each). **Vector packing** then places one sample's value in slot
 vectors:
 
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from polynets.lowering import Lowered, affine_is_free, is_identity, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, is_identity, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, add_constant, fuse_map, raw_access
 from he.plan import VectorPlan
-from polynets.lowering import Lowered, Step, affine_is_free, integer_factor
+from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor
 
 __all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
 

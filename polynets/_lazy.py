@@ -5,18 +5,24 @@
 exported function visible under its name when a submodule of the same name (``pkg.certify`` the
 function, ``pkg/certify.py`` the module) is imported later, as an eager ``from pkg.certify import
 certify`` would. Submodules resolve as attributes too (``pkg.mod``). Used by ``polynets`` and ``he``.
+
+``alias_modules({"pkg.old": "pkg.sub.new", ...})`` keeps modules that moved importable under
+their old names: ``import pkg.old`` gives the very module object ``pkg.sub.new`` (so monkeypatching,
+``isinstance`` and pickled references agree), imported only when the old name is used.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-__all__ = ["LazyPackage", "export_lazily"]
+__all__ = ["LazyPackage", "export_lazily", "alias_modules"]
 
 
 class LazyPackage(ModuleType):
@@ -51,3 +57,48 @@ def export_lazily(package: str, exports: Mapping[str, str]) -> list[str]:
     target._exports = {name: module for module, names in exports.items() for name in names.split()}
     target.__class__ = LazyPackage
     return list(target._exports)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads an old module name as the module it moved to (the same object)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system gave the module the old name's spec: it keeps its own
+        module.__spec__ = self.spec
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds the old names of moved modules (see :func:`alias_modules`)."""
+
+    def __init__(self) -> None:
+        self.aliases: dict[str, str] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        new = self.aliases.get(fullname)
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(new),
+                                               is_package=fullname in _packages(self.aliases))
+
+
+def _packages(aliases: Mapping[str, str]) -> set[str]:
+    return {name.rsplit(".", 1)[0] for name in aliases}
+
+
+def alias_modules(aliases: Mapping[str, str]) -> None:
+    """Make each old module name (key) import as the module it moved to (value)."""
+    finder = next((f for f in sys.meta_path if isinstance(f, _AliasFinder)), None)
+    if finder is None:
+        finder = _AliasFinder()
+        sys.meta_path.insert(0, finder)
+    finder.aliases.update(aliases)

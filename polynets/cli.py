@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError
-from polynets.program import loads_json_strict
+from polynets.ir.program import loads_json_strict
 
 __all__ = ["COMMAND_GROUP", "build_parser", "main"]
 
@@ -34,9 +34,9 @@ TIMM_SIZE_KEYS = ("num_classes", "in_chans", "img_size")
 def parse_model_args(items: Sequence[str] | None) -> dict[str, Any]:
     """``["embed_dim=64", "depth=[2,2]", "norm=batch"]`` -> dict; values are JSON when they parse, else strings.
 
-    Lists and objects must be valid JSON within bounds (see :func:`~polynets.checkpoint.check_model_kwargs`).
+    Lists and objects must be valid JSON within bounds (see :func:`~polynets.training.checkpoint.check_model_kwargs`).
     """
-    from polynets.checkpoint import check_model_kwargs
+    from polynets.training.checkpoint import check_model_kwargs
 
     out: dict[str, Any] = {}
     for item in items or ():
@@ -64,7 +64,7 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
     """
     import timm
 
-    from polynets.checkpoint import model_builder
+    from polynets.training.checkpoint import model_builder
 
     builder = model_builder(name)
     params = inspect.signature(builder).parameters
@@ -99,7 +99,7 @@ def _run_info(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _load_data(args: argparse.Namespace, run_info: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
-    from polynets.data import load_dataset
+    from polynets.training.data import load_dataset
 
     saved = run_info or {}
     defaults = {"dataset": None, "data_dir": None, "seed": 0, "test_size": 0.2, "img_size": 224}
@@ -115,7 +115,7 @@ def _load_data(args: argparse.Namespace, run_info: dict[str, Any] | None = None)
 
 
 def _add_data_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from polynets.data import available_datasets
+    from polynets.training.data import available_datasets
 
     p.add_argument("--dataset", default="digits" if required else None,
                    help=f"one of {', '.join(available_datasets())}" + (" (default: digits)" if required else
@@ -135,7 +135,7 @@ def _add_model_args(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def _finish_distributed() -> None:
-    from polynets.device import finish_distributed
+    from polynets.training.device import finish_distributed
 
     finish_distributed()
 
@@ -143,8 +143,8 @@ def _finish_distributed() -> None:
 # ------------------------------------------------------------------------------ commands
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model on a dataset and write run.json, metrics.jsonl, last.pt/best.pt to --out."""
-    from polynets.checkpoint import build_model
-    from polynets.train import TrainConfig, Trainer
+    from polynets.training.checkpoint import build_model
+    from polynets.training.train import TrainConfig, Trainer
 
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"--out {args.out!r} is a file; it must name a run directory")
@@ -184,7 +184,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.out:
             print(f"checkpoint: {Path(args.out) / 'last.pt'}   metrics: {Path(args.out) / 'metrics.jsonl'}")
             if args.plot:
-                from polynets.plot import plot_run
+                from polynets.training.plot import plot_run
 
                 print(f"curves: {plot_run(args.out)}")
     return 0
@@ -192,8 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint on the test split (or --split train) of its dataset."""
-    from polynets.checkpoint import load_checkpoint, load_model
-    from polynets.train import TrainConfig, Trainer
+    from polynets.training.checkpoint import load_checkpoint, load_model
+    from polynets.training.train import TrainConfig, Trainer
 
     run_info = _run_info(load_checkpoint(args.checkpoint), args.checkpoint)
     model = load_model(args.checkpoint)
@@ -215,11 +215,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
     import torch
 
     import polynets
-    from polynets.checkpoint import build_model, load_checkpoint, load_model
+    from polynets.training.checkpoint import build_model, load_checkpoint, load_model
 
     certify = getattr(polynets, "certify", None)
     if certify is None:
-        raise ConfigError("this polynets installation has no certifier (polynets.certify)")
+        raise ConfigError("this polynets installation has no certifier (polynets.ir.certify)")
     if args.checkpoint:
         shape = _run_info(load_checkpoint(args.checkpoint), args.checkpoint).get("input_shape")
         if shape is not None and not (isinstance(shape, list) and 0 < len(shape) <= 8 and all(
@@ -251,7 +251,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a run's training curves (loss, accuracy, learning rate) to a PNG."""
-    from polynets.plot import plot_run
+    from polynets.training.plot import plot_run
 
     if not Path(args.run).is_dir():
         raise DataError(f"{args.run} is not a run directory; expected one written by `polynets train --out DIR`")
@@ -295,8 +295,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ parser
 def _add_train(sub: Any) -> None:
-    from polynets.data import DEFAULT_AUTO_AUGMENT
-    from polynets.train import SCHEDULES
+    from polynets.training.data import DEFAULT_AUTO_AUGMENT
+    from polynets.training.train import SCHEDULES
 
     p = sub.add_parser("train", help="train a polynomial network", description=cmd_train.__doc__,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from polynets.program import atomic_write_bytes
+from polynets.ir.program import atomic_write_bytes
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["register", "read_csv", "cmd_discover"]

@@ -228,7 +228,7 @@ class EquationDiscovery(BaseEstimator):
     def _train_node(self, trajectories: list[tuple[np.ndarray, np.ndarray]],
                     syms: list[sympy.Symbol]) -> np.ndarray:
         """Train a Poly-NODE in standardised units; its expansion in the data's units (p, d)."""
-        from polynets.node import PolyNODE, train_node
+        from polynets.nn.node import PolyNODE, train_node
 
         stacked = np.concatenate([X for _, X in trajectories])
         mu, sd = stacked.mean(axis=0), stacked.std(axis=0)

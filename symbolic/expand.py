@@ -1,7 +1,7 @@
 """Exact expansion of polynomial models into sympy expressions, read from the polynomial program.
 
-``to_sympy`` lowers a model with :func:`polynets.certify` / :func:`polynets.trace` to a
-:class:`~polynets.program.PolyProgram` and runs the program's NumPy interpreter on an ``object``
+``to_sympy`` lowers a model with :func:`polynets.ir.certify` / :func:`polynets.ir.trace` to a
+:class:`~polynets.ir.program.PolyProgram` and runs the program's NumPy interpreter on an ``object``
 array whose entries are sparse polynomials (``{exponent tuple: coefficient}``), so every node's
 value is kept expanded as it is computed. Plain sympy expressions with one ``sympy.expand`` at the
 end give the same result but are far slower on Poly-NODE sizes (a depth-2, hidden-32 Poly-NODE in
@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import nn
 
-from polynets.program import PolyProgram
+from polynets.ir.program import PolyProgram
 from symbolic.errors import ExpressionError, NotPolynomialError
 from symbolic.field import as_symbols
 
@@ -89,8 +89,8 @@ def _program_of(model: Any, example_input: Any) -> tuple[PolyProgram, bool]:
     """The polynomial program of ``model`` and whether its last input column is time."""
     if isinstance(model, PolyProgram):
         return model, False
-    from polynets.certify import certify
-    from polynets.node import PolyNODE
+    from polynets.ir.certify import certify
+    from polynets.nn.node import PolyNODE
 
     if not isinstance(model, nn.Module):
         raise ExpressionError(f"to_sympy expects a polynets model (nn.Module) or a PolyProgram, "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import polynets as pn
-from polynets.checkpoint import (capture_rng_state, load_checkpoint, load_model, register_model, restore_rng_state,
+from polynets.training.checkpoint import (capture_rng_state, load_checkpoint, load_model, register_model, restore_rng_state,
                                  save_checkpoint)
 from polynets.errors import CheckpointError, ConfigError
 
@@ -145,7 +145,7 @@ def test_rng_state_round_trip_reproduces_all_generators():
 # ---------------------------------------------------------------------------- untrusted files
 def _forge(path, ckpt: dict, **changes) -> None:
     """A checkpoint with ``changes`` whose digest is recomputed, as a deliberate editor would."""
-    from polynets.checkpoint import _payload_digest
+    from polynets.training.checkpoint import _payload_digest
 
     payload = {**ckpt, **changes}
     payload["digest"] = _payload_digest(payload)
@@ -161,7 +161,7 @@ def _flipped(data: bytes, byte: int, bit: int = 0) -> bytes:
 def _fuzz(path, tmp_path, positions) -> tuple[int, int]:
     """Load every single-bit flip / truncation; each must fail with CheckpointError or load the
     very same checkpoint (a flip in zip padding nothing reads)."""
-    from polynets.checkpoint import _payload_digest
+    from polynets.training.checkpoint import _payload_digest
 
     data = path.read_bytes()
     reference = _payload_digest(load_checkpoint(path))

@@ -147,7 +147,7 @@ def test_image_model_on_tabular_data_is_refused_with_a_hint(capsys):
 
 
 def test_sequence_model_gets_the_sequence_geometry():
-    from polynets.data import load_dataset
+    from polynets.training.data import load_dataset
 
     _, _, info = load_dataset("digits_rows")
     kwargs = cli.model_kwargs_for("polymorpher_classifier", info, {"dim": 16})
@@ -295,7 +295,7 @@ def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
 def test_a_checkpoint_with_a_malformed_run_record_fails_with_one_line(tmp_path, capsys):
     import torch
 
-    from polynets.checkpoint import load_checkpoint, save_checkpoint
+    from polynets.training.checkpoint import load_checkpoint, save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     for run_info in ({"dataset": ["digits"]}, {"dataset": "digits", "seed": "0"}, {"input_shape": "1,8,8"}, [1]):

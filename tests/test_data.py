@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from polynets.data import load_dataset, read_idx
+from polynets.training.data import load_dataset, read_idx
 from polynets.errors import DataError
 
 MNIST_DIR = Path("/work/shared/data/mnist")

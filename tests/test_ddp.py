@@ -10,15 +10,15 @@ import textwrap
 
 import torch
 
-from polynets.checkpoint import load_checkpoint, load_model
+from polynets.training.checkpoint import load_checkpoint, load_model
 
 WORKER = textwrap.dedent("""
     import json, os, sys
     import torch
     import polynets as pn
     from torch.utils.data import Subset
-    from polynets.data import load_dataset
-    from polynets.train import TrainConfig, Trainer
+    from polynets.training.data import load_dataset
+    from polynets.training.train import TrainConfig, Trainer
 
     out = sys.argv[1]
     kwargs = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)

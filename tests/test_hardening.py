@@ -31,8 +31,8 @@ from he.container import (BLOB_SCHEMAS, bool_field, dict_field, float_field, int
                           list_field, pack, str_field, unpack)
 from polynets.errors import PolynetsError, ProgramFormatError, ShapeError, WriteError
 from polynets._io import dump_safetensors, read_safetensors
-from polynets.program import _digest as program_digest
-from polynets.program import (PolyProgram, atomic_write_bytes, load_npy_bytes,
+from polynets.ir.program import _digest as program_digest
+from polynets.ir.program import (PolyProgram, atomic_write_bytes, load_npy_bytes,
                               loads_json_strict)
 
 
@@ -663,7 +663,7 @@ def test_a_writer_killed_before_it_renames_leaves_a_temporary_file_the_next_writ
     code = ("import os, signal, sys, types\n"
             f"sys.modules['polynets'] = types.ModuleType('polynets')\n"
             f"sys.modules['polynets'].__path__ = [{package!r}]\n"
-            "import polynets.program as p\n"
+            "import polynets.ir.program as p\n"
             "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
             f"p.atomic_write_bytes({str(target)!r}, b'x' * 100000)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True)

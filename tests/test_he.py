@@ -298,7 +298,7 @@ def test_demo_quick_runs_end_to_end():
 
 
 def test_cli_compiles_a_checkpoint_to_a_program_file(tmp_path, capsys):
-    from polynets.checkpoint import save_checkpoint
+    from polynets.training.checkpoint import save_checkpoint
     from polynets.cli import main
 
     kwargs = {"img_size": 4, "in_chans": 1, "num_classes": 3, "patch_size": 2, "embed": "patch",

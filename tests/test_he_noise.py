@@ -10,7 +10,7 @@ from torch import nn
 import he
 import polynets as pn
 from he.noise import noise_gain, step_values_msq
-from polynets.lowering import lower
+from polynets.ir.lowering import lower
 
 
 class Square(nn.Module):

@@ -16,7 +16,7 @@ import polynets as pn
 from he.costmodel import CostModel, default_model, measure
 from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, layout_groups,
                      search_layouts, shared_splits, slot_map)
-from polynets.lowering import integer_factor, lower
+from polynets.ir.lowering import integer_factor, lower
 
 
 class Square(nn.Module):

@@ -30,7 +30,7 @@ def _fresh(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-HEAVY = "{m: m in sys.modules for m in ('torch', 'timm', 'polynets.models', 'he.client')}"
+HEAVY = "{m: m in sys.modules for m in ('torch', 'timm', 'polynets.nn.models', 'he.client')}"
 LOADED = f"json.dumps({HEAVY})"
 
 
@@ -41,7 +41,7 @@ def test_import_he_and_its_server_names_load_neither_torch_nor_timm() -> None:
         he.Server, he.Ciphertext, he.HEError, he.load_program
         print({LOADED})
     """)
-    assert loaded == {"torch": False, "timm": False, "polynets.models": False, "he.client": True}
+    assert loaded == {"torch": False, "timm": False, "polynets.nn.models": False, "he.client": True}
 
 
 def test_import_polynets_loads_nothing_heavy_until_a_name_is_used() -> None:
@@ -53,7 +53,7 @@ def test_import_polynets_loads_nothing_heavy_until_a_name_is_used() -> None:
         after = {HEAVY}
         print(json.dumps([before, after]))
     """)
-    assert loaded[0] == {"torch": False, "timm": False, "polynets.models": False, "he.client": False}
+    assert loaded[0] == {"torch": False, "timm": False, "polynets.nn.models": False, "he.client": False}
     assert loaded[1]["torch"] is True
 
 
@@ -83,11 +83,23 @@ def test_every_exported_name_resolves_to_the_object_its_module_defines() -> None
 def test_an_exported_function_keeps_its_name_when_its_same_named_submodule_is_imported() -> None:
     kinds = _fresh("""
         import json
-        import polynets.certify, polynets.trace, he.report
+        import polynets.ir.certify, polynets.certify, polynets.trace, he.report
         import polynets, he
-        print(json.dumps([type(x).__name__ for x in (polynets.certify, polynets.trace, he.report)]))
+        print(json.dumps([type(x).__name__ for x in (polynets.certify, polynets.trace,
+                                                      he.report, polynets.ir.certify)]))
     """)
-    assert kinds == ["function", "function", "function"]
+    assert kinds == ["function", "function", "function", "module"]
+
+
+def test_modules_of_the_flat_layout_import_as_the_moved_modules() -> None:
+    import importlib
+
+    for old, new in pn._MOVED.items():
+        module = importlib.import_module(f"polynets.{old}")
+        assert module is importlib.import_module(f"polynets.{new}")
+        assert module.__name__ == module.__spec__.name == f"polynets.{new}"
+    from polynets.layers import MuLayer
+    assert MuLayer is pn.MuLayer and MuLayer.__module__ == "polynets.nn.layers"
 
 
 class _Square(nn.Module):

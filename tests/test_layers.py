@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
-from polynets.layers import ChannelsLastBatchNorm
+from polynets.nn.layers import ChannelsLastBatchNorm
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
-from polynets.models.monet import INITS
+from polynets.nn.models.monet import INITS
 
 # Small inputs each registered configuration accepts (image side = a multiple of its stride).
 SMALL_SIDE = {"monet_t": 14, "monet_s": 16, "monet_ms_t": 32, "monet_ms_s": 32}

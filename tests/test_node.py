@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from polynets import ConfigError, DataError, ShapeError
-from polynets.node import PolyNODE, odeint_safe, train_node
+from polynets.nn.node import PolyNODE, odeint_safe, train_node
 
 
 def test_polynode_maps_state_batches_and_reports_degree():

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import polynets as pn
-from polynets.padre import PADRe
+from polynets.nn.padre import PADRe
 
 
 def _input(m: PADRe, batch: int = 2, side: int = 4, seed: int = 0) -> torch.Tensor:
@@ -204,9 +204,9 @@ def test_tiny_padre_decrypts_to_the_model_output(packing):
 # ----------------------------------------------------------------------------- PADRe ViT
 import timm  # noqa: E402
 
-from polynets.checkpoint import (build_model, load_model, registered_models,  # noqa: E402
+from polynets.training.checkpoint import (build_model, load_model, registered_models,  # noqa: E402
                                  save_checkpoint)
-from polynets.models.padre_vit import PADReViT  # noqa: E402
+from polynets.nn.models.padre_vit import PADReViT  # noqa: E402
 
 
 def _small_vit(**kwargs) -> PADReViT:
@@ -324,7 +324,7 @@ def test_mulayer_rejects_a_non_positive_a_rank():
 
 
 # ------------------------------------------------------- PADRe Appendix B polynomial instances
-from polynets.padre import CastlingAttention, Conv2Former, Hyena  # noqa: E402
+from polynets.nn.padre import CastlingAttention, Conv2Former, Hyena  # noqa: E402
 
 
 @pytest.mark.parametrize("make, shape, degree", [

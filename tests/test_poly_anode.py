@@ -12,7 +12,7 @@ import torch
 
 import polynets as pn
 from polynets.errors import ConfigError, DataError, ShapeError
-from polynets.node import ODEFlow, PolyANODE, PolyNODE, annulus_data, train_flow
+from polynets.nn.node import ODEFlow, PolyANODE, PolyNODE, annulus_data, train_flow
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
-from polynets.pom import PoM, block_causal_mask, causal_mask
+from polynets.nn.pom import PoM, block_causal_mask, causal_mask
 
 FORMS = ("powers", "products")
 AGGREGATIONS = ("mean", "sum")
@@ -436,7 +436,7 @@ def test_benchmark_script_writes_json_plot_and_ratios(tmp_path) -> None:
 
 
 def test_constant_cache_is_bounded():
-    from polynets.pom import CONSTANT_CACHE_SIZE
+    from polynets.nn.pom import CONSTANT_CACHE_SIZE
 
     pom = pn.PoM(8, mask="causal").eval()
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
-from polynets.models.pom_dit import PoMDiT, PoMDiTBlock, flow_matching_loss, sample
+from polynets.nn.models.pom_dit import PoMDiT, PoMDiTBlock, flow_matching_loss, sample
 
 
 def _randomise(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import polynets as pn
 from polynets.errors import ConfigError, ShapeError
-from polynets.padre import PADRe
-from polynets.pair import PairInput
-from polynets.pom import PoM, SplitPoM
+from polynets.nn.padre import PADRe
+from polynets.nn.pair import PairInput
+from polynets.nn.pom import PoM, SplitPoM
 
 
 def _t(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -370,7 +370,7 @@ def test_padre_bad_inputs_name_the_expected_shape(kwargs, x, c, error, match) ->
 
 # ------------------------------------------------------------- mixers inside the Polymorpher
 def test_polymorpher_takes_any_mixer_and_stays_a_polynomial() -> None:
-    from polynets.models.polymorpher import PolymorpherClassifier
+    from polynets.nn.models.polymorpher import PolymorpherClassifier
 
     torch.manual_seed(0)
     model = PolymorpherClassifier(6, 3, 2, dim=8, depth=1, norm="batch",

@@ -14,8 +14,8 @@ from torch import nn
 
 import polynets as pn
 from polynets.errors import PolynetsError
-from polynets.node import PolyNODE
-from polynets.program import Node, PolyProgram
+from polynets.nn.node import PolyNODE
+from polynets.ir.program import Node, PolyProgram
 from symbolic import (ExpressionError, NotPolynomialError, SymbolicDataError, SymbolicError,
                       prune, refit, snap, to_latex, to_python, to_sympy)
 from symbolic.cli import read_csv

@@ -15,10 +15,10 @@ import torch
 from timm.optim import create_optimizer_v2
 
 import polynets as pn
-from polynets.checkpoint import save_checkpoint
+from polynets.training.checkpoint import save_checkpoint
 from polynets.errors import ConfigError
-from polynets.models.monet import checkpoint_filter_fn
-from polynets.models.padre_vit import PADReViT
+from polynets.nn.models.monet import checkpoint_filter_fn
+from polynets.nn.models.padre_vit import PADReViT
 
 
 def _polynets_models() -> list[str]:

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import polynets as pn
-from polynets.certify import analyse
+from polynets.ir.certify import analyse
 from polynets.errors import UnsupportedOpError, check_int
-from polynets.program import ArrayInterpreter, Interpreter, Node, PolyProgram
+from polynets.ir.program import ArrayInterpreter, Interpreter, Node, PolyProgram
 
 
 class Square(nn.Module):

@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.data import Subset
 
 import polynets as pn
-from polynets.data import load_dataset
-from polynets.device import autocast_dtype, select_device
+from polynets.training.data import load_dataset
+from polynets.training.device import autocast_dtype, select_device
 from polynets.errors import ConfigError, TrainingDivergedError
-from polynets.train import TrainConfig, Trainer
+from polynets.training.train import TrainConfig, Trainer
 
 MONET_KWARGS = dict(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed_dim=16, depth=1)
 
@@ -118,7 +118,7 @@ def test_metrics_log_has_step_and_epoch_records(tmp_path, digits):
 
 
 def test_plot_run_writes_png(tmp_path, digits):
-    from polynets.plot import plot_run
+    from polynets.training.plot import plot_run
 
     train, test, _ = digits
     Trainer(small_monet(), config(tmp_path, epochs=2)).fit(train, test)
@@ -193,7 +193,7 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine_to_min_lr(tmp_pat
 
 
 def test_optimizer_keeps_biases_norms_and_no_weight_decay_names_out_of_decay(tmp_path, digits):
-    from polynets.models.padre_vit import PADReViT
+    from polynets.nn.models.padre_vit import PADReViT
 
     train, _, _ = digits
     torch.manual_seed(0)

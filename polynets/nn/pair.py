@@ -1,6 +1,6 @@
 """One-input view of a two-input module, so that two-input mixers trace and certify.
 
-The tracer (:func:`polynets.trace`) lowers models of one input tensor. A module of two inputs,
+The tracer (:func:`polynets.ir.trace`) lowers models of one input tensor. A module of two inputs,
 such as Cross-PoM ``pom(x_q, x_c)`` or the multimodal PADRe ``padre(x, context)``, is traced
 through :class:`PairInput`: its one input is the per-sample concatenation
 ``z = [flatten(a), flatten(b)]`` and it calls ``module(a, b, **call_kwargs)``. The program then
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
-from polynets.layers import check_shape
+from polynets.nn.layers import check_shape
 
 __all__ = ["PairInput"]
 

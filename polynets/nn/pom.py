@@ -9,7 +9,7 @@ with ``gate="sigmoid"`` is the original formulation.
 Cross-PoM (PoM-video, Listings 4-5): ``PoM(x_q, x_c, mask=...)`` takes the selection from the
 queries ``x_q`` and the state from a second sequence ``x_c``; it is a polynomial of the pair, of
 degree ``degree`` in ``x_c`` and the gate degree in ``x_q``. The tracer lowers one-input models:
-trace it through :class:`polynets.pair.PairInput`, which splits one concatenated input.
+trace it through :class:`polynets.nn.pair.PairInput`, which splits one concatenated input.
 
 The speech paper's variants (pom-speech-encoders, Section 3.2) are options: ``form="jump"`` (mode
 jump: only the top product ``prod_m h(W_m x)`` feeds the state), ``selective=True`` (the state

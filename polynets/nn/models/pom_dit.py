@@ -10,7 +10,7 @@ where ``(s_1, b_1, g_1, s_2, b_2, g_2)`` are predicted from the condition ``c = 
 GELU MLP; here ``N`` is a BatchNorm without affine parameters (an affine map of ``x`` at
 inference) and ``FF`` is a Mu-Layer, so for a fixed (class, time) every block is a polynomial of
 its input ``x`` (degree ``(degree + 1) * 2`` with the linear PoM): :meth:`PoMDiTBlock.conditioned`
-gives that one-input map for :func:`polynets.certify`. The condition path (sinusoidal time
+gives that one-input map for :func:`polynets.ir.certify`. The condition path (sinusoidal time
 features, SiLU) is not a polynomial, and need not be: it never sees ``x``.
 
 The velocity model ``v(x_t, t, y)`` is trained by conditional flow matching on the straight path
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError, ShapeError
-from polynets.layers import ChannelsLastBatchNorm, MuLayer, check_shape, to_2tuple
-from polynets.pom import PoM
+from polynets.nn.layers import ChannelsLastBatchNorm, MuLayer, check_shape, to_2tuple
+from polynets.nn.pom import PoM
 
 __all__ = ["PoMDiTBlock", "PoMDiT", "flow_matching_loss", "sample"]
 
@@ -50,7 +50,7 @@ class PoMDiTBlock(nn.Module):
 
     Args:
         dim: token width; cond_dim: width of the condition ``c``.
-        degree, expand, gate: the :class:`~polynets.pom.PoM`'s (linear PoM, polynomial).
+        degree, expand, gate: the :class:`~polynets.nn.pom.PoM`'s (linear PoM, polynomial).
         mlp_ratio: hidden width of the Mu-Layer feed-forward, as a multiple of ``dim``.
 
     Call: ``block(x, c)`` with ``x`` (B, N, dim), ``c`` (B, cond_dim) -> (B, N, dim).

@@ -1,4 +1,4 @@
-"""Execute a :class:`~polynets.program.PolyProgram` with PyTorch ops (CPU or GPU)."""
+"""Execute a :class:`~polynets.ir.program.PolyProgram` with PyTorch ops (CPU or GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from polynets.errors import ConfigError, ShapeError
-from polynets.program import ArrayInterpreter, Node, PolyProgram
+from polynets.ir.program import ArrayInterpreter, Node, PolyProgram
 
 
 def _linear(v: torch.Tensor, axis: int, weight: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Lower a PyTorch model to a :class:`~polynets.program.PolyProgram`.
+"""Lower a PyTorch model to a :class:`~polynets.ir.program.PolyProgram`.
 
 How: the model (a float64, eval-mode copy) is run once on one sample of the example input under a
 ``TorchDispatchMode``. Every ATen op whose operands depend on the input is lowered to the
@@ -13,7 +13,7 @@ encrypted program needs anyway.
 
 Ops that do not preserve polynomiality (LayerNorm, GELU, sigmoid, softmax, division by data, ...)
 are recorded as *offences* with their module path and a hint; :func:`trace` raises
-:class:`~polynets.errors.NonPolynomialError`, :func:`polynets.certify` reports them. An op the
+:class:`~polynets.errors.NonPolynomialError`, :func:`polynets.ir.certify` reports them. An op the
 tracer does not know raises :class:`~polynets.errors.UnsupportedOpError` naming the op and the
 module -- never a silently wrong program.
 """
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from polynets.errors import NonPolynomialError, ShapeError, TraceError, UnsupportedOpError
-from polynets.program import Node, PolyProgram
+from polynets.ir.program import Node, PolyProgram
 
 __all__ = ["trace", "Offence", "record"]
 
@@ -754,7 +754,7 @@ def trace(model: nn.Module, example_input: Any, *, optimize: bool = True) -> Pol
         raise TraceError("the model's output does not depend on its input; nothing to trace")
     program = PolyProgram(nodes, out, meta=meta)
     if optimize:
-        from polynets.passes import optimize as _optimize
+        from polynets.ir.passes import optimize as _optimize
 
         program = _optimize(program)
     return program

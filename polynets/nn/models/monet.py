@@ -34,9 +34,9 @@ from timm.models import (build_model_with_cfg, checkpoint, generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from polynets.models.head import ClassifierHead
+from polynets.nn.models.head import ClassifierHead
 from polynets.errors import ConfigError
-from polynets.layers import (NORMS, PatchEmbed, PolyBlock, PyramidPatchEmbed, check_shape,
+from polynets.nn.layers import (NORMS, PatchEmbed, PolyBlock, PyramidPatchEmbed, check_shape,
                              to_2tuple)
 
 __all__ = ["MONet", "MONetStage", "StageDownsample", "TokenGridModel", "INITS",
@@ -232,7 +232,7 @@ class MONet(TokenGridModel, nn.Module):
 
     ``norm``: ``"batch"`` (default; folds into the affine maps at inference, so the eval-mode
     model is a polynomial and can be encrypted), ``"layer"`` (the paper's training setup, not a
-    polynomial) or ``"none"``. ``second_shortcut``: see :class:`~polynets.layers.PolyBlock`.
+    polynomial) or ``"none"``. ``second_shortcut``: see :class:`~polynets.nn.layers.PolyBlock`.
     ``init``: weight initialiser, one of :data:`INITS` (default ``"xavier_normal"``, Appendix M),
     applied once to every linear and conv layer. ``residual_scale`` multiplies the initial last
     projection ``C`` of every Mu-Layer under a shortcut (default ``1 / (2 * blocks)``, so that

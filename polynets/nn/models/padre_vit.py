@@ -30,10 +30,10 @@ from timm.models import generate_default_cfgs, named_apply, register_model
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
-from polynets.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
-from polynets.models.monet import (INITS, TokenGridModel, _check_pool, build_token_model,
+from polynets.nn.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
+from polynets.nn.models.monet import (INITS, TokenGridModel, _check_pool, build_token_model,
                                    checkpoint_filter_fn as _unwrap_state_dict)
-from polynets.padre import PADRe
+from polynets.nn.padre import PADRe
 
 __all__ = ["PADReBlock", "PADReViT", "checkpoint_filter_fn"]
 
@@ -96,9 +96,9 @@ class PADReViT(TokenGridModel, nn.Module):
         drop_rate: dropout before the classifier; drop_path_rate: stochastic depth, rising
             linearly to this value over the blocks.
         init: weight initialiser of the linear and patch layers, one of
-            :data:`~polynets.models.monet.INITS` (default ``"trunc_normal"``, std 0.02, DeiT's).
+            :data:`~polynets.nn.models.monet.INITS` (default ``"trunc_normal"``, std 0.02, DeiT's).
 
-    Timm conventions (:class:`~polynets.models.monet.TokenGridModel`): ``forward_features``
+    Timm conventions (:class:`~polynets.nn.models.monet.TokenGridModel`): ``forward_features``
     returns channels-last tokens ``(B, H', W', C)``, ``forward_head(x, pre_logits=False)`` pools
     and classifies, ``reset_classifier`` keeps the pooling unless told otherwise,
     ``forward_intermediates`` gives the blocks' outputs. Shape:

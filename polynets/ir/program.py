@@ -382,7 +382,7 @@ class PolyProgram:
 
     def to_torch(self, dtype: Any = None) -> "Any":
         """A ``torch.nn.Module`` that executes this program (float64 by default)."""
-        from polynets._program_torch import ProgramModule
+        from polynets.ir._program_torch import ProgramModule
 
         return ProgramModule(self, dtype=dtype)
 

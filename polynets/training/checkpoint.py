@@ -77,9 +77,9 @@ def register_model(name: str) -> Callable[[Callable[..., nn.Module]], Callable[.
 
 
 _BUILTIN_MODELS = {
-    "monet": ("polynets.models.monet", "MONet"),
-    "padre_vit": ("polynets.models.padre_vit", "PADReViT"),
-    "polymorpher_classifier": ("polynets.models.polymorpher", "PolymorpherClassifier"),
+    "monet": ("polynets.nn.models.monet", "MONet"),
+    "padre_vit": ("polynets.nn.models.padre_vit", "PADReViT"),
+    "polymorpher_classifier": ("polynets.nn.models.polymorpher", "PolymorpherClassifier"),
 }
 
 
@@ -94,7 +94,7 @@ def registered_models() -> list[str]:
     """Names accepted by :func:`build_model`: the registry here plus polynets' timm models."""
     import timm
 
-    import polynets.models  # noqa: F401  (registers the MONet family in timm)
+    import polynets.nn.models  # noqa: F401  (registers the MONet family in timm)
 
     names = set(_MODEL_BUILDERS)
     names.update(_BUILTIN_MODELS)
@@ -107,7 +107,7 @@ def model_builder(name: str) -> Callable[..., nn.Module]:
     """The callable that builds model ``name``; raises :class:`ConfigError` for unknown names."""
     import timm
 
-    import polynets.models  # noqa: F401  (registers the MONet family in timm)
+    import polynets.nn.models  # noqa: F401  (registers the MONet family in timm)
 
     key = name.lower()
     if key in _MODEL_BUILDERS:

@@ -1,4 +1,4 @@
-"""Optimisation passes on a :class:`~polynets.program.PolyProgram`.
+"""Optimisation passes on a :class:`~polynets.ir.program.PolyProgram`.
 
 Every pass rewrites the program without changing the function it computes:
 
@@ -21,8 +21,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from polynets.lowering import node_cost
-from polynets.program import ArrayInterpreter, Node, PolyProgram
+from polynets.ir.lowering import node_cost
+from polynets.ir.program import ArrayInterpreter, Node, PolyProgram
 
 __all__ = ["optimize"]
 

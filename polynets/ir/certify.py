@@ -1,12 +1,12 @@
 """Degree and depth analysis of polynomial programs, and the certificate of a model.
 
-For each node of a :class:`~polynets.program.PolyProgram` the analysis computes
+For each node of a :class:`~polynets.ir.program.PolyProgram` the analysis computes
 
 * ``degree``: the total degree of the node's value as a polynomial of the input (structural:
   exact unless coefficients cancel, which random or trained weights do not do);
 * ``depth``: the multiplicative depth, i.e. the longest chain of ciphertext-ciphertext products;
 * ``levels``: CKKS levels consumed on the longest path, counted on the program's CKKS lowering
-  (:mod:`polynets.lowering`, the one place that decides which multiplication costs a level, also
+  (:mod:`polynets.ir.lowering`, the one place that decides which multiplication costs a level, also
   used by the compiler): one per ciphertext product, one per composed affine map between
   products, none for a multiplication by a small integer; ``plain_mults`` counts the affine maps
   on that path.
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polynets.lowering import EXACT_LOWERING_LIMIT, Lowered, affine_is_free, lower, node_cost
-from polynets.program import Interpreter, Node, PolyProgram
+from polynets.ir.lowering import EXACT_LOWERING_LIMIT, Lowered, affine_is_free, lower, node_cost
+from polynets.ir.program import Interpreter, Node, PolyProgram
 
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
     from torch import nn
@@ -40,7 +40,7 @@ def analyse(program: PolyProgram) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
     carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
     lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program whose
-    largest value exceeds :data:`~polynets.lowering.EXACT_LOWERING_LIMIT` elements (too large
+    largest value exceeds :data:`~polynets.ir.lowering.EXACT_LOWERING_LIMIT` elements (too large
     for any packing), the upper bound that counts every linear map and every non-integer
     constant multiplication (:func:`levels_exact` tells which)."""
     infos = _Analysis().run(program)
@@ -52,7 +52,7 @@ def analyse(program: PolyProgram) -> list[NodeInfo]:
 
 class _Analysis(Interpreter):
     """Per node: degree and depth, and the levels and plaintext multiplications on the longest
-    path counted node by node (:func:`~polynets.lowering.node_cost`, an upper bound)."""
+    path counted node by node (:func:`~polynets.ir.lowering.node_cost`, an upper bound)."""
 
     def input(self, i: int, node: Node) -> NodeInfo:
         return NodeInfo(1, 0, 0, 0)
@@ -146,8 +146,8 @@ def certify(model: nn.Module, example_input: Any) -> Certificate:
     its qualified name, type and a hint. Unknown ops still raise
     :class:`~polynets.errors.UnsupportedOpError`.
     """
-    from polynets.passes import optimize
-    from polynets.trace import record
+    from polynets.ir.passes import optimize
+    from polynets.ir.trace import record
 
     nodes, out, offences, meta = record(model, example_input, strict=False)
     name = type(model).__name__

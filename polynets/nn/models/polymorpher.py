@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError, ShapeError
-from polynets.layers import MuLayer, make_norm
-from polynets.models.head import ClassifierHead
-from polynets.pom import PoM, PoMState
+from polynets.nn.layers import MuLayer, make_norm
+from polynets.nn.models.head import ClassifierHead
+from polynets.nn.pom import PoM, PoMState
 
 __all__ = ["Polymorpher", "PolymorpherClassifier"]
 
@@ -52,7 +52,7 @@ class Polymorpher(nn.Module):
     Args:
         dim: token width d.
         degree, expand, activation, gate, mask, block_size, aggregation, form: passed to
-            :class:`polynets.pom.PoM`.
+            :class:`polynets.nn.pom.PoM`.
         ff: ``"mu"`` (Mu-Layer ``C[(AX) * (BDX) + AX]``, polynomial) or ``"mlp"`` (GELU MLP).
         mlp_ratio: hidden width of the feed-forward, as a multiple of d.
         rank: rank of the Mu-Layer's ``BD`` branch (default hidden // 4).
@@ -60,7 +60,7 @@ class Polymorpher(nn.Module):
         mixer: ``"pom"``, ``"token"`` to replace the mixer by a token-wise Mu-Layer of about
             the same size (a baseline that never mixes tokens), or a callable ``dim -> module``
             building any token mixer ``(B, N, dim) -> (B, N, dim)`` (e.g. a 1-D
-            :class:`~polynets.padre.PADRe`); the PoM arguments are then unused.
+            :class:`~polynets.nn.padre.PADRe`); the PoM arguments are then unused.
 
     Shapes: x (B, N, d) -> (B, N, d).
     """

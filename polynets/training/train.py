@@ -37,10 +37,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from tqdm.auto import tqdm
 
-from polynets.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
-from polynets.device import autocast_dtype, init_distributed
+from polynets.training.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
+from polynets.training.device import autocast_dtype, init_distributed
 from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
-from polynets.program import atomic_write_bytes
+from polynets.ir.program import atomic_write_bytes
 
 __all__ = [
     "ResumableDistributedSampler", "SCHEDULES", "TrainConfig", "Trainer", "read_metrics_log", "seed_everything",
@@ -222,7 +222,7 @@ class Trainer:
     ``loss_fn(logits (B, K), target) -> scalar`` defaults to cross-entropy with label smoothing
     (soft-target cross-entropy under Mixup/CutMix); evaluation uses ``loss_fn`` when given, else
     plain cross-entropy. ``model_name``/``model_kwargs`` go into checkpoints so
-    :func:`polynets.checkpoint.load_model` can rebuild the model; ``run_info`` (JSON-able) is
+    :func:`polynets.training.checkpoint.load_model` can rebuild the model; ``run_info`` (JSON-able) is
     stored with them (the CLI records the dataset there).
     """
 

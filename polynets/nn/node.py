@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError, DataError, ShapeError, TrainingDivergedError
-from polynets.layers import MuLayer
+from polynets.nn.layers import MuLayer
 
 __all__ = ["PolyNODE", "ODEFlow", "PolyANODE", "NODEHistory", "odeint_safe", "train_node",
            "annulus_data", "train_flow"]

@@ -12,7 +12,7 @@ mixing by pointwise (``1 x 1``) convolutions, one head. Options: several heads (
 independent copies of the framework on groups of channels), the token resize ``O = U P V``
 (Eq. 7) and the multimodal form of Appendix A.1, ``Z_j = prod_{i <= j} Y_i^{(c_i)}`` with
 ``c_i`` in ``{a, b}``: called as ``padre(x, context)``, a polynomial of degree ``d`` in the pair
-(trace it through :class:`polynets.pair.PairInput`, the tracer takes one input).
+(trace it through :class:`polynets.nn.pair.PairInput`, the tracer takes one input).
 
 Appendix B's polynomial instances of the framework are here too, each in the polynomial form
 the appendix analyses: :class:`Conv2Former` (degree 2), :class:`CastlingAttention` (Castling-ViT
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from polynets.errors import ConfigError
-from polynets.layers import check_shape, make_norm
+from polynets.nn.layers import check_shape, make_norm
 
 __all__ = ["PADRe", "Conv2Former", "CastlingAttention", "Hyena", "TOKEN_MIXINGS", "WEIGHTS",
            "CONTEXT_MIXINGS"]

@@ -15,13 +15,13 @@ step          meaning
 ``mul_int``   ``y = k x`` for one integer ``k``: exact, no rescale
 ============  ===============================================================================
 
-The rules, each written once here and used by :func:`polynets.certify`, the optimisation passes
+The rules, each written once here and used by :func:`polynets.ir.certify`, the optimisation passes
 and the CKKS compiler:
 
 * :func:`integer_factor`: a constant multiplication is level-free iff it multiplies by one
   integer, repeated, of magnitude below ``2**20``;
 * :func:`node_cost`: per node of the program, before composition (the upper bound
-  :func:`polynets.certify` and the passes count with), a product, a linear map and a constant
+  :func:`polynets.ir.certify` and the passes count with), a product, a linear map and a constant
   multiplication that is not free cost one level each;
 * :func:`affine_is_free`: an affine step costs one level unless every term is free for the
   packing -- the identity in every packing, and in batch packing (one sample per slot) also any
@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from polynets.program import Interpreter, Node, PolyProgram
+from polynets.ir.program import Interpreter, Node, PolyProgram
 
 __all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is_free",
            "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
