@@ -27,7 +27,7 @@ from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, cho
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
-from polynets.errors import ProgramFormatError, TraceError
+from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
 from polynets.ir.program import PolyProgram
 
@@ -484,14 +484,13 @@ def _check_settings(packing: str, objective: str, batch_size: int | None, securi
                                   f"got {packing!r}")
     if objective not in OBJECTIVES:
         raise NotEncryptableError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if batch_size is not None and int(batch_size) < 1:
-        raise NotEncryptableError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size is not None:
+        check_int(batch_size, "batch_size", error=NotEncryptableError)
     if security not in SECURITY_LEVELS:
         raise NotEncryptableError(f"security must be one of {SECURITY_LEVELS} bits, got "
                                   f"{security!r}")
-    if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 1):
-        raise NotEncryptableError(f"memory_budget must be a positive int (bytes), got "
-                                  f"{memory_budget!r}")
+    if memory_budget is not None:
+        check_int(memory_budget, "memory_budget (bytes)", error=NotEncryptableError)
     if samples_per_ciphertext is not None and (
             int(samples_per_ciphertext) < 1 or int(samples_per_ciphertext) & (
             int(samples_per_ciphertext) - 1)):

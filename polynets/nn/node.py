@@ -25,17 +25,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError, DataError, ShapeError, TrainingDivergedError
+from polynets.errors import (ConfigError, DataError, ShapeError, TrainingDivergedError,
+                             check_int)
 from polynets.nn.layers import MuLayer
 
 __all__ = ["PolyNODE", "ODEFlow", "PolyANODE", "NODEHistory", "odeint_safe", "train_node",
            "annulus_data", "train_flow"]
 
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class PolyNODE(nn.Module):
@@ -53,13 +49,13 @@ class PolyNODE(nn.Module):
                  bias: bool = True, init_scale: float = 0.1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.dim = _positive_int(dim, "PolyNODE dim")
-        self.hidden = _positive_int(hidden, "PolyNODE hidden")
+        self.dim = check_int(dim, "PolyNODE dim")
+        self.hidden = check_int(hidden, "PolyNODE hidden")
         if degree is not None:
-            depth = max(1, math.ceil(math.log2(_positive_int(degree, "PolyNODE degree"))))
-        self.depth = _positive_int(depth, "PolyNODE depth")
-        self.width = _positive_int(width if width is not None else hidden, "PolyNODE width")
-        self.rank = _positive_int(rank if rank is not None else hidden, "PolyNODE rank")
+            depth = max(1, math.ceil(math.log2(check_int(degree, "PolyNODE degree"))))
+        self.depth = check_int(depth, "PolyNODE depth")
+        self.width = check_int(width if width is not None else hidden, "PolyNODE width")
+        self.rank = check_int(rank if rank is not None else hidden, "PolyNODE rank")
         self.time_input = bool(time_input)
         sizes = [self.dim + int(self.time_input)] + [self.width] * (self.depth - 1) + [self.dim]
         self.layers = nn.ModuleList(
@@ -133,14 +129,14 @@ class ODEFlow(nn.Module):
                  augment: int = 0, t1: float = 1.0, method: str = "rk4",
                  steps: int = 10) -> None:
         super().__init__()
-        self.in_features = _positive_int(in_features, "ODEFlow in_features")
-        self.out_features = _positive_int(out_features, "ODEFlow out_features")
+        self.in_features = check_int(in_features, "ODEFlow in_features")
+        self.out_features = check_int(out_features, "ODEFlow out_features")
         if isinstance(augment, bool) or not isinstance(augment, int) or augment < 0:
             raise ConfigError(f"ODEFlow augment must be a non-negative int, got {augment!r}")
         if not isinstance(t1, (int, float)) or not t1 > 0:
             raise ConfigError(f"ODEFlow t1 must be a positive number, got {t1!r}")
         self.augment, self.t1, self.method = augment, float(t1), method
-        self.steps = _positive_int(steps, "ODEFlow steps")
+        self.steps = check_int(steps, "ODEFlow steps")
         width = getattr(field, "dim", None)
         if width is not None and width != in_features + augment:
             raise ConfigError(f"ODEFlow field has dim={width}; expected in_features + augment "
@@ -220,7 +216,7 @@ class PolyANODE(ODEFlow):
                  hidden: int = 32, depth: int = 1, degree: int | None = None,
                  width: int | None = None, rank: int | None = None, init_scale: float = 0.1,
                  t1: float = 1.0, method: str = "rk4", steps: int = 10) -> None:
-        in_features = _positive_int(in_features, "PolyANODE in_features")
+        in_features = check_int(in_features, "PolyANODE in_features")
         if isinstance(augment, bool) or not isinstance(augment, int) or augment < 0:
             raise ConfigError(f"PolyANODE augment must be a non-negative int, got {augment!r}")
         field = PolyNODE(in_features + augment, hidden=hidden, depth=depth, degree=degree,
@@ -239,8 +235,8 @@ def annulus_data(n: int, *, dim: int = 2, r1: float = 0.5, r2: float = 1.0, r3: 
     them with a linear readout, an augmented one can. Returns ``x`` ``(n, dim)`` and ``y``
     ``(n, 1)`` (float32, shuffled).
     """
-    n = _positive_int(n, "annulus_data n")
-    dim = _positive_int(dim, "annulus_data dim")
+    n = check_int(n, "annulus_data n")
+    dim = check_int(dim, "annulus_data dim")
     if not 0 < r1 < r2 < r3:
         raise ConfigError(f"annulus_data needs 0 < r1 < r2 < r3, got r1={r1}, r2={r2}, r3={r3}")
     rng = np.random.default_rng(seed)
@@ -268,8 +264,8 @@ def train_flow(model: nn.Module, x: Tensor, y: Tensor, *, epochs: int = 10,
 
     Returns the mean training loss of each epoch (the curves of MONet's Fig. 10-11).
     """
-    epochs = _positive_int(epochs, "train_flow epochs")
-    batch_size = _positive_int(batch_size, "train_flow batch_size")
+    epochs = check_int(epochs, "train_flow epochs")
+    batch_size = check_int(batch_size, "train_flow batch_size")
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
         raise DataError(f"train_flow expects x (n, d) and y (n, k) with the same n >= 1, got "
                         f"{tuple(x.shape)} and {tuple(y.shape)}")

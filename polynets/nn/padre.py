@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError
+from polynets.errors import ConfigError, check_int
 from polynets.nn.layers import check_shape, make_norm
 
 __all__ = ["PADRe", "Conv2Former", "CastlingAttention", "Hyena", "TOKEN_MIXINGS", "WEIGHTS",
@@ -53,9 +53,7 @@ token shape of ``x``)."""
 
 
 def _positive_int(value: object, name: str, owner: str = "PADRe") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner} {name} must be a positive int, got {value!r}")
-    return value
+    return check_int(value, f"{owner} {name}")
 
 
 def _token_shape(value: int | Sequence[int] | None, spatial_dims: int,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError, ShapeError
+from polynets.errors import ConfigError, ShapeError, check_int
 
 __all__ = ["PoM", "PoMState", "SplitPoM", "causal_mask", "block_causal_mask"]
 
@@ -83,9 +83,7 @@ def block_causal_mask(n: int, block_size: int) -> Tensor:
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
-    return block_size
+    return check_int(block_size, "block_size")
 
 
 def _parse_gate(gate: str) -> int | None:
@@ -157,8 +155,7 @@ class PoM(nn.Module):
                  selective: bool = False, bias: bool = True) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("degree", degree)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            check_int(value, name)
         if not isinstance(expand, (int, float)) or expand <= 0 or int(round(expand * dim)) < 1:
             raise ConfigError(f"expand must be a positive number with expand * dim >= 1, "
                               f"got expand={expand!r} for dim={dim}")
@@ -468,8 +465,7 @@ class SplitPoM(nn.Module):
     def __init__(self, dim: int, *, ways: int = 2, **pom_kwargs) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("ways", ways)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"SplitPoM {name} must be a positive int, got {value!r}")
+            check_int(value, f"SplitPoM {name}")
         if ways > dim:
             raise ConfigError(f"SplitPoM needs at least one feature per group: ways={ways} > "
                               f"dim={dim}")

@@ -29,7 +29,7 @@ from timm.layers import DropPath, resample_abs_pos_embed_nhwc, trunc_normal_
 from timm.models import generate_default_cfgs, named_apply, register_model
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError
+from polynets.errors import ConfigError, check_int
 from polynets.nn.layers import NORMS, MuLayer, PatchEmbed, check_shape, make_norm, to_2tuple
 from polynets.nn.models.monet import (INITS, TokenGridModel, _check_pool, build_token_model,
                                    checkpoint_filter_fn as _unwrap_state_dict)
@@ -113,8 +113,7 @@ class PADReViT(TokenGridModel, nn.Module):
                  drop_path_rate: float = 0.0, init: str = "trunc_normal") -> None:
         super().__init__()
         for name, value in (("embed_dim", embed_dim), ("depth", depth), ("mlp_ratio", mlp_ratio)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PADReViT {name} must be a positive int, got {value!r}")
+            check_int(value, f"PADReViT {name}")
         if norm not in NORMS:
             raise ConfigError(f"norm must be one of {NORMS}, got {norm!r}")
         if init not in INITS:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError, ShapeError
+from polynets.errors import ConfigError, ShapeError, check_int
 from polynets.nn.layers import MuLayer, make_norm
 from polynets.nn.models.head import ClassifierHead
 from polynets.nn.pom import PoM, PoMState
@@ -144,10 +144,8 @@ class PolymorpherClassifier(ClassifierHead, nn.Module):
         super().__init__()
         for name, value in (("seq_len", seq_len), ("in_features", in_features), ("dim", dim),
                             ("depth", depth)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
-            raise ConfigError(f"num_classes must be a non-negative int, got {num_classes!r}")
+            check_int(value, name)
+        check_int(num_classes, "num_classes", minimum=0)
         self.seq_len, self.in_features, self.num_classes, self.dim = (
             seq_len, in_features, num_classes, dim)
         self.num_features = dim

@@ -27,17 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from polynets.errors import ConfigError, ShapeError
+from polynets.errors import ConfigError, ShapeError, check_int
 from polynets.nn.layers import ChannelsLastBatchNorm, MuLayer, check_shape, to_2tuple
 from polynets.nn.pom import PoM
 
 __all__ = ["PoMDiTBlock", "PoMDiT", "flow_matching_loss", "sample"]
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
@@ -59,8 +53,8 @@ class PoMDiTBlock(nn.Module):
     def __init__(self, dim: int, cond_dim: int, *, degree: int = 2, expand: float = 2,
                  gate: str = "linear", mlp_ratio: float = 2) -> None:
         super().__init__()
-        self.dim = _positive_int(dim, "PoMDiTBlock dim")
-        self.cond_dim = _positive_int(cond_dim, "PoMDiTBlock cond_dim")
+        self.dim = check_int(dim, "PoMDiTBlock dim")
+        self.cond_dim = check_int(cond_dim, "PoMDiTBlock cond_dim")
         if not isinstance(mlp_ratio, (int, float)) or mlp_ratio <= 0:
             raise ConfigError(f"PoMDiTBlock mlp_ratio must be a positive number, got "
                               f"{mlp_ratio!r}")
@@ -138,11 +132,11 @@ class PoMDiT(nn.Module):
                  degree: int = 2, expand: float = 2, mlp_ratio: float = 2) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
-        self.in_chans = _positive_int(in_chans, "PoMDiT in_chans")
-        self.patch_size = _positive_int(patch_size, "PoMDiT patch_size")
-        self.dim = _positive_int(dim, "PoMDiT dim")
-        self.num_classes = _positive_int(num_classes, "PoMDiT num_classes")
-        _positive_int(depth, "PoMDiT depth")
+        self.in_chans = check_int(in_chans, "PoMDiT in_chans")
+        self.patch_size = check_int(patch_size, "PoMDiT patch_size")
+        self.dim = check_int(dim, "PoMDiT dim")
+        self.num_classes = check_int(num_classes, "PoMDiT num_classes")
+        check_int(depth, "PoMDiT depth")
         if any(s % patch_size for s in self.img_size):
             raise ConfigError(f"PoMDiT img_size {self.img_size} must be divisible by "
                               f"patch_size={patch_size}")
@@ -239,7 +233,7 @@ def sample(model: PoMDiT, y: Tensor, *, steps: int = 50, guidance: float = 1.0,
     ``clip``: clamp the predicted end point ``x_1 = x_t + (1 - t) v`` to ``[-clip, clip]``
     before each step (data known to lie in that range; keeps a high-degree polynomial network
     from running away on a rare sample). Returns (B, in_chans, H, W)."""
-    steps = _positive_int(steps, "sample steps")
+    steps = check_int(steps, "sample steps")
     if clip is not None and not clip > 0:
         raise ConfigError(f"sample clip must be a positive number or None, got {clip!r}")
     ref = model.pos_embed
