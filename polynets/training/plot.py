@@ -15,7 +15,7 @@ __all__ = ["plot_run", "read_metrics"]
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of ``run_dir/metrics.jsonl`` (or of the given .jsonl file), skipping malformed lines."""
-    from polynets.training.train import read_metrics_log
+    from polynets.training.metrics import read_metrics_log
 
     path = Path(run_dir)
     if path.is_dir():

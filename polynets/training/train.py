@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from tqdm.auto import tqdm
 
 from polynets.training.checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, unwrap_model
+from polynets.training.metrics import MetricsLog, read_metrics_log
 from polynets.training.device import autocast_dtype, init_distributed
 from polynets.errors import CheckpointError, ConfigError, TrainingDivergedError
 from polynets.ir.program import atomic_write_bytes
@@ -185,35 +186,6 @@ def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
         yield hit.is_set
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def read_metrics_log(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines metrics log, skipping lines that do not parse (a torn last line)."""
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-class _MetricsLog:
-    """Append-only JSON-lines log, ``{"kind": "step"|"epoch", ...}`` per line."""
-
-    def __init__(self, path: Path, *, keep_until_step: int | None) -> None:
-        self.path = path
-        if keep_until_step is None or not path.exists():
-            path.write_text("")
-            return
-        kept = [json.dumps(r) + "\n" for r in read_metrics_log(path) if r.get("step", 0) <= keep_until_step]
-        atomic_write_bytes(path, "".join(kept).encode())
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
 
 
 class Trainer:
@@ -409,7 +381,7 @@ class Trainer:
                    "run_info": self.run_info, "device": str(self.device), "world_size": self.dist.world_size,
                    "amp": str(self.amp_dtype) if self.amp_dtype else None}
             atomic_write_bytes(self.out_dir / "run.json", (json.dumps(run, indent=2) + "\n").encode())
-            log = _MetricsLog(self.out_dir / "metrics.jsonl",
+            log = MetricsLog(self.out_dir / "metrics.jsonl",
                               keep_until_step=self.global_step if start_epoch or start_batch else None)
         net: nn.Module = self.model
         if self.dist.enabled:
@@ -452,7 +424,7 @@ class Trainer:
 
     def _train_epoch(self, net: nn.Module, dataset: Dataset, sampler: ResumableDistributedSampler, epoch: int,
                      start_batch: int, steps_per_epoch: int, progress: Mapping[str, float], loss_fn: LossFn,
-                     mixup_fn: Any, scaler: Any, log: _MetricsLog | None,
+                     mixup_fn: Any, scaler: Any, log: MetricsLog | None,
                      interrupted: Callable[[], bool]) -> dict[str, Any]:
         cfg = self.config
         assert self.optimizer is not None and self.scheduler is not None
