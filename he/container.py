@@ -136,33 +136,8 @@ def unpack(data: Any, kind: str | tuple[str, ...], what: str
     bounded JSON, blob names or counts outside the kind's schema, and truncated or extra bytes.
     """
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SerializationError(f"{what}: expected bytes, got {type(data).__name__}")
-    try:
-        view = memoryview(data).cast("B")
-    except (TypeError, ValueError) as exc:
-        raise SerializationError(f"{what}: expected contiguous bytes ({exc})") from exc
+    view, head, hlen = _verified_header(data, what)
     size = len(view)
-    if size < _PREFIX or bytes(view[:4]) != _MAGIC:
-        raise SerializationError(f"{what}: not polynets encrypted-inference data (bad magic or "
-                                 f"truncated, {size} bytes)")
-    if view[4] != _VERSION:
-        raise SerializationError(f"{what}: format version {view[4]} is not supported "
-                                 f"(this polynets reads {_VERSION})")
-    (hlen,) = struct.unpack(">I", view[_PREFIX - 4:_PREFIX])
-    if hlen > _MAX_HEADER or _PREFIX + hlen > size:
-        raise SerializationError(f"{what}: truncated or damaged header ({size} bytes, header "
-                                 f"length says {hlen})")
-    raw = bytes(view[_PREFIX:_PREFIX + hlen])
-    check = hashlib.blake2b(bytes(view[:5]) + bytes(view[_PREFIX - 4:_PREFIX]) + raw,
-                            digest_size=_DIGEST).digest()
-    if not hmac.compare_digest(check, bytes(view[5:5 + _DIGEST])):
-        raise SerializationError(f"{what}: the header is damaged (its BLAKE2b digest does not "
-                                 f"match); the data was corrupted in storage or transport")
-    head = loads_json_strict(raw, f"{what}: header", SerializationError,
-                             max_bytes=_MAX_HEADER, max_depth=_MAX_DEPTH)
-    if not isinstance(head, dict):
-        raise SerializationError(f"{what}: malformed header (not a JSON object)")
     found = head.get("kind")
     if found not in kinds:
         raise SerializationError(f"{what}: holds a {found!r} record, expected "
@@ -193,6 +168,39 @@ def unpack(data: Any, kind: str | tuple[str, ...], what: str
         for name in schema:
             blobs.setdefault(name, [])
     return head, blobs
+
+
+def _verified_header(data: Any, what: str) -> tuple[memoryview, dict[str, Any], int]:
+    """The bytes as a view, the header (magic, version, length and BLAKE2b digest checked,
+    strict bounded JSON object) and its length."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SerializationError(f"{what}: expected bytes, got {type(data).__name__}")
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(f"{what}: expected contiguous bytes ({exc})") from exc
+    size = len(view)
+    if size < _PREFIX or bytes(view[:4]) != _MAGIC:
+        raise SerializationError(f"{what}: not polynets encrypted-inference data (bad magic or "
+                                 f"truncated, {size} bytes)")
+    if view[4] != _VERSION:
+        raise SerializationError(f"{what}: format version {view[4]} is not supported "
+                                 f"(this polynets reads {_VERSION})")
+    (hlen,) = struct.unpack(">I", view[_PREFIX - 4:_PREFIX])
+    if hlen > _MAX_HEADER or _PREFIX + hlen > size:
+        raise SerializationError(f"{what}: truncated or damaged header ({size} bytes, header "
+                                 f"length says {hlen})")
+    raw = bytes(view[_PREFIX:_PREFIX + hlen])
+    check = hashlib.blake2b(bytes(view[:5]) + bytes(view[_PREFIX - 4:_PREFIX]) + raw,
+                            digest_size=_DIGEST).digest()
+    if not hmac.compare_digest(check, bytes(view[5:5 + _DIGEST])):
+        raise SerializationError(f"{what}: the header is damaged (its BLAKE2b digest does not "
+                                 f"match); the data was corrupted in storage or transport")
+    head = loads_json_strict(raw, f"{what}: header", SerializationError,
+                             max_bytes=_MAX_HEADER, max_depth=_MAX_DEPTH)
+    if not isinstance(head, dict):
+        raise SerializationError(f"{what}: malformed header (not a JSON object)")
+    return view, head, hlen
 
 
 _HEX = re.compile(r"[0-9a-f]{64}")

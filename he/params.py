@@ -239,12 +239,10 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                f"the output) stays near 2^-{precision_bits} of the output range "
                f"{output_abs:.3g}; first prime {first} bits = scale + {mag_bits} bits for the "
                f"largest calibrated value {max_abs:.3g} + {_MARGIN_BITS} bits margin; special "
-               f"prime {special} bits" +
-               (f" (+{boost} against rotation noise)" if rotations else "") +
-               f"; N={ring} is the smallest ring whose {security}-bit budget "
-               f"({max_modulus_bits(ring, security)} bits) holds {sum(chain)} bits")
-        if reasons:
-            why += " (" + "; ".join(reasons) + ")"
+               f"prime {special} bits" + (f" (+{boost} against rotation noise)" if rotations
+                                          else "") + f"; N={ring} is the smallest ring whose "
+               f"{security}-bit budget ({max_modulus_bits(ring, security)} bits) holds "
+               f"{sum(chain)} bits" + (" (" + "; ".join(reasons) + ")" if reasons else ""))
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
                             levels=levels, security_bits=security,
                             expected_error=noise_unit(ring, sb, gain, rot),
