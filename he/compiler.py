@@ -93,6 +93,9 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
                                _limbs(params, lin))
         plaintexts.append((c["plaintexts"], lin))
     total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
+    # the server deserialises each input ciphertext before anything else
+    total["load"] = len(plan.input_layout)
+    seconds += total["load"] * costs.seconds("load", ring, _limbs(params, 0))
     k = plan.interleave
     client = len(plan.input_layout) * costs.seconds("encrypt", ring, _limbs(params, 0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
@@ -138,6 +141,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         held = max(held, sum(2 * ring * _limbs(params, levels[j]) * 8 * int(live[j].sum())
                              for j in alive))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
+    # the server deserialises each input ciphertext before anything else
+    total["load"] = int(live[0].sum())
+    seconds += total["load"] * costs.seconds("load", ring, _limbs(params, 0))
     client = int(live[0].sum()) * costs.seconds("encrypt", ring, _limbs(params, 0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
