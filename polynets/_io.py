@@ -87,7 +87,7 @@ def dump_safetensors(arrays: dict[str, np.ndarray], metadata: dict[str, str]) ->
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     chunks, at = [], 0
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
+        a = np.asarray(arrays[name], order="C")  # not ascontiguousarray: it makes 0-d arrays 1-d
         a = a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
         dt = names.get(a.dtype.str)
         if dt is None:

@@ -541,7 +541,7 @@ def _digest(header: str, arrays: dict[str, np.ndarray]) -> str:
     holds no checksum, and a flipped bit in a weight must be an error, not another model."""
     h = hashlib.sha256(header.encode())
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
+        a = np.asarray(arrays[name], order="C")
         h.update(json.dumps([name, a.dtype.str, list(a.shape)]).encode())
         h.update(a.reshape(-1).view(np.uint8))
     return h.hexdigest()
