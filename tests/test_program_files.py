@@ -325,3 +325,19 @@ def test_every_array_keeps_its_shape_and_dtype_zero_dimensional_ones_too(tmp_pat
     assert loaded.nodes[3].attrs["value"].shape == ()
     assert loaded.to_bytes() == program.to_bytes()
     assert np.array_equal(loaded.run(x), program.run(x))
+
+
+def test_the_io_benchmark_runs_on_a_small_model(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "program_io.py"
+    spec = importlib.util.spec_from_file_location("program_io_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--model", "padre_vit_mini", "--img-size", "8", "--in-chans", "1",
+                      "--runs", "1", "--compiled", "none", "--out", str(tmp_path / "r.json")])
+    assert res["same_outputs"] and json.loads((tmp_path / "r.json").read_text())["nodes"] > 0
+    for name in ("safetensors", "npz_baseline"):
+        assert res[name]["file_bytes"] > 0 and res[name]["load_s"] > 0
+    assert res["save_speedup"] > 0 and "framed_load_speedup" in res
