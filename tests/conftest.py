@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
+
+import polynets as pn
 
 # Property tests draw the same examples on every run (set HYPOTHESIS_PROFILE=explore to search
 # new ones): a failure in CI is then reproducible on any machine.
@@ -23,3 +26,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def hand_built_program() -> tuple[pn.PolyProgram, np.ndarray]:
+    """A program written node by node, with every kind of array attribute (weight, bias, a 0-d
+    value, a gather index with a padding -1), and four inputs for it."""
+    w = np.array([[1.0, -2.0], [0.5, 0.25], [3.0, 1.0]])
+    nodes = [pn.Node("input", (), (1, 3)),
+             pn.Node("linear", (0,), (1, 2),
+                     {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
+             pn.Node("mul", (1, 1), (1, 2)),
+             pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
+             pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
+    return pn.PolyProgram(nodes, 4), np.random.default_rng(0).standard_normal((4, 3))

@@ -113,16 +113,8 @@ def test_small_monet_decrypts_to_model_output_in_vector_packing():
     _check_matches(model, x[:2], "vector")
 
 
-def test_hand_built_program_compiles_without_a_model():
-    w = np.array([[1.0, -2.0], [0.5, 0.25], [3.0, 1.0]])
-    nodes = [pn.Node("input", (), (1, 3)),
-             pn.Node("linear", (0,), (1, 2),
-                     {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
-             pn.Node("mul", (1, 1), (1, 2)),
-             pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
-             pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
-    program = pn.PolyProgram(nodes, 4)
-    x = np.random.default_rng(0).standard_normal((4, 3))
+def test_hand_built_program_compiles_without_a_model(hand_built_program):
+    program, x = hand_built_program
     for packing in ("batch", "vector"):
         prog = he.compile(program, calibration=x, packing=packing)
         client = he.Client(prog)

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import he
-import polynets as pn
 import polynets._io as pio
 from he.container import pack, unpack
 from polynets._io import dump_safetensors, read_safetensors
@@ -36,20 +35,8 @@ class Square(nn.Module):
         return x * x
 
 
-def _hand_built() -> tuple[PolyProgram, np.ndarray]:
-    """A program with every kind of array attribute: weight, bias, value and a gather index."""
-    w = np.array([[1.0, -2.0], [0.5, 0.25], [3.0, 1.0]])
-    nodes = [pn.Node("input", (), (1, 3)),
-             pn.Node("linear", (0,), (1, 2),
-                     {"axis": 1, "weight": w, "bias": np.array([0.1, 0.2])}),
-             pn.Node("mul", (1, 1), (1, 2)),
-             pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
-             pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
-    return pn.PolyProgram(nodes, 4), np.random.default_rng(0).standard_normal((4, 3))
-
-
 @pytest.fixture(scope="module", params=["mlp", "hand-built"])
-def setup(request):
+def setup(request, hand_built_program):
     if request.param == "mlp":
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 5), Square(), nn.Linear(5, 3)).eval()
@@ -57,7 +44,7 @@ def setup(request):
         prog = he.compile(model, x, packing="batch")
         x = x.numpy().astype(np.float64)
     else:
-        program, x = _hand_built()
+        program, x = hand_built_program
         prog = he.compile(program, calibration=x, packing="vector")
     client = he.Client(prog)
     public = client.public_context()
@@ -268,8 +255,8 @@ def test_arrays_that_do_not_fit_the_program_are_refused_even_with_a_valid_digest
              "does not match its fingerprint")
 
 
-def test_a_gather_index_stored_as_floats_is_refused():
-    program, _ = _hand_built()
+def test_a_gather_index_stored_as_floats_is_refused(hand_built_program):
+    program, _ = hand_built_program
     header, arrays, name = _first_array(program.to_bytes(), "_index")
     with pytest.raises(ProgramFormatError, match="index must be an integer array"):
         PolyProgram.from_bytes(_signed(header, {**arrays, name: arrays[name].astype(np.float64)}))
@@ -314,8 +301,9 @@ def test_a_container_of_another_version_is_refused(setup):
     _refused(bytes(data), "format version 1 is not supported")
 
 
-def test_every_array_keeps_its_shape_and_dtype_zero_dimensional_ones_too(tmp_path):
-    program, x = _hand_built()
+def test_every_array_keeps_its_shape_and_dtype_zero_dimensional_ones_too(tmp_path,
+                                                                         hand_built_program):
+    program, x = hand_built_program
     program.save(tmp_path / "p.safetensors")
     loaded = PolyProgram.load(tmp_path / "p.safetensors")
     for a, b in zip(loaded.nodes, program.nodes):
