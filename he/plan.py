@@ -52,14 +52,35 @@ def next_pow2(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- layouts
+def dense(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The unpadded variant of an axis order (written with the axes as ``-(axis + 1)``)."""
+    return tuple(-(a + 1) for a in order)
+
+
+def layout_axes(order: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+    """The axes of a layout, outermost first, and whether its inner axes are padded."""
+    if order[0] < 0:
+        return tuple(-a - 1 for a in order), False
+    return tuple(order), True
+
+
 def slot_map(shape: Sequence[int], order: Order) -> np.ndarray:
-    """Slot of every element (row-major flat index) of a value of ``shape`` in layout ``order``."""
+    """Slot of every element (row-major flat index) of a value of ``shape`` in layout ``order``.
+
+    ``None`` is row-major. An axis order lays the axes out outermost first with every inner
+    axis padded to a power of two (so that each axis is a fixed stride of a power-of-two block:
+    folds and rotations stay inside it); its :func:`dense` variant pads nothing, for values
+    whose padded layout would not fit (144 channels of a 7 x 7 grid channel-major need 9,216
+    slots padded, 7,056 dense), where a map's diagonals still stay few because each axis keeps
+    one stride."""
     shape = tuple(int(s) for s in shape)
     n = int(np.prod(shape, dtype=np.int64))
     if order is None:
         return np.arange(n, dtype=np.int64)
+    axes, pad = layout_axes(order)
+    order = axes
     sizes = [shape[a] for a in order]
-    padded = [sizes[0]] + [next_pow2(s) for s in sizes[1:]]
+    padded = [sizes[0]] + [next_pow2(s) if pad else s for s in sizes[1:]]
     strides = [1] * len(order)
     for i in range(len(order) - 2, -1, -1):
         strides[i] = strides[i + 1] * padded[i + 1]
@@ -95,13 +116,17 @@ def layout_shapes(lowered: Lowered) -> list[tuple[int, ...]]:
 
 
 def candidate_orders(shape: Sequence[int], max_axes: int = 3) -> list[Order]:
-    """Layouts worth pricing: row-major, and every order of the (at most 3) non-trivial axes."""
+    """Layouts worth pricing: row-major, every order of the (at most 3) non-trivial axes, and the
+    :func:`dense` variant of each order whose padding widens the value."""
     axes = [a for a, s in enumerate(shape) if s > 1]
-    cands: list[Order] = [None]
+    orders: list[tuple[int, ...]] = []
     if 2 <= len(axes) <= max_axes:
-        cands += [tuple(p) for p in itertools.permutations(axes)]
+        orders = [tuple(p) for p in itertools.permutations(axes)]
     elif len(axes) > max_axes:
-        cands += [tuple(axes), tuple(reversed(axes))]
+        orders = [tuple(axes), tuple(reversed(axes))]
+    cands: list[Order] = [None, *orders]
+    # the unpadded variant where padding widens the value
+    cands += [dense(o) for o in orders if _width(shape, dense(o)) < _width(shape, o)]
     return cands
 
 
@@ -157,22 +182,84 @@ def _diagonals_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int
     return rows, (c - rows) % p_in, p_in
 
 
-def _bsgs(keys: np.ndarray) -> tuple[int, int]:
-    """Unit ``step`` (gcd of the offsets) and baby-step count ``n1`` (a power of two) that
-    minimise the distinct rotations, baby plus giant."""
+def _units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
+    """Diagonal offsets ``keys`` (residues modulo the power-of-two ``period``) in units of
+    ``step``: ``key = unit * step (mod period)``. ``step = 2**a * odd`` needs ``2**a`` to divide
+    every key; the odd part is inverted modulo the period, so a stride that does not divide the
+    period (49 tokens of a 7 x 7 grid laid out unpadded) is a unit too, its negative multiples
+    wrapping to the top of the range (a power-of-two baby count splits them as well as the
+    positive ones). None when ``step`` does not fit the keys."""
+    step = int(step)
+    a = (step & -step).bit_length() - 1
+    if step <= 0 or (1 << a) > period or np.any(keys & ((1 << a) - 1)):
+        return None
+    m = period >> a
+    return np.unique(((keys >> a) * pow(step >> a, -1, m)) % m)
+
+
+#: Odd strides tried as BSGS units when a map's diagonals are spread thinly over the period
+#: (a token grid of up to 255 tokens laid out unpadded, e.g. 7 x 7 = 49).
+MAX_ODD_STRIDE = 255
+
+
+def _cyclic_span(units: np.ndarray, m: int) -> int:
+    """Length of the shortest arc of ``Z_m`` holding every unit (sorted, distinct)."""
+    if units.size < 2:
+        return 1
+    gaps = np.diff(units, append=units[0] + m)
+    return m - int(gaps.max()) + 1
+
+
+def _step_candidates(keys: np.ndarray, period: int) -> list[int]:
+    """Unit steps worth trying: the gcd of the offsets and, where the offsets are spread thinly
+    over the period, the odd stride (times the gcd's power of two) that packs them into the
+    shortest arc (an unpadded grid of 49 tokens gives offsets ``49 k mod period``)."""
+    g = int(np.gcd.reduce(keys)) if keys.size else 1
+    g = g or 1
+    cands = [g]
+    units = _units(keys, g, period)
+    if units is None or keys.size < 16:
+        return cands
+    a = (g & -g).bit_length() - 1
+    m = period >> a
+    span = _cyclic_span(units, m)
+    if span <= 4 * keys.size:
+        return cands
+    red = keys >> a
+    best = (span, g)
+    for odd in range(3, min(MAX_ODD_STRIDE, m) + 1, 2):
+        u = _unique_small((red * pow(odd, -1, m)) % m, m)
+        cand = _cyclic_span(u, m)
+        if cand < best[0]:
+            best = (cand, odd << a)
+    if best[1] != g:
+        cands.append(best[1])
+    return cands
+
+
+def _unit_rotations(units: np.ndarray, n1: int) -> int:
+    """Distinct nonzero baby plus giant rotations of ``units`` split by ``n1`` (a unit is
+    ``giant * n1 + baby``; a nonzero unit multiple of the step is a nonzero rotation)."""
+    m = int(units.max()) + 1 if units.size else 1
+    return (int(np.count_nonzero(_unique_small(units % n1, n1))) +
+            int(np.count_nonzero(_unique_small(units // n1, m // n1 + 1))))
+
+
+def _bsgs(keys: np.ndarray, period: int) -> tuple[int, int]:
+    """Unit ``step`` and baby-step count ``n1`` (a power of two) that minimise the distinct
+    rotations, baby plus giant, of diagonal offsets ``keys`` modulo ``period``."""
     if keys.size == 0:
         return 1, 1
-    step = int(np.gcd.reduce(keys)) or 1
-    units = keys // step
-    span = int(units.max()) + 1
-    best = (math.inf, 1)
-    for n1 in (1 << k for k in range(0, span.bit_length() + 1)):
-        babies = _unique_small(units % n1, n1)
-        giants = _unique_small(units // n1, span // n1 + 1)
-        cost = int(np.count_nonzero(babies)) + int(np.count_nonzero(giants))
-        if cost < best[0]:
-            best = (cost, n1)
-    return step, best[1]
+    best = (math.inf, (1, 1))
+    for step in _step_candidates(keys, period):
+        units = _units(keys, step, period)
+        if units is None:
+            continue
+        for n1 in (1 << k for k in range(0, (int(units.max()) + 1).bit_length() + 1)):
+            cost = _unit_rotations(units, n1)
+            if cost < best[0]:
+                best = (cost, (step, n1))
+    return best[1]
 
 
 def _coo_int(a: sp.spmatrix) -> tuple[np.ndarray, np.ndarray]:
@@ -180,13 +267,17 @@ def _coo_int(a: sp.spmatrix) -> tuple[np.ndarray, np.ndarray]:
     return coo.row.astype(np.int64), coo.col.astype(np.int64)
 
 
-def _rotations_of(split: tuple[int, int], keys: np.ndarray) -> tuple[set[int], set[int]]:
-    """Baby and giant rotation offsets (nonzero) of diagonal offsets ``keys`` under ``split``."""
+def _rotations_of(split: tuple[int, int], keys: np.ndarray, period: int
+                  ) -> tuple[set[int] | None, set[int]]:
+    """Baby and giant rotation offsets (nonzero, modulo ``period``) of diagonal offsets
+    ``keys`` under ``split``; ``(None, set())`` when the split's step does not fit the keys."""
     step, n1 = split
-    units = keys // step
-    babies = {int(b) * step for b in np.unique(units % n1) if b}
-    giants = {int(g) * n1 * step for g in np.unique(units // n1) if g}
-    return babies, giants
+    units = _units(keys, step, period)
+    if units is None:
+        return None, set()
+    babies = {(int(b) * step) % period for b in np.unique(units % n1)}
+    giants = {(int(g) * n1 * step) % period for g in np.unique(units // n1)}
+    return babies - {0}, giants - {0}
 
 
 def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps: int = 3
@@ -208,7 +299,7 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
     for si, j, lvl, p_in, d in terms:
         var_keys.setdefault((si, p_in), []).append(((j, lvl), np.unique(d)))
     union = {v: np.unique(np.concatenate([k for _, k in ts])) for v, ts in var_keys.items()}
-    choice = {v: _bsgs(u) for v, u in union.items()}
+    choice = {v: _bsgs(u, v[1]) for v, u in union.items()}
     readers: dict[tuple[int, int], list[Var]] = {}
     for v, ts in var_keys.items():
         for src, _ in ts:
@@ -218,20 +309,23 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
             continue
         cands: dict[Var, list[tuple[int, int]]] = {}
         for v in comp:
-            u = union[v]
+            u, p_in = union[v], v[1]
             g = int(np.gcd.reduce(u)) or 1
-            units = {g} | {math.gcd(g, choice[w][0]) for w in comp}
-            span = int(u.max()) + 1
-            cands[v] = [(s, 1 << e) for s in sorted(units)
-                        for e in range(0, (span // s + 1).bit_length() + 1)]
+            steps = {g, choice[v][0]} | {math.gcd(g, choice[w][0]) for w in comp}
+            cands[v] = []
+            for st in sorted(steps):
+                units = _units(u, st, p_in)
+                if units is not None:
+                    span = int(units.max()) + 1
+                    cands[v] += [(st, 1 << e) for e in range(0, span.bit_length() + 1)]
 
         def cost(ch: dict[Var, tuple[int, int]]) -> int:
             babies: dict[tuple[int, int], set[int]] = {}
             n = 0
             for v in comp:
-                n += len(_rotations_of(ch[v], union[v])[1])
+                n += len(_rotations_of(ch[v], union[v], v[1])[1])
                 for src, k in var_keys[v]:
-                    babies.setdefault(src, set()).update(_rotations_of(ch[v], k)[0])
+                    babies.setdefault(src, set()).update(_rotations_of(ch[v], k, v[1])[0] or ())
             return n + sum(len(b) for b in babies.values())
 
         def descend(ch: dict[Var, tuple[int, int]]) -> dict[Var, tuple[int, int]]:
@@ -306,11 +400,9 @@ def _unique_small(values: np.ndarray, bound: int) -> np.ndarray:
 def _counts_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int) -> dict[str, int]:
     _, d, _ = _diagonals_of(r, c, p_in, p_out)
     keys = _unique_small(d, p_in)
-    step, n1 = _bsgs(keys)
-    units = keys // step
-    babies = int(np.count_nonzero(_unique_small(units % n1, n1)))
-    giants = int(np.count_nonzero(_unique_small(units // n1, int(units.max()) // n1 + 1)))
-    return {"rotate": babies + giants, "mul_plain": int(keys.size), "add": int(keys.size),
+    step, n1 = _bsgs(keys, p_in)
+    units = _units(keys, step, p_in)
+    return {"rotate": _unit_rotations(units, n1) if units is not None else 0, "mul_plain": int(keys.size), "add": int(keys.size),
             "plaintexts": int(keys.size), "folds": len(_folds(p_in, p_out))}
 
 
@@ -342,7 +434,11 @@ def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
     keep = v != 0
     rows, d, v = rows[keep], d[keep], v[keep]
     keys = np.unique(d)
-    step, n1 = bsgs if bsgs is not None else _bsgs(keys)
+    step, n1 = bsgs if bsgs is not None else _bsgs(keys, p_in)
+    if _units(keys, step, p_in) is None:
+        raise ValueError(f"BSGS step {step} does not fit the diagonals of this map")
+    a = (step & -step).bit_length() - 1
+    inverse = pow(step >> a, -1, p_in >> a)
     by_giant: dict[int, dict[int, np.ndarray]] = {}
     order = np.argsort(d, kind="stable")
     rows, d, v = rows[order], d[order], v[order]
@@ -352,9 +448,9 @@ def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
         np.add.at(vec, rows[lo:hi], v[lo:hi])
         if not np.any(vec):
             continue
-        g, b = divmod(int(key) // step, n1)
-        shift = g * n1 * step
-        by_giant.setdefault(shift, {})[b * step] = np.roll(vec, shift)
+        g, b = divmod(((int(key) >> a) * inverse) % (p_in >> a), n1)
+        shift = (g * n1 * step) % p_in
+        by_giant.setdefault(shift, {})[(b * step) % p_in] = np.roll(vec, shift)
     giants = sorted(by_giant)
     return MatVec(p_in, p_out, giants, [by_giant[g] for g in giants], _folds(p_in, p_out))
 

@@ -5,6 +5,7 @@ SEAL ciphertexts where it changes what runs."""
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,8 @@ from torch import nn
 import he
 import polynets as pn
 from he.costmodel import CostModel, default_model, measure
-from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, layout_groups,
+from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, dense,
+                     layout_groups, make_matvec,
                      search_layouts, shared_splits, slot_map)
 from polynets.ir.lowering import integer_factor, lower
 
@@ -135,6 +137,61 @@ def test_slot_maps_are_injective_and_pad_inner_axes_to_powers_of_two():
     assert m[idx[0, 0, 0, 1]] == 64 and m[idx[0, 1, 0, 0]] == 8 and m[idx[0, 0, 1, 0]] == 1
 
 
+def test_dense_layouts_pad_nothing_and_are_candidates_where_padding_widens():
+    shape = (1, 7, 5, 3)
+    m = slot_map(shape, dense((3, 1, 2)))   # channels outermost, unpadded: stride 7 * 5 = 35
+    idx = np.arange(105).reshape(shape)
+    assert np.unique(m).size == m.size and m.max() == 104
+    assert m[idx[0, 0, 0, 1]] == 35 and m[idx[0, 1, 0, 0]] == 5 and m[idx[0, 0, 1, 0]] == 1
+    assert dense((3, 1, 2)) in candidate_orders(shape)
+    # nothing to gain where the inner axes are powers of two already
+    assert candidate_orders((1, 8, 4, 2)) == [o for o in candidate_orders((1, 8, 4, 2))
+                                             if o is None or o[0] >= 0]
+
+
+def _apply_matvec(mv, x: np.ndarray, slots: int) -> np.ndarray:
+    """What the server computes for a MatVec, on a plaintext slot vector (rotations to the
+    left, diagonals tiled to the slots)."""
+    y = np.zeros(slots)
+    for giant, group in zip(mv.giants, mv.groups):
+        inner = sum(np.tile(diag, slots // diag.size) * np.roll(x, -b) for b, diag in group.items())
+        y += np.roll(inner, -giant)
+    for f in mv.folds:
+        y = y + np.roll(y, -f)
+    return y
+
+
+@pytest.mark.parametrize("shifts", [(0,), (0, 1, -1, 7, -7)])
+def test_a_channel_map_over_an_unpadded_token_grid_takes_few_rotations_and_is_exact(shifts):
+    """48 -> 144 channels over 49 tokens laid out channel-major unpadded (stride 49, which does
+    not divide the period): the diagonals are multiples of 49 modulo 4096, wrapped; in units of
+    49 a baby/giant split needs about 2 sqrt(#diagonals) rotations, not one per diagonal."""
+    rng = np.random.default_rng(0)
+    cin, cout, tokens, p_in, p_out = 48, 144, 49, 4096, 8192
+    rows, cols, vals = [], [], []
+    for s in shifts:
+        w = rng.standard_normal((cout, cin))
+        t = np.arange(tokens)
+        t = t[(t + s >= 0) & (t + s < tokens)]
+        for co in range(cout):
+            for ci in range(cin):
+                rows += list(co * tokens + t)
+                cols += list(ci * tokens + t + s)
+                vals += [w[co, ci]] * t.size
+    a = sp.coo_matrix((vals, (rows, cols)), shape=(cout * tokens, cin * tokens)).tocsr()
+    mv = make_matvec(a, p_in, p_out)
+    n_diag = mv.n_diagonals
+    rotations = len(mv.rotations())
+    # one stride: about 2 sqrt(#diagonals); five token shifts on top of it spread the units
+    # over five arcs, still a small multiple of sqrt(#diagonals)
+    bound = 2 * np.sqrt(n_diag) + 8 if len(shifts) == 1 else 4 * np.sqrt(n_diag)
+    assert rotations <= bound, (rotations, n_diag)
+    x = rng.standard_normal(cin * tokens)
+    slot_x = np.tile(np.pad(x, (0, p_in - x.size)), p_out // p_in)
+    y = _apply_matvec(mv, slot_x, p_out)
+    assert np.allclose(y[:cout * tokens], a @ x, atol=1e-9)
+
+
 def test_cost_model_picks_the_cheaper_layout_for_a_per_token_channel_map():
     """A map 8 -> 24 channels on each of 16 tokens: token-major (row-major) slots give it one
     diagonal per (token, offset) pair; channel-major slots one per channel offset."""
@@ -166,10 +223,10 @@ def _plan_rotations(terms, splits):
     babies, giants = {}, 0
     union = {}
     for si, j, lvl, p_in, d in terms:
-        babies.setdefault((j, lvl), set()).update(_rotations_of(splits[si, p_in], d)[0])
+        babies.setdefault((j, lvl), set()).update(_rotations_of(splits[si, p_in], d, p_in)[0])
         union.setdefault((si, p_in), []).append(d)
     for v, ds in union.items():
-        giants += len(_rotations_of(splits[v], np.unique(np.concatenate(ds)))[1])
+        giants += len(_rotations_of(splits[v], np.unique(np.concatenate(ds)), v[1])[1])
     return giants + sum(len(b) for b in babies.values())
 
 
@@ -180,12 +237,12 @@ def test_maps_of_one_input_share_baby_steps_and_take_fewer_giants():
     chans = np.arange(32) * 64
     keys = np.unique((chans[:, None] + np.array([0, 1, 8, -8, -1])[None]).ravel() % 2048)
     terms = [(1, 0, 2, 2048, keys), (2, 0, 2, 2048, keys)]
-    alone = {(1, 2048): _bsgs(keys), (2, 2048): _bsgs(keys)}
+    alone = {(1, 2048): _bsgs(keys, 2048), (2, 2048): _bsgs(keys, 2048)}
     shared = shared_splits(terms)
     assert shared[1, 2048] == shared[2, 2048]
     assert _plan_rotations(terms, shared) < _plan_rotations(terms, alone)
     # a map that shares nothing keeps its own best split
-    assert shared_splits([(3, 1, 0, 2048, keys)]) == {(3, 2048): _bsgs(keys)}
+    assert shared_splits([(3, 1, 0, 2048, keys)]) == {(3, 2048): _bsgs(keys, 2048)}
 
 
 class SharedHead(nn.Module):
