@@ -16,7 +16,7 @@ import he
 import polynets as pn
 from he.costmodel import CostModel, default_model, measure
 from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, dense,
-                     layout_groups, make_matvec,
+                     layout_groups, layout_shapes, make_matvec,
                      search_layouts, shared_splits, slot_map)
 from polynets.ir.lowering import integer_factor, lower
 
@@ -346,6 +346,32 @@ def test_random_mulayer_token_models_agree_in_every_layout(side, dim, hidden, in
         ref = model(x[:3]).double().numpy()
     assert np.max(np.abs(y - prog.simulate(x[:3]))) <= prog.params.expected_error
     assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_a_mulayer_in_dense_layouts_decrypts_to_the_model_output():
+    """Every value that has an unpadded layout laid out in it (a 7 x 7 grid: stride 49 tokens),
+    the plan rebuilt from those stored layouts: decrypt == simulate == model."""
+    torch.manual_seed(3)
+    side, dim = 7, 6
+    model = nn.Sequential(pn.MuLayer(dim, hidden=18, norm="batch", spatial_shift=True),
+                          nn.Flatten(1), nn.Linear(side * side * dim, 2))
+    x = torch.rand(6, side, side, dim) * 2 - 1
+    model = _bn_eval(model, x)
+    prog = he.compile(model, x, calibration=x, packing="vector", samples_per_ciphertext=1)
+    shapes = layout_shapes(prog.lowered)
+    layouts = []
+    for sh in shapes:
+        dense_orders = [o for o in candidate_orders(sh) if o is not None and o[0] < 0]
+        layouts.append(list(dense_orders[0]) if dense_orders else None)
+    assert sum(o is not None for o in layouts) >= 3
+    opts = {**prog.options, "layouts": layouts, "stacked": [], "planes_per_ct": None}
+    forced = he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration, opts)
+    assert [None if o is None else list(o) for o in forced.plan.orders] == layouts
+    y = _roundtrip(forced, x[:3].numpy())
+    with torch.no_grad():
+        ref = model(x[:3]).double().numpy()
+    assert np.max(np.abs(y - forced.simulate(x[:3]))) <= forced.params.expected_error
+    assert np.max(np.abs(y - ref)) <= forced.params.expected_error + 1e-4
 
 
 def test_interleaved_samples_fill_partial_and_several_groups():
