@@ -77,8 +77,7 @@ def slot_map(shape: Sequence[int], order: Order) -> np.ndarray:
     n = int(np.prod(shape, dtype=np.int64))
     if order is None:
         return np.arange(n, dtype=np.int64)
-    axes, pad = layout_axes(order)
-    order = axes
+    order, pad = layout_axes(order)
     sizes = [shape[a] for a in order]
     padded = [sizes[0]] + [next_pow2(s) if pad else s for s in sizes[1:]]
     strides = [1] * len(order)
@@ -182,19 +181,25 @@ def _diagonals_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int
     return rows, (c - rows) % p_in, p_in
 
 
-def _units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
-    """Diagonal offsets ``keys`` (residues modulo the power-of-two ``period``) in units of
-    ``step``: ``key = unit * step (mod period)``. ``step = 2**a * odd`` needs ``2**a`` to divide
-    every key; the odd part is inverted modulo the period, so a stride that does not divide the
-    period (49 tokens of a 7 x 7 grid laid out unpadded) is a unit too, its negative multiples
-    wrapping to the top of the range (a power-of-two baby count splits them as well as the
-    positive ones). None when ``step`` does not fit the keys."""
+def _key_units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
+    """Each diagonal offset of ``keys`` (residues modulo the power-of-two ``period``) in units
+    of ``step``: ``key = unit * step (mod period)``. ``step = 2**a * odd`` needs ``2**a`` to
+    divide every key; the odd part is inverted modulo the period, so a stride that does not
+    divide the period (49 tokens of a 7 x 7 grid laid out unpadded) is a unit too, its negative
+    multiples wrapping to the top of the range (a power-of-two baby count splits them as well
+    as the positive ones). None when ``step`` does not fit the keys."""
     step = int(step)
     a = (step & -step).bit_length() - 1
     if step <= 0 or (1 << a) > period or np.any(keys & ((1 << a) - 1)):
         return None
     m = period >> a
-    return np.unique(((keys >> a) * pow(step >> a, -1, m)) % m)
+    return ((keys >> a) * pow(step >> a, -1, m)) % m
+
+
+def _units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
+    """The distinct units of :func:`_key_units` (sorted)."""
+    units = _key_units(keys, step, period)
+    return None if units is None else np.unique(units)
 
 
 #: Odd strides tried as BSGS units when a map's diagonals are spread thinly over the period
@@ -402,8 +407,9 @@ def _counts_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int) -> dict[str,
     keys = _unique_small(d, p_in)
     step, n1 = _bsgs(keys, p_in)
     units = _units(keys, step, p_in)
-    return {"rotate": _unit_rotations(units, n1) if units is not None else 0, "mul_plain": int(keys.size), "add": int(keys.size),
-            "plaintexts": int(keys.size), "folds": len(_folds(p_in, p_out))}
+    return {"rotate": _unit_rotations(units, n1) if units is not None else 0,
+            "mul_plain": int(keys.size), "add": int(keys.size), "plaintexts": int(keys.size),
+            "folds": len(_folds(p_in, p_out))}
 
 
 def same_terms(terms: Sequence[sp.spmatrix], rtol: float = 1e-12) -> list[int]:
@@ -435,20 +441,19 @@ def make_matvec(a: sp.spmatrix, p_in: int, p_out: int,
     rows, d, v = rows[keep], d[keep], v[keep]
     keys = np.unique(d)
     step, n1 = bsgs if bsgs is not None else _bsgs(keys, p_in)
-    if _units(keys, step, p_in) is None:
+    units = _key_units(keys, step, p_in)
+    if units is None:
         raise ValueError(f"BSGS step {step} does not fit the diagonals of this map")
-    a = (step & -step).bit_length() - 1
-    inverse = pow(step >> a, -1, p_in >> a)
     by_giant: dict[int, dict[int, np.ndarray]] = {}
     order = np.argsort(d, kind="stable")
     rows, d, v = rows[order], d[order], v[order]
     bounds = np.searchsorted(d, keys)
-    for key, lo, hi in zip(keys, bounds, np.append(bounds[1:], d.size)):
+    for unit, lo, hi in zip(units, bounds, np.append(bounds[1:], d.size)):
         vec = np.zeros(big)
         np.add.at(vec, rows[lo:hi], v[lo:hi])
         if not np.any(vec):
             continue
-        g, b = divmod(((int(key) >> a) * inverse) % (p_in >> a), n1)
+        g, b = divmod(int(unit), n1)
         shift = (g * n1 * step) % p_in
         by_giant.setdefault(shift, {})[(b * step) % p_in] = np.roll(vec, shift)
     giants = sorted(by_giant)
