@@ -6,6 +6,12 @@ dropped by the ``l``-th rescale). A ciphertext-ciphertext product of two level-`
 exactly on ``S[l+1]``; a plaintext product encodes its plaintext at scale ``S[l]`` and lands there
 too; a value at a lower level is lifted by a multiplication with an encoded 1 chosen so that it
 arrives on the canonical scale. Additions therefore never meet mismatched scales.
+
+A wide chain (``params.pending`` 0 or 1, see :class:`~he.params.CKKSParams`) keeps two levels
+per prime: a pending level carries ``2^(2 scale_bits)`` and a product from it rescales by a prime
+of twice the scale back to ``2^scale_bits``, its plaintext encoded at ``plain_scales[l] =
+S[l+1] q / S[l]``; a product from the other levels rescales nothing. Ciphertext products happen
+only from non-pending levels.
 """
 
 from __future__ import annotations
@@ -97,31 +103,58 @@ class Engine:
         self.encoder = seal.CKKSEncoder(self.context)
         self.evaluator = seal.Evaluator(self.context)
         self.slots = self.encoder.slot_count()
-        self.parms_ids: list[Any] = []
+        chain_ids: list[Any] = []
         primes: list[int] = []
         data = self.context.first_context_data()
         while data is not None:
-            self.parms_ids.append(data.parms_id())
+            chain_ids.append(data.parms_id())
             primes.append(data.parms().coeff_modulus()[-1].value())
             data = data.next_context_data()
         self.top_chain = self.context.first_context_data().chain_index()
-        # S[l+1] = S[l]^2 / q_l doubles any offset of log2 S from the scale at every level, so
-        # S[0] is chosen where the offsets of the primes cancel: log2 S[l] then stays within the
-        # primes' own offsets of scale_bits however long the chain (2^scale_bits exactly would
-        # drift by a factor (q/2^scale_bits)^(2^l) and leave SEAL's bounds on deep chains)
+        self._chain_ids = chain_ids
+        #: parms id of every level (a wide chain has two levels per prime)
+        self.parms_ids = [chain_ids[params.chain_index(lv)] for lv in range(params.levels + 1)]
         sb = params.scale_bits
-        offset = sum((math.log2(float(primes[k])) - sb) / 2.0 ** (k + 1)
-                     for k in range(params.levels))
-        self.scales = [2.0 ** (sb + offset)]
-        for level in range(params.levels):
-            s = self.scales[-1]
-            self.scales.append(s * s / float(primes[level]))
+        if params.pending < 0:
+            # S[l+1] = S[l]^2 / q_l doubles any offset of log2 S from the scale at every level,
+            # so S[0] is chosen where the offsets of the primes cancel: log2 S[l] then stays
+            # within the primes' own offsets of scale_bits however long the chain (2^scale_bits
+            # exactly would drift by a factor (q/2^scale_bits)^(2^l) and leave SEAL's bounds on
+            # deep chains)
+            offset = sum((math.log2(float(primes[k])) - sb) / 2.0 ** (k + 1)
+                         for k in range(params.levels))
+            self.scales = [2.0 ** (sb + offset)]
+            for level in range(params.levels):
+                s = self.scales[-1]
+                self.scales.append(s * s / float(primes[level]))
+            #: scale of a plaintext multiplied into a level-l value: the product, rescaled by
+            #: the prime the level drops, lands on S[l+1]
+            self.plain_scales = self.scales[:-1]
+        else:
+            # wide: pending levels carry exactly 2^(2 sb), the others 2^sb; a product from a
+            # pending level divides by its prime q, so its plaintext carries S[l+1] q / S[l]
+            self.scales = [2.0 ** (2 * sb if lv % 2 == params.pending else sb)
+                           for lv in range(params.levels + 1)]
+            self.plain_scales = [
+                self.scales[lv + 1] * (float(primes[params.chain_index(lv)])
+                                       if params.drops(lv) else 1.0) / self.scales[lv]
+                for lv in range(params.levels)]
         self.relin_keys: Any = None
         self.galois_keys: Any = None
 
     # --------------------------------------------------------------------- bookkeeping
-    def level(self, ct: Any) -> int:
+    def chain(self, ct: Any) -> int:
+        """Primes dropped from ``ct``'s chain."""
         return self.top_chain - self.context.get_context_data(ct.parms_id()).chain_index()
+
+    def level(self, ct: Any) -> int:
+        chain = self.chain(ct)
+        if self.params.pending < 0:
+            return chain
+        # a wide chain's prime holds a pending and a canonical level: the scale tells them apart
+        cands = [lv for lv in range(self.params.levels + 1)
+                 if self.params.chain_index(lv) == chain]
+        return min(cands, key=lambda lv: abs(math.log2(ct.scale / self.scales[lv])))
 
     def encode_vector(self, values: np.ndarray, level: int, scale: float) -> Any:
         pt = seal.Plaintext()
@@ -134,8 +167,8 @@ class Engine:
         self.encoder.encode(float(value), self.parms_ids[level], scale, pt)
         return pt
 
-    def _canon(self, ct: Any) -> Any:
-        ct.scale = self.scales[self.level(ct)]
+    def _canon(self, ct: Any, level: int | None = None) -> Any:
+        ct.scale = self.scales[self.level(ct) if level is None else level]
         return ct
 
     # --------------------------------------------------------------------- arithmetic
@@ -146,23 +179,38 @@ class Engine:
             return ct
         if cur > level:
             raise ParameterError(f"cannot lower a level-{cur} ciphertext to level {level}")
+        target = self.params.chain_index(level)
         out = ct
-        if cur < level - 1:
-            out = seal.Ciphertext()
-            self.evaluator.mod_switch_to(ct, self.parms_ids[level - 1], out)
-        # out has scale S[cur] at level-1; the product with 1 at scale p, rescaled by q, must be
-        # S[level]: p = S[level] * q / S[cur].
-        q = float(self.context.get_context_data(self.parms_ids[level - 1]).parms()
-                  .coeff_modulus()[-1].value())
-        one = self.encode_scalar(1.0, level - 1, self.scales[level] * q / self.scales[cur])
         res = seal.Ciphertext()
+        if target == self.chain(ct):
+            # a wide chain's canonical level to its pending one: a product with 1, no rescale
+            one = self.encode_scalar(1.0, level, self.scales[level] / self.scales[cur])
+            self.evaluator.multiply_plain(out, one, res)
+            return self._canon(res, level)
+        # down to the chain just above the target, then a product with 1 at scale p and a
+        # rescale by that chain's last prime q: p = S[level] * q / S[cur]
+        prev = self._chain_ids[target - 1]
+        if self.chain(ct) < target - 1:
+            out = seal.Ciphertext()
+            self.evaluator.mod_switch_to(ct, prev, out)
+        q = float(self.context.get_context_data(prev).parms().coeff_modulus()[-1].value())
+        one = seal.Plaintext()
+        self.encoder.encode(1.0, prev, self.scales[level] * q / self.scales[cur], one)
         self.evaluator.multiply_plain(out, one, res)
         self.evaluator.rescale_to_next_inplace(res)
-        return self._canon(res)
+        return self._canon(res, level)
 
     def rescale(self, ct: Any) -> Any:
         self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct)
+
+    def to_level(self, ct: Any, level: int) -> Any:
+        """Finish a product (plaintext products at :attr:`plain_scales`, or two ciphertexts'
+        of a non-pending level) that reaches ``level``: rescale where the level drops a prime,
+        then the canonical scale."""
+        if self.chain(ct) < self.params.chain_index(level):
+            self.evaluator.rescale_to_next_inplace(ct)
+        return self._canon(ct, level)
 
     def mul_plain(self, ct: Any, pt: Any) -> Any:
         """``ct * pt`` without rescale (plaintext encoded at scale S[level(ct)])."""
@@ -182,7 +230,7 @@ class Engine:
     def mul_scalar(self, ct: Any, value: float) -> Any:
         """``ct * value`` without rescale."""
         return self.mul_plain(ct, self.encode_scalar(value, self.level(ct),
-                                                     self.scales[self.level(ct)]))
+                                                     self.plain_scales[self.level(ct)]))
 
     def mul_int(self, ct: Any, value: int) -> Any:
         """``ct * value`` for an integer: exact, keeps the level and the scale."""
@@ -199,13 +247,15 @@ class Engine:
         """``a * b`` (relinearised and rescaled), both lifted to a common level first."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
+        if self.params.pending >= 0 and level % 2 == self.params.pending:
+            raise ParameterError(f"a ciphertext product from pending level {level}")
         out = seal.Ciphertext()
         if a is b:
             self.evaluator.square(a, out)
         else:
             self.evaluator.multiply(a, b, out)
         self.evaluator.relinearize_inplace(out, self.relin_keys)
-        return self.rescale(out)
+        return self.to_level(out, level + 1)
 
     def add(self, a: Any, b: Any) -> Any:
         level = max(self.level(a), self.level(b))

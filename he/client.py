@@ -214,7 +214,7 @@ class Client:
         peak = float(np.max(np.abs(x)))
         params = self.program.params
         # an encoded input must fit the modulus it is encrypted under (all but the special prime)
-        bits = sum(params.coeff_mod_bit_sizes[:-1]) - params.scale_bits - 1
+        bits = sum(params.coeff_mod_bit_sizes[:-1]) - params.scale_bits_at(0) - 1
         if peak >= 2.0 ** bits:
             raise InputShapeError(f"encrypt got |x| = {peak:.4g}; these parameters hold values "
                                   f"below 2^{bits} (calibrated input range {calibrated:.4g}); "

@@ -22,7 +22,7 @@ from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.noise import noise_gain, step_values_msq
-from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params
+from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, next_pow2, search_layouts, widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
@@ -68,7 +68,7 @@ def _degree_depth(program: PolyProgram) -> tuple[int, int]:
 
 def _limbs(params: CKKSParams, level: int) -> int:
     """RNS primes a ciphertext carries at ``level`` (the special prime excluded)."""
-    return params.levels + 1 - level
+    return params.limbs(level)
 
 
 def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
@@ -76,7 +76,7 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
     """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs), relinearisation
     and Galois keys, and ``slots_ciphertexts`` live ciphertexts at the top level."""
     n = params.poly_modulus_degree
-    top = params.levels + 1
+    top = params.data_primes
     plain = sum(count * n * _limbs(params, lv) * 8 for count, lv in plaintexts)
     key = 2 * n * (top + 1) * top * 8
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
@@ -423,6 +423,39 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     return plan, opts
 
 
+def wide_phases(lowered: Lowered) -> list[int]:
+    """Parities whose levels may be pending in a wide chain: no ciphertext product from them
+    and not the output's level (see :class:`~he.params.CKKSParams`)."""
+    levels = step_levels(lowered.steps, "vector")
+    muls = {max(levels[j] for j in st.inputs) % 2 for st in lowered.steps if st.kind == "mul"}
+    last = max(levels) % 2
+    return [ph for ph in (0, 1) if ph not in muls and ph != last]
+
+
+def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
+                    costs: CostModel, options: dict[str, Any], samples: int | None,
+                    gain: tuple[float, float], err_target: float
+                    ) -> tuple[CKKSParams, VectorPlan, dict[str, Any]]:
+    """The vector plan at ``params`` and, where the program allows a wide chain of the same
+    ring that keeps the precision, the one the cost model predicts cheaper for the objective."""
+    plan, opts = _vector_choice(program, lowered, params, costs, options, samples)
+    best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size")),
+            params, plan, opts)
+    for phase in wide_phases(lowered):
+        wide = wide_variant(params, phase, gain, err_target)
+        if wide is None:
+            continue
+        build_context(wide)
+        w_plan, w_opts = _vector_choice(program, lowered, wide, costs, options, samples)
+        score = _objective_cost(w_opts["predicted"], options["objective"],
+                                options.get("batch_size"))
+        if score < best[0]:
+            w_opts["why"] += (f"; wide chain chosen: predicted {score:.3g} s against "
+                              f"{best[0]:.3g} s with one prime per level")
+            best = (score, wide, w_plan, w_opts)
+    return best[1], best[2], best[3]
+
+
 def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                   options: dict[str, Any]) -> dict[str, Any]:
     """Options of a batch-packed program: the fan-in from which each step's rows are fused
@@ -464,7 +497,9 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
         build_context(params)       # SEAL must accept the chain now, not when a client is made
         if packing == "vector":
-            plan, opts = _vector_choice(program, lowered, params, costs, options, samples)
+            err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
+            params, plan, opts = _narrow_or_wide(program, lowered, params, costs, options,
+                                                 samples, gain, err_target)
         else:
             plan, opts = None, _batch_choice(lowered, params, costs, options)
         return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,

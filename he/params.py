@@ -18,6 +18,7 @@ classical security level holds the chain. The budgets are SEAL's own
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -27,7 +28,7 @@ import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
+__all__ = ["CKKSParams", "choose_params", "wide_variant", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
            "SECURITY_LEVELS", "noise_unit"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
@@ -63,6 +64,9 @@ _MIN_SCALE_BITS = 20
 _MAX_PRIME_BITS = 60
 _MARGIN_BITS = 2
 _ROTATION_BITS = 10
+#: Bits the special prime must exceed a wide chain's primes by (key-switching noise scales with
+#: their ratio; a wide chain rotates mostly values at the squared scale)
+_WIDE_MIN_BOOST = 4
 
 
 #: Safety factor of the promised error over the noise analysis' typical maximum. With the
@@ -89,6 +93,12 @@ class CKKSParams:
 
     ``coeff_mod_bit_sizes`` is the whole chain: first (decryption) prime, ``levels`` primes of
     ``scale_bits`` bits, then the special (key-switching) prime.
+
+    ``pending`` (0 or 1; -1: none) makes a *wide* chain: the levels of that parity are pending
+    -- a value there carries the scale squared, and the next level is reached by a plaintext
+    product and one rescale by a prime of twice the scale -- so the levels need half as many
+    primes (a rotation costs about the square of the primes a ciphertext carries). Ciphertext
+    products then happen only from the other parity (see :func:`wide_phase`).
     """
 
     poly_modulus_degree: int
@@ -99,6 +109,30 @@ class CKKSParams:
     expected_error: float
     max_abs: float
     why: str
+    pending: int = -1
+
+    def chain_index(self, level: int) -> int:
+        """Primes dropped from the chain by the time a value reaches ``level``."""
+        if self.pending < 0:
+            return int(level)
+        return sum(1 for lv in range(int(level)) if lv % 2 == self.pending)
+
+    def drops(self, level: int) -> bool:
+        """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime)."""
+        return self.pending < 0 or int(level) % 2 == self.pending
+
+    def scale_bits_at(self, level: int) -> int:
+        """Bits of the scale a value carries at ``level`` (a pending level's is doubled)."""
+        return self.scale_bits * (2 if self.pending >= 0 and level % 2 == self.pending else 1)
+
+    @property
+    def data_primes(self) -> int:
+        """Primes a fresh ciphertext carries (the chain without the special prime)."""
+        return len(self.coeff_mod_bit_sizes) - 1
+
+    def limbs(self, level: int) -> int:
+        """RNS primes a ciphertext carries at ``level`` (the special prime excluded)."""
+        return self.data_primes - self.chain_index(level)
 
     @property
     def total_bits(self) -> int:
@@ -125,7 +159,7 @@ class CKKSParams:
                          scale_bits=int(d["scale_bits"]), levels=int(d["levels"]),
                          security_bits=int(d["security_bits"]),
                          expected_error=float(d["expected_error"]), max_abs=float(d["max_abs"]),
-                         why=str(d["why"]))
+                         why=str(d["why"]), pending=int(d.get("pending", -1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ParameterError(f"malformed CKKS parameter record: {exc!r}") from exc
         params.check()
@@ -136,8 +170,13 @@ class CKKSParams:
         (``security_bits``, one of :data:`SECURITY_LEVELS`)."""
         n = self.poly_modulus_degree
         budget = max_modulus_bits(n, self.security_bits)
-        if len(self.coeff_mod_bit_sizes) != self.levels + 2:
-            raise ParameterError(f"a chain for {self.levels} levels has {self.levels + 2} primes, "
+        if self.pending not in (-1, 0, 1):
+            raise ParameterError(f"pending must be -1, 0 or 1, got {self.pending}")
+        if self.pending >= 0 and self.levels % 2 == self.pending:
+            raise ParameterError("a wide chain's last level must not be a pending one")
+        want = self.chain_index(self.levels) + 2
+        if len(self.coeff_mod_bit_sizes) != want:
+            raise ParameterError(f"a chain for {self.levels} levels has {want} primes, "
                                  f"got {len(self.coeff_mod_bit_sizes)}")
         if any(not 17 <= b <= _MAX_PRIME_BITS for b in self.coeff_mod_bit_sizes):
             raise ParameterError(f"prime sizes must lie in [17, {_MAX_PRIME_BITS}] bits, got "
@@ -153,7 +192,10 @@ class CKKSParams:
                 f"{self.total_bits} bits (<= "
                 f"{max_modulus_bits(self.poly_modulus_degree, self.security_bits)} for "
                 f"{self.security_bits}-bit security), scale 2^{self.scale_bits}, "
-                f"{self.levels} levels, expected max output error {self.expected_error:.2e}\n"
+                f"{self.levels} levels" + (f" ({self.chain_index(self.levels)} wide primes, "
+                                            f"levels of parity {self.pending} pending)"
+                                            if self.pending >= 0 else "") +
+                f", expected max output error {self.expected_error:.2e}\n"
                 f"  why: {self.why}")
 
 
@@ -186,6 +228,37 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
         if levels <= supported:
             break
     return first, sb, special, boost, rot, supported
+
+
+def wide_variant(params: CKKSParams, pending: int, gain: tuple[float, float],
+                 err_target: float) -> CKKSParams | None:
+    """``params`` with a wide chain (see :class:`CKKSParams`): the same scale and first prime,
+    a prime of twice the scale per pending level, a 60-bit special prime. None when it does not
+    fit the ring's budget, the doubled primes exceed 60 bits less the margin key switching
+    wants, or its key-switching noise (special prime only a few bits above the wide primes)
+    would break the precision the narrow chain promises."""
+    sb = params.scale_bits
+    wide, special = 2 * sb, _MAX_PRIME_BITS
+    boost = special - wide
+    if boost < _WIDE_MIN_BOOST:
+        return None
+    n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
+    chain = (params.coeff_mod_bit_sizes[0],) + (wide,) * n + (special,)
+    budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
+    if sum(chain) > budget or params.levels % 2 == pending:
+        return None
+    rot = params.poly_modulus_degree * 2.0 ** -boost
+    error = noise_unit(params.poly_modulus_degree, sb, gain, rot)
+    if error > max(err_target, params.expected_error):
+        return None
+    why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "
+           f"by a rescale by a {wide}-bit prime: {n} primes for {params.levels} levels; special "
+           f"prime {special} bits (+{boost}); {sum(chain)} bits <= {budget}; the scale and first "
+           f"prime as for one prime per level: " + params.why)
+    out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending,
+                              expected_error=error, why=why)
+    out.check()
+    return out
 
 
 def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,

@@ -94,7 +94,7 @@ PLAIN_CACHE_BYTES = 256 * 2 ** 20
 
 def _plain_cache_size(eng: Engine, level: int) -> int:
     """Encoded scalars that fit :data:`PLAIN_CACHE_BYTES` at ``level``."""
-    per = eng.params.poly_modulus_degree * (eng.params.levels + 1 - level) * 8
+    per = eng.params.poly_modulus_degree * eng.params.limbs(level) * 8
     return max(64, PLAIN_CACHE_BYTES // per)
 
 
@@ -308,17 +308,17 @@ class _Plaintexts:
         self.kept_bytes = 0
         self.lazy = 0
         self._pt: dict[Any, Any] = {}
-        self._raw: dict[Any, tuple[np.ndarray, int]] = {}
+        self._raw: dict[Any, tuple[np.ndarray, int, float]] = {}
 
-    def add(self, key: Any, vec: np.ndarray, level: int) -> None:
+    def add(self, key: Any, vec: np.ndarray, level: int, scale: float) -> None:
         size = self._bytes_of(level)
-        if self._zero(vec, level):
+        if self._zero(vec, scale):
             return                          # encodes to zero: the product is skipped
         if self.kept_bytes + size <= self.budget:
-            self._pt[key] = self._encode(vec, level)
+            self._pt[key] = self._encode(vec, level, scale)
             self.kept_bytes += size
         else:
-            self._raw[key] = (vec, level)
+            self._raw[key] = (vec, level, scale)
             self.lazy += 1
 
     def __getitem__(self, key: Any) -> Any:
@@ -340,15 +340,14 @@ class VectorKernels:
         vslots = plan.virtual_slots
         budget = int(available_memory() // 2 if memory_budget is None else memory_budget)
         n = eng.params.poly_modulus_degree
-        top = eng.params.levels + 1
 
-        def encode(vec: np.ndarray, level: int) -> Any:
+        def encode(vec: np.ndarray, level: int, scale: float) -> Any:
             full = np.repeat(np.tile(vec, vslots // vec.size), plan.interleave)
-            return eng.encode_vector(full, level, eng.scales[level])
+            return eng.encode_vector(full, level, scale)
 
-        store = _Plaintexts(encode, lambda level: n * (top - level) * 8, budget,
-                            lambda vec, level: float(np.max(np.abs(vec), initial=0.0))
-                            * eng.scales[level] < 0.5)
+        store = _Plaintexts(encode, lambda level: n * eng.params.limbs(level) * 8, budget,
+                            lambda vec, scale: float(np.max(np.abs(vec), initial=0.0))
+                            * scale < 0.5)
         self.store = store
         # the cheapest to keep first: plaintexts of late (low-limb) steps are the smallest
         for si in sorted(range(len(plan.steps)), key=lambda i: -plan.steps[i].level):
@@ -359,11 +358,11 @@ class VectorKernels:
                     continue
                 for gi, group in enumerate(mv.groups):
                     for b, vec in group.items():
-                        store.add(("d", si, ti, gi, b), vec, lin)
+                        store.add(("d", si, ti, gi, b), vec, lin, eng.plain_scales[lin])
             for j, w in enumerate(st.planes):
-                store.add(("p", si, j), w, 0)
+                store.add(("p", si, j), w, 0, eng.plain_scales[0])
             if st.bias is not None:
-                store.add(("b", si), st.bias, st.level)
+                store.add(("b", si), st.bias, st.level, eng.scales[st.level])
 
 
 def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
@@ -433,7 +432,7 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         eng.add_inplace(out, ct)
         folds = list(term_folds)
     if out is not None:
-        out = _fold(eng, eng.rescale(out), folds, k)
+        out = _fold(eng, eng.to_level(out, lin + 1), folds, k)
     for mv, x in zip(st.matvecs, xs):
         if mv is None and x is not None:
             out = x if out is None else eng.add(out, x)
@@ -453,7 +452,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
                                     for j, c in enumerate(st.plane_cts)
                                     if ("p", si, j) in kern.store))
-            out = _fold(eng, eng.rescale(acc), st.plane_folds, kern.interleave)
+            out = _fold(eng, eng.to_level(acc, st.level), st.plane_folds, kern.interleave)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
             out = _affine(eng, kern, si, st, st.sources(),
