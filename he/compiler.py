@@ -434,7 +434,7 @@ def wide_phases(lowered: Lowered) -> list[int]:
 
 def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
                     costs: CostModel, options: dict[str, Any], samples: int | None,
-                    gain: tuple[float, float], err_target: float
+                    msq: list[np.ndarray], err_target: float
                     ) -> tuple[CKKSParams, VectorPlan, dict[str, Any]]:
     """The vector plan at ``params`` and, where the program allows a wide chain of the same
     ring that keeps the precision, the one the cost model predicts cheaper for the objective."""
@@ -442,7 +442,9 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
     best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size")),
             params, plan, opts)
     for phase in wide_phases(lowered):
-        wide = wide_variant(params, phase, gain, err_target)
+        wide = wide_variant(params, phase,
+                            lambda amp: noise_gain(lowered, msq, "vector", (phase, amp)),
+                            err_target)
         if wide is None:
             continue
         build_context(wide)
@@ -499,7 +501,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
         if packing == "vector":
             err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
             params, plan, opts = _narrow_or_wide(program, lowered, params, costs, options,
-                                                 samples, gain, err_target)
+                                                 samples, msq, err_target)
         else:
             plan, opts = None, _batch_choice(lowered, params, costs, options)
         return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,

@@ -5,7 +5,8 @@ from the rounding of encoded weight diagonals and from key switching). Its growt
 the lowered steps (:mod:`polynets.ir.lowering`), the maps the server actually applies, element by
 element: a weighted affine step sends the noise variances of its inputs through the squared
 weights and adds one unit for its rescale plus the rounding of its encoded weights times the
-inputs' calibrated mean squares; a product of two values multiplies each one's noise by the
+inputs' calibrated mean squares (in vector packing, each input also gets one unit for the
+key switching of its rotations before the weights apply); a product of two values multiplies each one's noise by the
 other's calibrated magnitude (added coherently, since both may carry the same upstream noise) and
 adds a rescale; a lift to a higher level adds a rescale. The calibrated magnitudes are per element
 (root mean square over the calibration data), so a wide activation's largest element does not
@@ -28,8 +29,15 @@ __all__ = ["step_values_msq", "noise_gain"]
 
 #: Rounding of an encoded weight, per unit of the input it multiplies (standard deviation, in
 #: units of the rescale noise): a scalar (batch packing) rounds once; a slot vector (vector
-#: packing) through the canonical embedding, about sqrt(N) times more, which one unit covers.
-ROUNDING = {"batch": 1.0 / 12.0, "vector": 1.0}
+#: packing) through the canonical embedding, about 0.29 sqrt(N) / scale, which against a
+#: rescale's 0.25 N / scale is 0.013 at N=8192 and less above (measured: below 0.012).
+ROUNDING = {"batch": 1.0 / 12.0, "vector": 0.02}
+#: Key-switching noise of a rotation, in units of the rescale noise, added to every input a
+#: weighted step rotates (its baby steps) at the scale: measured, a rotation adds about as much
+#: as a rescale (its modulus switch down from the special prime rounds the same way), however
+#: large the special prime; a value at the squared scale (a wide chain's pending level, a giant
+#: step before its rescale) gets it relatively 2^-scale_bits as large, so nothing there.
+ROTATION = {"batch": 0.0, "vector": 1.0}
 
 
 def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
@@ -64,12 +72,16 @@ def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
     return msq
 
 
-def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str) -> tuple[float, float]:
+def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
+               pending: tuple[int, float] | None = None) -> tuple[float, float]:
     """``(g_in, g_rs)`` of the output: the noise standard deviation of its noisiest element per
-    unit of encryption noise and per unit of rescale noise (see the module docstring)."""
+    unit of encryption noise and per unit of rescale noise (see the module docstring).
+    ``pending=(parity, a)``: on a wide chain whose levels of that parity are pending, the
+    weights multiplied there are encoded at ``1/a`` of the scale, so they round ``a`` times
+    more (:func:`he.params.wide_variant`)."""
     steps = lowered.steps
     levels = step_levels(steps, packing)
-    rounding = ROUNDING[packing]
+    base = ROUNDING[packing]
     v_in: list[np.ndarray] = []
     v_rs: list[np.ndarray] = []
     for si, st in enumerate(steps):
@@ -84,12 +96,17 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str) -> tup
         if st.kind == "affine":
             a = np.zeros(st.n)
             r = np.zeros(st.n)
+            free = affine_is_free(st, packing)
+            squared = pending is not None and level % 2 == pending[0]
+            rot = 0.0 if free or squared else ROTATION[packing]
             for m, (ai, ri), j in zip(st.terms, ins, st.inputs):
                 m2 = m.multiply(m).tocsr()
                 a += m2 @ ai
-                r += m2 @ ri
-            if not affine_is_free(st, packing):
+                r += m2 @ (ri + rot)
+            if not free:
                 r += 1.0
+                rounding = base * (pending[1] if pending is not None
+                                   and level % 2 == pending[0] else 1.0)
                 for m, j in zip(st.terms, st.inputs):
                     pattern = m.copy().tocsr()
                     pattern.data = np.ones_like(pattern.data)

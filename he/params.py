@@ -22,13 +22,13 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "wide_variant", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
+__all__ = ["CKKSParams", "choose_params", "wide_variant", "wide_prime_bits", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
            "SECURITY_LEVELS", "noise_unit"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
@@ -67,24 +67,34 @@ _ROTATION_BITS = 10
 #: Bits the special prime must exceed a wide chain's primes by (key-switching noise scales with
 #: their ratio; a wide chain rotates mostly values at the squared scale)
 _WIDE_MIN_BOOST = 4
+#: Fewest bits of the plaintext scale of a map from a pending level (``wide prime - scale``):
+#: where twice the scale exceeds the widest prime, the weights are encoded at less than the
+#: scale, and the noise analysis decides whether the precision survives; below this, not tried
+_WIDE_MIN_PLAIN_BITS = 16
 
 
-#: Safety factor of the promised error over the noise analysis' typical maximum. With the
-#: per-element analysis of :mod:`he.noise`, measured maxima reach 1.4x that typical maximum times
-#: 3 on small random Mu-Layer models in vector packing (18 trials) and 0.03-0.33x on MONets and
-#: token models; 8 keeps the largest below 0.55.
+#: Noise standard deviations, in units of the scale, per unit of ring degree N: a fresh
+#: (public-key) encryption and a rescale (or a rotation's modulus switch down), both grow as N,
+#: not sqrt(N) (the rounding polynomial times the secret key); measured with SEAL 4 (TenSEAL
+#: 0.3.18): 0.16-0.17 N fresh, 0.18-0.19 N per plaintext product and rescale, at N=8192 and 16384.
+_ENC_NOISE = 0.25
+_RESCALE_NOISE = 0.25
+#: Safety factor of the promised error over the noise analysis' standard deviation of the
+#: noisiest output element (a maximum over many elements reaches 3-4 of them).
 _TAIL = 8.0
 
 
 def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
                rotation: float = 0.0) -> float:
-    """Promised max output error: (secret-key) encryption noise ``~48 sqrt(N)``, rescale noise
-    ``~24 sqrt(N)`` plus ``rotation`` (key-switching noise per rotated value), in units of the
-    scale, weighted by the program's gains ``(g_in, g_rs)`` (:func:`he.noise.noise_gain`), times
-    the safety factor :data:`_TAIL`."""
+    """Promised max output error: encryption noise :data:`_ENC_NOISE` N, rescale noise
+    :data:`_RESCALE_NOISE` N plus ``rotation`` (the key-switching noise that grows with the
+    largest prime over the special prime), in units of the scale, weighted by the program's
+    gains ``(g_in, g_rs)`` (:func:`he.noise.noise_gain`), times the safety factor
+    :data:`_TAIL`."""
     g_in, g_rs = gain
-    root = math.sqrt(ring_degree)
-    return _TAIL * (g_in * 48.0 * root + g_rs * (24.0 * root + rotation)) / 2.0 ** scale_bits
+    n = float(ring_degree)
+    return _TAIL * (g_in * _ENC_NOISE * n + g_rs * (_RESCALE_NOISE * n + rotation)) / \
+        2.0 ** scale_bits
 
 
 @dataclass(frozen=True)
@@ -181,6 +191,11 @@ class CKKSParams:
         if any(not 17 <= b <= _MAX_PRIME_BITS for b in self.coeff_mod_bit_sizes):
             raise ParameterError(f"prime sizes must lie in [17, {_MAX_PRIME_BITS}] bits, got "
                                  f"{list(self.coeff_mod_bit_sizes)}")
+        if self.pending >= 0 and any(b - self.scale_bits < _WIDE_MIN_PLAIN_BITS
+                                     for b in self.coeff_mod_bit_sizes[1:-1]):
+            raise ParameterError(f"a wide chain's primes must exceed the scale by at least "
+                                 f"{_WIDE_MIN_PLAIN_BITS} bits, got "
+                                 f"{list(self.coeff_mod_bit_sizes)} at scale 2^{self.scale_bits}")
         if self.total_bits > budget:
             raise ParameterError(
                 f"modulus of {self.total_bits} bits exceeds the {budget} bits allowed "
@@ -230,31 +245,47 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
     return first, sb, special, boost, rot, supported
 
 
-def wide_variant(params: CKKSParams, pending: int, gain: tuple[float, float],
+def wide_prime_bits(scale_bits: int) -> int | None:
+    """Bits of a wide chain's primes for a scale: twice the scale, or the widest prime that
+    leaves the special prime :data:`_WIDE_MIN_BOOST` bits above it (the plaintexts of maps from
+    pending levels then carry ``2^(prime - scale)``, less than the scale); None when that
+    plaintext scale would have fewer than :data:`_WIDE_MIN_PLAIN_BITS` bits."""
+    wide = min(2 * int(scale_bits), _MAX_PRIME_BITS - _WIDE_MIN_BOOST)
+    return wide if wide - int(scale_bits) >= _WIDE_MIN_PLAIN_BITS else None
+
+
+def wide_variant(params: CKKSParams, pending: int,
+                 gain: Callable[[float], tuple[float, float]],
                  err_target: float) -> CKKSParams | None:
     """``params`` with a wide chain (see :class:`CKKSParams`): the same scale and first prime,
-    a prime of twice the scale per pending level, a 60-bit special prime. None when it does not
-    fit the ring's budget, the doubled primes exceed 60 bits less the margin key switching
-    wants, or its key-switching noise (special prime only a few bits above the wide primes)
-    would break the precision the narrow chain promises."""
+    one prime of :func:`wide_prime_bits` per pending level, a 60-bit special prime. ``gain(a)``
+    gives the program's noise gains (:func:`he.noise.noise_gain`) when the rounding of the
+    weights multiplied at pending levels is ``a`` times that at the scale. None when the chain
+    does not fit the ring's budget or the precision the narrow chain promises would not
+    survive its noise (weights encoded below the scale, key switching with a special prime
+    only a few bits above the wide primes)."""
     sb = params.scale_bits
-    wide, special = 2 * sb, _MAX_PRIME_BITS
-    boost = special - wide
-    if boost < _WIDE_MIN_BOOST:
+    wide = wide_prime_bits(sb)
+    if wide is None or params.levels % 2 == pending:
         return None
+    special = _MAX_PRIME_BITS
+    boost = special - wide
     n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
     chain = (params.coeff_mod_bit_sizes[0],) + (wide,) * n + (special,)
     budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
-    if sum(chain) > budget or params.levels % 2 == pending:
+    if sum(chain) > budget:
         return None
     rot = params.poly_modulus_degree * 2.0 ** -boost
-    error = noise_unit(params.poly_modulus_degree, sb, gain, rot)
+    amplified = 2.0 ** (2 * sb - wide)
+    error = noise_unit(params.poly_modulus_degree, sb, gain(amplified), rot)
     if error > max(err_target, params.expected_error):
         return None
     why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "
-           f"by a rescale by a {wide}-bit prime: {n} primes for {params.levels} levels; special "
-           f"prime {special} bits (+{boost}); {sum(chain)} bits <= {budget}; the scale and first "
-           f"prime as for one prime per level: " + params.why)
+           f"by a rescale by a {wide}-bit prime: {n} primes for {params.levels} levels; "
+           + (f"weights of maps from pending levels encoded at 2^{wide - sb}; "
+              if wide < 2 * sb else "")
+           + f"special prime {special} bits (+{boost}); {sum(chain)} bits <= {budget}; the "
+           f"scale and first prime as for one prime per level: " + params.why)
     out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending,
                               expected_error=error, why=why)
     out.check()

@@ -432,7 +432,9 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         eng.add_inplace(out, ct)
         folds = list(term_folds)
     if out is not None:
-        out = _fold(eng, eng.to_level(out, lin + 1), folds, k)
+        # folded before the rescale: at the product's scale a rotation's key-switching noise
+        # and the copies' rescale noise (summed over the blocks) are negligible
+        out = eng.to_level(_fold(eng, out, folds, k), lin + 1)
     for mv, x in zip(st.matvecs, xs):
         if mv is None and x is not None:
             out = x if out is None else eng.add(out, x)
@@ -452,7 +454,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
                                     for j, c in enumerate(st.plane_cts)
                                     if ("p", si, j) in kern.store))
-            out = _fold(eng, eng.to_level(acc, st.level), st.plane_folds, kern.interleave)
+            out = eng.to_level(_fold(eng, acc, st.plane_folds, kern.interleave), st.level)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
             out = _affine(eng, kern, si, st, st.sources(),

@@ -67,3 +67,38 @@ def test_the_promise_bounds_a_deep_monets_error_and_is_not_vacuous():
     err = float(np.max(np.abs(got - prog.simulate(x[:2].numpy()))))
     assert err <= prog.params.expected_error
     assert err >= prog.params.expected_error * 1e-3
+
+
+def test_a_rotated_input_carries_key_switching_noise_in_vector_packing_only():
+    """A rotation adds about one rescale's noise (measured): a weighted map in vector packing
+    counts it on each input it rotates, batch packing (no rotations) does not, and a map reading
+    a wide chain's pending level (the squared scale) does not either."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4)
+    x = torch.randn(64, 6)
+    low = _lowered(nn.Sequential(Square(), lin), x)
+    msq = step_values_msq(low, x.numpy())
+    w2 = lin.weight.detach().numpy().astype(np.float64) ** 2
+    _, vec = noise_gain(low, msq, "vector")
+    # the map reads level 1 (after the square's rescale); as pending parity 1 it is squared
+    _, pend = noise_gain(low, msq, "vector", (1, 1.0))
+    assert vec ** 2 - pend ** 2 > 0.99 * (w2 @ np.ones(6)).max()
+    assert vec > pend
+
+
+def test_folded_sums_keep_a_wide_heads_error_under_the_promise():
+    """A head that sums 1,024 slots into 2 outputs folds its blocks 9 times: folded at the
+    product's scale, before the one rescale, the sum adds one rescale's noise (folded after it,
+    each fold's rotation and every block's rescale noise add up, about 30 times the promise's
+    unit on such a head, and the error exceeded the promise)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), Square(), nn.Linear(1024, 2))
+    # small inputs: the weights' rounding (which scales with them) does not hide the sum's noise
+    x = 0.05 * torch.rand(16, 1, 32, 32)
+    prog = he.compile(model, x[:1], calibration=x, packing="vector", samples_per_ciphertext=1,
+                      ring_degree=8192, precision_bits=12)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:4].numpy()).to_bytes()).to_bytes())
+    err = np.max(np.abs(y - prog.simulate(x[:4].numpy())))
+    assert err <= prog.params.expected_error

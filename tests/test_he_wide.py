@@ -53,7 +53,7 @@ def _wide_program(model: nn.Module, x: torch.Tensor) -> he.CompiledProgram:
                       scale_bits=26, ring_degree=16384)
     phases = wide_phases(prog.lowered)
     assert phases, "the model's products should all start from one parity"
-    wide = wide_variant(prog.params, phases[0], (1.0, 1.0), 1.0)
+    wide = wide_variant(prog.params, phases[0], lambda amp: (1.0, 1.0), 1.0)
     assert wide is not None
     return he.CompiledProgram(prog.program, wide, "vector", prog.calibration, prog.options)
 
@@ -62,7 +62,7 @@ def test_a_wide_chain_holds_two_levels_per_prime():
     base = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(36,) + (26,) * 5 + (36,),
                       scale_bits=26, levels=5, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    wide = wide_variant(base, 0, (1.0, 1.0), 1.0)
+    wide = wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0)
     assert wide is not None
     assert wide.coeff_mod_bit_sizes == (36, 52, 52, 52, 60)
     assert [wide.chain_index(lv) for lv in range(6)] == [0, 1, 1, 2, 2, 3]
@@ -81,15 +81,42 @@ def test_a_wide_chain_holds_two_levels_per_prime():
         dataclasses.replace(wide, pending=2).check()
     with pytest.raises(ParameterError, match="primes"):
         dataclasses.replace(wide, coeff_mod_bit_sizes=(36, 52, 52, 60)).check()
-    # primes of twice a 29-bit scale leave the 60-bit special prime too little margin
-    assert wide_variant(dataclasses.replace(base, scale_bits=29), 0, (1.0, 1.0), 1.0) is None
+    # a wide record whose primes leave the weights too few bits is refused
+    with pytest.raises(ParameterError, match="exceed the scale"):
+        dataclasses.replace(wide, coeff_mod_bit_sizes=(36, 40, 52, 52, 60)).check()
+
+
+def test_a_scale_above_28_bits_gets_56_bit_primes_and_the_noise_analysis_decides():
+    """Twice a 31-bit scale would leave the 60-bit special prime too little margin: the primes
+    stay at 56 bits, the weights of maps from pending levels are encoded at 2^25 (rounding 2^6
+    times more), and the chain is taken only if the noise analysis keeps the precision."""
+    base = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(41,) + (31,) * 5 + (41,),
+                      scale_bits=31, levels=5, security_bits=128, expected_error=1e-3,
+                      max_abs=4.0, why="")
+    seen: list[float] = []
+
+    def gain(amp: float) -> tuple[float, float]:
+        seen.append(amp)
+        return (1.0, amp)
+
+    wide = wide_variant(base, 0, gain, 1.0)
+    assert wide is not None and seen == [2.0 ** 6]
+    assert wide.coeff_mod_bit_sizes == (41, 56, 56, 56, 60)
+    assert "encoded at 2^25" in wide.why
+    eng = Engine(wide)
+    assert 2 ** 24 < eng.plain_scales[0] < 2 ** 26
+    # the same chain is refused where the amplified rounding breaks the promise
+    assert wide_variant(base, 0, lambda amp: (1.0, amp * 1e9), 1e-3) is None
+    # at 41 bits the weights would get 15 bits: not tried
+    big = dataclasses.replace(base, scale_bits=41, coeff_mod_bit_sizes=(51,) + (41,) * 5 + (51,))
+    assert wide_variant(big, 0, lambda amp: (1.0, 1.0), 1.0) is None
 
 
 def test_engine_scales_on_a_wide_chain_land_products_on_the_next_level():
     base = CKKSParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(30, 25, 25, 25, 40),
                       scale_bits=25, levels=3, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    wide = wide_variant(base, 0, (1.0, 1.0), 1.0)
+    wide = wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0)
     eng = Engine(wide)
     assert eng.scales == [2.0 ** 50, 2.0 ** 25, 2.0 ** 50, 2.0 ** 25]
     # from a pending level: S[l] * p / q = S[l+1]; from the others: S[l] * p = S[l+1]
@@ -123,7 +150,7 @@ def test_a_ciphertext_product_from_a_pending_level_is_refused():
     base = CKKSParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(30, 25, 25, 25, 40),
                       scale_bits=25, levels=3, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    eng = Engine(wide_variant(base, 0, (1.0, 1.0), 1.0))
+    eng = Engine(wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0))
     pk = seal.PublicKey()
     seal.KeyGenerator(eng.context).create_public_key(pk)
     ct = seal.Ciphertext()
@@ -137,14 +164,16 @@ def test_a_ciphertext_product_from_a_pending_level_is_refused():
 def test_the_compiler_takes_a_wide_chain_where_the_cost_model_prices_it_cheaper():
     """Deep enough that one prime per level needs many primes: the wide chain carries about half
     as many, so its rotations and products cost less, and the compiler says why it took it;
-    where the precision asked for rules the wide chain out, it keeps one prime per level."""
+    where the wide chain would lose precision, it keeps one prime per level."""
     model, x = _token_model(depth=3)
     kw = dict(calibration=x, packing="vector", samples_per_ciphertext=1, scale_bits=26,
               ring_degree=16384)
     prog = he.compile(model, x, precision_bits=4, **kw)
     assert prog.params.pending >= 0, prog.params
     assert "wide chain chosen" in prog.plan.why
-    narrow = he.compile(model, x, precision_bits=30, **kw)
+    # at a 36-bit scale the wide primes (56 bits) leave the weights 20 bits: their rounding
+    # would break the precision of one prime per level, so the compiler keeps that
+    narrow = he.compile(model, x, precision_bits=30, **{**kw, "scale_bits": 36})
     assert narrow.params.pending == -1
     assert (prog.plan.predicted["seconds_per_ciphertext"] <
             narrow.plan.predicted["seconds_per_ciphertext"])
