@@ -247,12 +247,12 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
 
 
 def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
-                precision_bits: int) -> dict:
+                precision_bits: int, costs: he.costmodel.CostModel | None = None) -> dict:
     """Latency (one image per round trip) and the filled-ciphertext throughput."""
     rss0 = _rss_mib()
     t0 = time.perf_counter()
     prog = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
-                      precision_bits=precision_bits)
+                      precision_bits=precision_bits, cost_model=costs)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     client = he.Client(prog)
@@ -296,7 +296,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
-               workers: int, budget_s: float) -> dict:
+               workers: int, budget_s: float,
+               costs: he.costmodel.CostModel | None = None) -> dict:
     """Batch packing: the test images fill the slots of ``workers`` ciphertext groups (repeated
     up to that many samples, so the figure is the amortised cost of full groups); the client
     encrypts and the server evaluates with ``workers`` processes (independent groups run side by
@@ -304,7 +305,7 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     program and keys also run one group in one process, for the single-core figure. Skipped
     (predicted figures only) when the cost model predicts a group above ``budget_s``."""
     prog = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
-                      precision_bits=precision_bits)
+                      precision_bits=precision_bits, cost_model=costs)
     pred = prog.plan.predicted
     slots = prog.params.slots
     res = {"params": str(prog.params), "ring": prog.params.poly_modulus_degree,
@@ -356,6 +357,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "no Orion form)")
     ap.add_argument("--orion-accuracy", type=int, default=100,
                     help="test images Orion classifies encrypted")
+    ap.add_argument("--shipped-costs", action="store_true",
+                    help="plan with the cost table shipped with the package (or this machine's "
+                         "cached one) instead of timing SEAL's primitives at the start of the run "
+                         "(the machine's speed drifts; predictions are compared with "
+                         "measurements of the same run)")
     ap.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" /
                                             "he_inference.json"))
     args = ap.parse_args(argv)
@@ -367,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     ynp = yte.numpy()
     n = args.n_latency
 
+    costs = None if args.shipped_costs else he.costmodel.measure(progress=True)
     t0 = time.perf_counter()
     base_model = train(TutorialConvNet(), xtr, ytr, 1 if args.quick else 10, augment=False,
                        lr=1e-3, tutorial=True)
@@ -378,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "python": platform.python_version(), "tenseal": ts.__version__,
                     "torch": torch.__version__},
         "data": {"train": len(xtr), "test": len(xte), "latency_images": n},
-        "cost_model": he.costmodel.default_model().source,
+        "cost_model": (costs or he.costmodel.default_model()).source
+        + ("" if costs is None else " (timed at the start of this run)"),
         "baseline_tenseal_tutorial": {
             "plain_accuracy": accuracy(base_plain, ynp),
             "encrypted_accuracy_latency_subset": accuracy(base["logits"], ynp[:n]),
@@ -403,9 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
             plain = model(xte).double().numpy()
         cert = pn.certify(model, xte[:1])
         print(cert)
-        vec = ours_vector(model, xtr, xte, n, args.precision_bits)
+        vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs)
         bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
-                         args.batch_budget)
+                         args.batch_budget, costs)
         entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
                  "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
                  "vector": {k: v for k, v in vec.items() if k != "logits"},

@@ -258,7 +258,8 @@ def wide_variant(params: CKKSParams, pending: int,
                  gain: Callable[[float], tuple[float, float]],
                  err_target: float) -> CKKSParams | None:
     """``params`` with a wide chain (see :class:`CKKSParams`): the same scale and first prime,
-    one prime of :func:`wide_prime_bits` per pending level, a 60-bit special prime. ``gain(a)``
+    one prime of :func:`wide_prime_bits` per pending level, the widest special prime (up to 60
+    bits) the ring's budget leaves, at least :data:`_WIDE_MIN_BOOST` bits above them. ``gain(a)``
     gives the program's noise gains (:func:`he.noise.noise_gain`) when the rounding of the
     weights multiplied at pending levels is ``a`` times that at the scale. None when the chain
     does not fit the ring's budget or the precision the narrow chain promises would not
@@ -268,13 +269,15 @@ def wide_variant(params: CKKSParams, pending: int,
     wide = wide_prime_bits(sb)
     if wide is None or params.levels % 2 == pending:
         return None
-    special = _MAX_PRIME_BITS
-    boost = special - wide
     n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
-    chain = (params.coeff_mod_bit_sizes[0],) + (wide,) * n + (special,)
+    data = (params.coeff_mod_bit_sizes[0],) + (wide,) * n
     budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
-    if sum(chain) > budget:
+    # the widest special prime the budget leaves (key-switching noise falls with it)
+    special = min(_MAX_PRIME_BITS, budget - sum(data))
+    boost = special - wide
+    if boost < _WIDE_MIN_BOOST:
         return None
+    chain = data + (special,)
     rot = params.poly_modulus_degree * 2.0 ** -boost
     amplified = 2.0 ** (2 * sb - wide)
     error = noise_unit(params.poly_modulus_degree, sb, gain(amplified), rot)
