@@ -26,6 +26,7 @@ import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
 from he.params import CKKSParams, seal_security_level
+from he.plan import rotation_path
 
 __all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements"]
 
@@ -141,6 +142,8 @@ class Engine:
                 for lv in range(params.levels)]
         self.relin_keys: Any = None
         self.galois_keys: Any = None
+        #: rotation steps the Galois keys cover when they are a key basis; None: every step
+        self.key_steps: frozenset[int] | None = None
 
     # --------------------------------------------------------------------- bookkeeping
     def chain(self, ct: Any) -> int:
@@ -280,9 +283,11 @@ class Engine:
         return out
 
     def rotate(self, ct: Any, step: int) -> Any:
-        step = int(step) % self.slots
-        if step == 0:
-            return ct
-        out = seal.Ciphertext()
-        self.evaluator.rotate_vector(ct, step, self.galois_keys, out)
-        return out
+        """``ct`` rotated left by ``step`` slots: one key switching, or where the keys are a
+        power-of-two basis (:attr:`key_steps`), the composition :func:`he.plan.rotation_path`
+        gives."""
+        for s in rotation_path(step, self.slots, self.key_steps):
+            out = seal.Ciphertext()
+            self.evaluator.rotate_vector(ct, s, self.galois_keys, out)
+            ct = out
+        return ct

@@ -155,7 +155,7 @@ class Client:
             self.relin_keys = seal.RelinKeys()
             keygen.create_relin_keys(self.relin_keys)
             self.galois_keys = None
-            steps = program.plan.rotations()
+            steps = program.plan.galois_steps()
             if steps:
                 self.galois_keys = seal.GaloisKeys()
                 elements = galois_elements(steps, program.params.poly_modulus_degree)
@@ -386,6 +386,8 @@ class Server:
         pk, rk, gk = _load_public(self.engine.context, blobs)
         self.engine.relin_keys = rk
         self.engine.galois_keys = gk
+        if program.packing == "vector" and program.plan.key_steps is not None:
+            self.engine.key_steps = frozenset(program.plan.key_steps)
         self._encryptor = seal.Encryptor(self.engine.context, pk)
         self.context_bytes = len(public_context)
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \

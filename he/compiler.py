@@ -24,7 +24,8 @@ from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
-                     choose_plane_packing, next_pow2, search_layouts, widest_period)
+                     choose_plane_packing, key_basis, next_pow2, rotation_path, search_layouts,
+                     widest_period)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
@@ -101,7 +102,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
-            "server_memory_bytes": _server_memory(params, plaintexts, len(plan.rotations()),
+            "server_memory_bytes": _server_memory(params, plaintexts, len(plan.galois_steps()),
                                                   len(plan.steps))}
 
 
@@ -199,6 +200,11 @@ class CompiledProgram:
                 planes_per_ct=None if per_ct is None else {int(k): int(v)
                                                            for k, v in per_ct.items()},
                 stacked=stacked)
+            keys = self.options.get("keys", "direct")
+            if keys not in ("direct", "basis"):
+                raise ValueError(f"keys must be 'direct' or 'basis', got {keys!r}")
+            if keys == "basis":
+                self.plan.key_steps = key_basis(params.slots)
         else:
             live = live_rows(self.lowered)
             self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
@@ -260,7 +266,7 @@ class CompiledProgram:
         if isinstance(self.plan, VectorPlan):
             s = self.plan.cost()
             lines.append(f"  vector plan: {self.plan.interleave} sample(s) per ciphertext, "
-                         f"{s['rotations']} rotations ({len(self.plan.rotations())} Galois keys), "
+                         f"{s['rotations']} rotations ({len(self.plan.galois_steps())} Galois keys), "
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
                          f"group")
@@ -458,6 +464,47 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
     return best[1], best[2], best[3]
 
 
+def _vector_gain(lowered: Lowered, msq: list[np.ndarray], params: CKKSParams,
+                 hops: float = 1.0) -> tuple[float, float]:
+    """The noise gains of a vector program on ``params``' chain (a wide chain's weights at
+    pending levels encoded at ``2^(prime - scale)``), ``hops`` key switchings per rotation."""
+    pending = None
+    if params.pending >= 0:
+        amp = 2.0 ** (2 * params.scale_bits - params.coeff_mod_bit_sizes[1])
+        pending = (params.pending, amp)
+    return noise_gain(lowered, msq, "vector", pending, hops)
+
+
+def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict[str, Any],
+              memory_budget: int | None, lowered: Lowered, msq: list[np.ndarray]
+              ) -> tuple[CKKSParams, dict[str, Any]]:
+    """``params`` and the options of ``plan`` with its Galois keys a power-of-two basis (each
+    rotation composed from a few of them, :func:`he.plan.rotation_path`) where one key per
+    distinct rotation would put the server over ``memory_budget`` (default: the memory
+    available now) and the basis needs fewer keys; else both unchanged. The promised error
+    grows with the key switchings of the longest composed rotation."""
+    budget = available_memory() if memory_budget is None else int(memory_budget)
+    old = opts["predicted"]
+    direct = plan.rotations()
+    basis = key_basis(plan.slots)
+    if old["server_memory_bytes"] <= budget or len(basis) >= len(direct):
+        return params, opts
+    plan.key_steps = basis
+    new = _predict_vector(plan, params, costs)
+    hops = max(len(rotation_path(r, plan.slots, basis)) for r in direct)
+    g_one, g_hops = _vector_gain(lowered, msq, params)[1], _vector_gain(lowered, msq, params,
+                                                                        hops)[1]
+    params = dataclasses.replace(
+        params, expected_error=params.expected_error * max(1.0, g_hops / max(g_one, 1e-300)))
+    gib = 2.0 ** 30
+    why = (f"; Galois keys for {direct} distinct rotations would put the server at "
+           f"{old['server_memory_bytes'] / gib:.1f} GiB > {budget / gib:.1f} GiB: rotations "
+           f"composed from {len(basis)} power-of-two keys ({new['server_memory_bytes'] / gib:.1f}"
+           f" GiB; predicted {new['seconds_per_ciphertext']:.3g} s per ciphertext against "
+           f"{old['seconds_per_ciphertext']:.3g} s)")
+    return params, {**opts, "keys": "basis", "predicted": new, "why": opts["why"] + why}
+
+
 def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                   options: dict[str, Any]) -> dict[str, Any]:
     """Options of a batch-packed program: the fan-in from which each step's rows are fused
@@ -475,7 +522,8 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
 def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,
                      maxabs: list[float], msq: list[np.ndarray], options: dict[str, Any],
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
-                     scale_bits: int | None, samples: int | None) -> CompiledProgram:
+                     scale_bits: int | None, samples: int | None,
+                     memory_budget: int | None = None) -> CompiledProgram:
     gain = noise_gain(lowered, msq, packing)
     levels = lowered.depth_levels(packing)
     notes: list[str] = []
@@ -502,6 +550,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
             params, plan, opts = _narrow_or_wide(program, lowered, params, costs, options,
                                                  samples, msq, err_target)
+            params, opts = _fit_keys(plan, params, costs, opts, memory_budget, lowered, msq)
         else:
             plan, opts = None, _batch_choice(lowered, params, costs, options)
         return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,
@@ -599,8 +648,10 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         security: classical security in bits, 128, 192 or 256 (SEAL's modulus budgets; higher
             levels hold fewer levels per ring, so may need a larger ring).
         memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
-            predicted server memory exceeds it is chosen only when none fits (default: the
-            memory available on this machine now).
+            predicted server memory exceeds it is chosen only when none fits, and a vector plan
+            whose Galois keys (one per distinct rotation) would exceed it composes its rotations
+            from a power-of-two key basis instead (default: the memory available on this
+            machine now).
 
     Raises:
         NotEncryptableError: the model is not a polynomial (message names the modules), or an
@@ -631,7 +682,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         try:
             found.append(_compile_packing(program, lowered, kind, cert, maxabs, msq, options,
                                           rings, costs, precision_bits, scale_bits,
-                                          samples_per_ciphertext))
+                                          samples_per_ciphertext, memory_budget))
         except TooDeepError as exc:
             error = exc
     if not found:

@@ -165,7 +165,7 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
     public = client.public_context()
     server = he.Server(he.CompiledProgram.from_bytes(prog.to_bytes()), public)
     echo(f"   public context {len(public) / 2 ** 20:.1f} MiB (public, relinearisation and "
-         f"{len(prog.plan.rotations())} Galois keys, no secret key)")
+         f"{len(prog.plan.galois_steps())} Galois keys, no secret key)")
 
     k = prog.samples_per_ciphertext
     dec, total_s = _classify(prog, client, server, xte, progress, echo)

@@ -73,12 +73,14 @@ def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
 
 
 def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
-               pending: tuple[int, float] | None = None) -> tuple[float, float]:
+               pending: tuple[int, float] | None = None,
+               rotation_hops: float = 1.0) -> tuple[float, float]:
     """``(g_in, g_rs)`` of the output: the noise standard deviation of its noisiest element per
     unit of encryption noise and per unit of rescale noise (see the module docstring).
     ``pending=(parity, a)``: on a wide chain whose levels of that parity are pending, the
     weights multiplied there are encoded at ``1/a`` of the scale, so they round ``a`` times
-    more (:func:`he.params.wide_variant`)."""
+    more (:func:`he.params.wide_variant`). ``rotation_hops``: key switchings per rotation (more
+    than one where rotations are composed from a key basis, :func:`he.plan.rotation_path`)."""
     steps = lowered.steps
     levels = step_levels(steps, packing)
     base = ROUNDING[packing]
@@ -98,7 +100,7 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
             r = np.zeros(st.n)
             free = affine_is_free(st, packing)
             squared = pending is not None and level % 2 == pending[0]
-            rot = 0.0 if free or squared else ROTATION[packing]
+            rot = 0.0 if free or squared else ROTATION[packing] * rotation_hops
             for m, (ai, ri), j in zip(st.terms, ins, st.inputs):
                 m2 = m.multiply(m).tocsr()
                 a += m2 @ ai

@@ -39,7 +39,8 @@ import scipy.sparse as sp
 
 from polynets.ir.lowering import Lowered, affine_is_free, is_identity, step_levels
 
-__all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map",
+__all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "key_basis",
+           "rotation_path",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
            "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms"]
@@ -489,6 +490,47 @@ class VStep:
         return [tuple(self.inputs[u] for u in g) if g else None for g in self.sums]
 
 
+def key_basis(slots: int) -> list[int]:
+    """Rotation steps of a power-of-two key basis: ``2^i`` and ``-2^i`` (mod ``slots``), from
+    which :func:`rotation_path` composes every rotation (about ``2 log2(slots)`` Galois keys
+    instead of one per distinct rotation)."""
+    out: set[int] = set()
+    p = 1
+    while p < slots:
+        out |= {p, slots - p}
+        p *= 2
+    return sorted(out)
+
+
+def rotation_path(step: int, slots: int, keys: Sequence[int] | None) -> list[int]:
+    """The rotations (mod ``slots``) whose composition rotates by ``step``: the step itself when
+    ``keys`` is None (every rotation has its own key) or holds it, else the signed powers of two
+    of its non-adjacent form (the fewest of :func:`key_basis`). Empty for no rotation."""
+    step = int(step) % slots
+    if step == 0:
+        return []
+    if keys is None or step in keys:
+        return [step]
+    best: list[int] | None = None
+    for target in (step, step - slots):
+        n, bit, path = abs(target), 1, []
+        sign = 1 if target > 0 else -1
+        while n:
+            if n & 1:
+                d = 2 - (n & 3)                   # +1 or -1: the non-adjacent form's digit
+                path.append((sign * d * bit) % slots)
+                n -= d
+            n >>= 1
+            bit <<= 1
+        if best is None or len(path) < len(best):
+            best = path
+    assert best is not None
+    missing = [r for r in best if r not in keys]
+    if missing:
+        raise ValueError(f"rotation by {step} needs keys for {missing}, which the key set lacks")
+    return best
+
+
 @dataclass
 class VectorPlan:
     """Steps of a vector-packed program, the client's input layout and the rotations used.
@@ -508,6 +550,9 @@ class VectorPlan:
     stacked: list[tuple[int, int]] = field(default_factory=list)   # (a, b): b in a's 2nd half
     predicted: dict[str, Any] = field(default_factory=dict)
     why: str = ""
+    #: physical rotation steps with Galois keys when they are a :func:`key_basis` (the others
+    #: composed from them); None: one key per distinct rotation
+    key_steps: list[int] | None = None
 
     @property
     def levels(self) -> int:
@@ -529,6 +574,14 @@ class VectorPlan:
                 steps.add(s.shift)
         return sorted((r * self.interleave) % self.slots for r in steps)
 
+    def galois_steps(self) -> list[int]:
+        """Physical rotation steps the client makes Galois keys for."""
+        return list(self.key_steps) if self.key_steps is not None else self.rotations()
+
+    def rotation_weight(self, step: int) -> int:
+        """Key switchings one rotation by ``step`` (virtual slots) takes with this key set."""
+        return len(rotation_path(step * self.interleave, self.slots, self.key_steps))
+
     @property
     def widest(self) -> int:
         return max(s.period for s in self.steps)
@@ -537,7 +590,9 @@ class VectorPlan:
         """Primitive counts of every step (per ciphertext of ``interleave`` samples), as
         :func:`he.runtime.run_vector` runs them: baby-step rotations of one input shared by all
         maps that read it, giant steps shared by a step's terms of one input period, one
-        rescale per step, folds shared by the step's terms."""
+        rescale per step, folds shared by the step's terms; a rotation composed from a key basis
+        counts each key switching it takes."""
+        w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
         for si, s in enumerate(self.steps):
@@ -552,8 +607,11 @@ class VectorPlan:
                 for _, mv in mvs:
                     giants.setdefault(mv.p_in, set()).update(g for g in mv.giants if g)
                 diags = sum(mv.n_diagonals for _, mv in mvs)
-                folds = max(len(mv.folds) for _, mv in mvs)
-                c["rotate"] += len(new) + sum(len(g) for g in giants.values()) + folds
+                widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
+                folds = len(widest.folds)
+                c["rotate"] += (sum(w(b) for _, _, b in new)
+                                + sum(w(g) for gs in giants.values() for g in gs)
+                                + sum(w(f) for f in widest.folds))
                 c["mul_plain"] += diags
                 c["plaintexts"] += diags
                 c["add"] += diags + folds + len(s.matvecs) - 1
@@ -564,7 +622,7 @@ class VectorPlan:
                 c["mul_plain"] += len(s.planes)
                 c["plaintexts"] += len(s.planes)
                 c["add"] += len(s.planes) + len(s.plane_folds)
-                c["rotate"] += len(s.plane_folds)
+                c["rotate"] += sum(w(f) for f in s.plane_folds)
                 c["rescale"] += 1
             elif s.kind == "mul":
                 c["mul_ct"] += 1
@@ -572,7 +630,7 @@ class VectorPlan:
             elif s.kind == "mul_int":
                 c["mul_plain"] += 1
             elif s.kind == "half":
-                c["rotate"] += 1
+                c["rotate"] += w(s.shift)
             if s.bias is not None:
                 c["add"] += 1
                 c["plaintexts"] += 1
@@ -608,6 +666,9 @@ class BatchPlan:
         return self.slots
 
     def rotations(self) -> list[int]:
+        return []
+
+    def galois_steps(self) -> list[int]:
         return []
 
 
