@@ -56,11 +56,21 @@ def galois_elements(steps: list[int], ring_degree: int) -> list[int]:
 
 # SEAL reads and writes files only; a memory-backed directory, where there is one, saves the disk
 _TMPDIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+#: objects larger than this go through the default (disk) temporary directory instead: a
+#: memory-backed file would hold one more copy of them (Galois keys of deep programs reach GBs)
+#: that memory pressure cannot reclaim, as it can a disk file's page cache
+_SHM_MAX_BYTES = 64 << 20
+
+
+def _tmpdir(nbytes: int) -> str | None:
+    return _TMPDIR if nbytes <= _SHM_MAX_BYTES else None
 
 
 def save_object(obj: Any) -> bytes:
     """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format)."""
-    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_TMPDIR)
+    # Galois keys are the objects that grow large (SEAL does not say how large before saving)
+    big = isinstance(obj, seal.GaloisKeys)
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=None if big else _TMPDIR)
     os.close(fd)
     try:
         obj.save(path)
@@ -78,7 +88,7 @@ def load_object(factory: Callable[[], Any], context: Any, data: bytes, what: str
     """
     if len(data) < 16 or data[:2] != b"\x5e\xa1":
         raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
-    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_TMPDIR)
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(len(data)))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
