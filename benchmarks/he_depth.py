@@ -7,8 +7,8 @@ deep for N=32768 (SEAL has no bootstrapping). The deepest model whose predicted 
 a third of ``--memory-gib`` is then run encrypted (vector packing, one image; client and server
 in one process hold the keys about three times: the client's, the public context's bytes, the
 server's; compiled with that third as ``memory_budget``, so its rotations may come from a key
-basis) and its decryption checked against the plaintext simulation. BatchNorm statistics come from random images (the weights are not trained: this
-measures depth, not accuracy).
+basis) and its decryption checked against the plaintext simulation. BatchNorm statistics come
+from random images (the weights are not trained: this measures depth, not accuracy).
 
     python benchmarks/he_depth.py [--max-blocks 8] [--memory-gib 18]
 """

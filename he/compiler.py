@@ -266,7 +266,8 @@ class CompiledProgram:
         if isinstance(self.plan, VectorPlan):
             s = self.plan.cost()
             lines.append(f"  vector plan: {self.plan.interleave} sample(s) per ciphertext, "
-                         f"{s['rotations']} rotations ({len(self.plan.galois_steps())} Galois keys), "
+                         f"{s['rotations']} rotations ({len(self.plan.galois_steps())} Galois "
+                         f"keys), "
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
                          f"group")

@@ -5,12 +5,12 @@ from the rounding of encoded weight diagonals and from key switching). Its growt
 the lowered steps (:mod:`polynets.ir.lowering`), the maps the server actually applies, element by
 element: a weighted affine step sends the noise variances of its inputs through the squared
 weights and adds one unit for its rescale plus the rounding of its encoded weights times the
-inputs' calibrated mean squares (in vector packing, each input also gets one unit for the
-key switching of its rotations before the weights apply); a product of two values multiplies each one's noise by the
-other's calibrated magnitude (added coherently, since both may carry the same upstream noise) and
-adds a rescale; a lift to a higher level adds a rescale. The calibrated magnitudes are per element
-(root mean square over the calibration data), so a wide activation's largest element does not
-stand in for all of them.
+inputs' calibrated mean squares (in vector packing, each input also gets one unit for the key
+switching of its rotations before the weights apply); a product of two values multiplies each
+one's noise by the other's calibrated magnitude (added coherently, since both may carry the same
+upstream noise) and adds a rescale; a lift to a higher level adds a rescale. The calibrated
+magnitudes are per element (root mean square over the calibration data), so a wide activation's
+largest element does not stand in for all of them.
 
 :func:`noise_gain` returns ``(g_in, g_rs)``: the standard deviation of the noisiest output
 element per unit of encryption noise and per unit of rescale noise, which

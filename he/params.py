@@ -28,8 +28,8 @@ import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "wide_variant", "wide_prime_bits", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
-           "SECURITY_LEVELS", "noise_unit"]
+__all__ = ["CKKSParams", "choose_params", "wide_variant", "wide_prime_bits", "max_modulus_bits",
+           "MAX_MODULUS_BITS", "RING_DEGREES", "SECURITY_LEVELS", "noise_unit"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
 SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
