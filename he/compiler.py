@@ -469,10 +469,7 @@ def _vector_gain(lowered: Lowered, msq: list[np.ndarray], params: CKKSParams,
                  hops: float = 1.0) -> tuple[float, float]:
     """The noise gains of a vector program on ``params``' chain (a wide chain's weights at
     pending levels encoded at ``2^(prime - scale)``), ``hops`` key switchings per rotation."""
-    pending = None
-    if params.pending >= 0:
-        amp = 2.0 ** (2 * params.scale_bits - params.coeff_mod_bit_sizes[1])
-        pending = (params.pending, amp)
+    pending = (params.pending, params.weight_rounding) if params.pending >= 0 else None
     return noise_gain(lowered, msq, "vector", pending, hops)
 
 
@@ -498,7 +495,7 @@ def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict
     params = dataclasses.replace(
         params, expected_error=params.expected_error * max(1.0, g_hops / max(g_one, 1e-300)))
     gib = 2.0 ** 30
-    why = (f"; Galois keys for {direct} distinct rotations would put the server at "
+    why = (f"; Galois keys for {len(direct)} distinct rotations would put the server at "
            f"{old['server_memory_bytes'] / gib:.1f} GiB > {budget / gib:.1f} GiB: rotations "
            f"composed from {len(basis)} power-of-two keys ({new['server_memory_bytes'] / gib:.1f}"
            f" GiB; predicted {new['seconds_per_ciphertext']:.3g} s per ciphertext against "

@@ -136,6 +136,15 @@ class CKKSParams:
         return self.scale_bits * (2 if self.pending >= 0 and level % 2 == self.pending else 1)
 
     @property
+    def weight_rounding(self) -> float:
+        """How much more the weights of maps from a pending level round than at the scale: their
+        plaintexts carry ``2^(wide prime - scale)`` (1 where the wide primes are twice the scale,
+        and on a chain of one prime per level)."""
+        if self.pending < 0:
+            return 1.0
+        return 2.0 ** max(0, 2 * self.scale_bits - self.coeff_mod_bit_sizes[1])
+
+    @property
     def data_primes(self) -> int:
         """Primes a fresh ciphertext carries (the chain without the special prime)."""
         return len(self.coeff_mod_bit_sizes) - 1
@@ -278,9 +287,9 @@ def wide_variant(params: CKKSParams, pending: int,
     if boost < _WIDE_MIN_BOOST:
         return None
     chain = data + (special,)
+    out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending)
     rot = params.poly_modulus_degree * 2.0 ** -boost
-    amplified = 2.0 ** (2 * sb - wide)
-    error = noise_unit(params.poly_modulus_degree, sb, gain(amplified), rot)
+    error = noise_unit(params.poly_modulus_degree, sb, gain(out.weight_rounding), rot)
     if error > max(err_target, params.expected_error):
         return None
     why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "
@@ -289,8 +298,7 @@ def wide_variant(params: CKKSParams, pending: int,
               if wide < 2 * sb else "")
            + f"special prime {special} bits (+{boost}); {sum(chain)} bits <= {budget}; the "
            f"scale and first prime as for one prime per level: " + params.why)
-    out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending,
-                              expected_error=error, why=why)
+    out = dataclasses.replace(out, expected_error=error, why=why)
     out.check()
     return out
 
