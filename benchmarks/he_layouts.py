@@ -86,6 +86,8 @@ def _summary(prog: Any, seconds: float) -> dict:
             "predicted_memory_gib": p["server_memory_bytes"] / 2 ** 30,
             "rotations": p["counts"]["rotate"], "plain_mults": p["counts"]["mul_plain"],
             "unpadded_values": sum(o is not None and o[0] < 0 for o in prog.plan.orders),
+            "galois_keys": len(prog.plan.galois_steps()),
+            "key_basis": prog.plan.key_steps is not None, "wide_chain": prog.params.pending >= 0,
             "compile_s": seconds}
 
 
