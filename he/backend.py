@@ -62,15 +62,16 @@ _TMPDIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W
 _SHM_MAX_BYTES = 64 << 20
 
 
-def _tmpdir(nbytes: int) -> str | None:
-    return _TMPDIR if nbytes <= _SHM_MAX_BYTES else None
+def _tmpdir(large: bool) -> str | None:
+    """Where a SEAL object passes through on its way to or from bytes."""
+    return None if large else _TMPDIR
 
 
 def save_object(obj: Any) -> bytes:
     """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format)."""
     # Galois keys are the objects that grow large (SEAL does not say how large before saving)
-    big = isinstance(obj, seal.GaloisKeys)
-    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=None if big else _TMPDIR)
+    fd, path = tempfile.mkstemp(prefix="polynets-he-",
+                                dir=_tmpdir(isinstance(obj, seal.GaloisKeys)))
     os.close(fd)
     try:
         obj.save(path)
@@ -88,7 +89,7 @@ def load_object(factory: Callable[[], Any], context: Any, data: bytes, what: str
     """
     if len(data) < 16 or data[:2] != b"\x5e\xa1":
         raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
-    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(len(data)))
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(len(data) > _SHM_MAX_BYTES))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -67,18 +67,13 @@ def _degree_depth(program: PolyProgram) -> tuple[int, int]:
     return int(info.degree), int(info.depth)
 
 
-def _limbs(params: CKKSParams, level: int) -> int:
-    """RNS primes a ciphertext carries at ``level`` (the special prime excluded)."""
-    return params.limbs(level)
-
-
 def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
                    slots_ciphertexts: int = 0) -> int:
     """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs), relinearisation
     and Galois keys, and ``slots_ciphertexts`` live ciphertexts at the top level."""
     n = params.poly_modulus_degree
     top = params.data_primes
-    plain = sum(count * n * _limbs(params, lv) * 8 for count, lv in plaintexts)
+    plain = sum(count * n * params.limbs(lv) * 8 for count, lv in plaintexts)
     key = 2 * n * (top + 1) * top * 8
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
@@ -91,14 +86,14 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
     for st, c in zip(plan.steps, counts):
         lin = max((plan.steps[j].level for j in st.inputs), default=0)
         seconds += costs.price({k: v for k, v in c.items() if k != "plaintexts"}, ring,
-                               _limbs(params, lin))
+                               params.limbs(lin))
         plaintexts.append((c["plaintexts"], lin))
     total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
-    seconds += total["load"] * costs.seconds("load", ring, _limbs(params, 0))
+    seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
     k = plan.interleave
-    client = len(plan.input_layout) * costs.seconds("encrypt", ring, _limbs(params, 0))
+    client = len(plan.input_layout) * costs.seconds("encrypt", ring, params.limbs(0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
@@ -110,7 +105,7 @@ def _level_moduli(params: CKKSParams) -> list[list[int]]:
     """Stand-ins for the primes of every level (their sizes are what the fused maps' digits
     depend on)."""
     bits = params.coeff_mod_bit_sizes[:-1]
-    return [[2 ** b - 1 for b in bits[:_limbs(params, lv)]] for lv in range(params.levels + 1)]
+    return [[2 ** b - 1 for b in bits[:params.limbs(lv)]] for lv in range(params.levels + 1)]
 
 
 def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -118,7 +113,7 @@ def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     """Per step, the fan-in from which batch packing fuses rows, chosen by the cost model."""
     ring = params.poly_modulus_degree
     return choose_fanin(lowered, live, _level_moduli(params), params.scale,
-                        lambda counts, level: costs.price(counts, ring, _limbs(params, level)))
+                        lambda counts, level: costs.price(counts, ring, params.limbs(level)))
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -129,7 +124,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     seconds = 0.0
     for st, c in zip(lowered.steps, counts):
         lin = max((levels[j] for j in st.inputs), default=0)
-        seconds += costs.price(c, ring, _limbs(params, lin))
+        seconds += costs.price(c, ring, params.limbs(lin))
     # ciphertexts held at once: a step's value lives until its last reader has run
     last = list(range(len(lowered.steps)))
     for si, st in enumerate(lowered.steps):
@@ -139,13 +134,13 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     held = 0
     for si in range(len(lowered.steps)):
         alive = [j for j in range(si + 1) if last[j] >= si]
-        held = max(held, sum(2 * ring * _limbs(params, levels[j]) * 8 * int(live[j].sum())
+        held = max(held, sum(2 * ring * params.limbs(levels[j]) * 8 * int(live[j].sum())
                              for j in alive))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = int(live[0].sum())
-    seconds += total["load"] * costs.seconds("load", ring, _limbs(params, 0))
-    client = int(live[0].sum()) * costs.seconds("encrypt", ring, _limbs(params, 0))
+    seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
+    client = int(live[0].sum()) * costs.seconds("encrypt", ring, params.limbs(0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
             "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
@@ -396,7 +391,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
 
     def price(counts: dict[str, int], level: int) -> float:
         return costs.price({k: v for k, v in counts.items() if k != "plaintexts"}, ring,
-                           _limbs(params, level))
+                           params.limbs(level))
 
     orders, _ = search_layouts(lowered, slots, price)
     objective = options["objective"]
@@ -405,7 +400,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     best: tuple[float, Any, Any, Any] | None = None
     for k in tries:
         per_ct = choose_plane_packing(lowered, orders, slots // k,
-                                      lambda counts: costs.price(counts, ring, _limbs(params, 0)))
+                                      lambda counts: costs.price(counts, ring, params.limbs(0)))
         trial = build_vector_plan(lowered, slots, orders, interleave=k,
                                   output_shape=tuple(program.output_shape),
                                   max_input_ciphertexts=int(options["max_input_ciphertexts"]),
@@ -449,9 +444,7 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
     best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size")),
             params, plan, opts)
     for phase in wide_phases(lowered):
-        wide = wide_variant(params, phase,
-                            lambda amp: noise_gain(lowered, msq, "vector", (phase, amp)),
-                            err_target)
+        wide = wide_variant(params, phase, lambda p: _vector_gain(lowered, msq, p), err_target)
         if wide is None:
             continue
         build_context(wide)

@@ -264,13 +264,13 @@ def wide_prime_bits(scale_bits: int) -> int | None:
 
 
 def wide_variant(params: CKKSParams, pending: int,
-                 gain: Callable[[float], tuple[float, float]],
+                 gain: Callable[["CKKSParams"], tuple[float, float]],
                  err_target: float) -> CKKSParams | None:
     """``params`` with a wide chain (see :class:`CKKSParams`): the same scale and first prime,
     one prime of :func:`wide_prime_bits` per pending level, the widest special prime (up to 60
-    bits) the ring's budget leaves, at least :data:`_WIDE_MIN_BOOST` bits above them. ``gain(a)``
-    gives the program's noise gains (:func:`he.noise.noise_gain`) when the rounding of the
-    weights multiplied at pending levels is ``a`` times that at the scale. None when the chain
+    bits) the ring's budget leaves, at least :data:`_WIDE_MIN_BOOST` bits above them.
+    ``gain(p)`` gives the program's noise gains (:func:`he.noise.noise_gain`) on chain ``p``
+    (its weights at pending levels round :attr:`CKKSParams.weight_rounding` times more). None when the chain
     does not fit the ring's budget or the precision the narrow chain promises would not
     survive its noise (weights encoded below the scale, key switching with a special prime
     only a few bits above the wide primes)."""
@@ -289,7 +289,7 @@ def wide_variant(params: CKKSParams, pending: int,
     chain = data + (special,)
     out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending)
     rot = params.poly_modulus_degree * 2.0 ** -boost
-    error = noise_unit(params.poly_modulus_degree, sb, gain(out.weight_rounding), rot)
+    error = noise_unit(params.poly_modulus_degree, sb, gain(out), rot)
     if error > max(err_target, params.expected_error):
         return None
     why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "

@@ -53,7 +53,7 @@ def _wide_program(model: nn.Module, x: torch.Tensor) -> he.CompiledProgram:
                       scale_bits=26, ring_degree=16384)
     phases = wide_phases(prog.lowered)
     assert phases, "the model's products should all start from one parity"
-    wide = wide_variant(prog.params, phases[0], lambda amp: (1.0, 1.0), 1.0)
+    wide = wide_variant(prog.params, phases[0], lambda p: (1.0, 1.0), 1.0)
     assert wide is not None
     return he.CompiledProgram(prog.program, wide, "vector", prog.calibration, prog.options)
 
@@ -62,7 +62,7 @@ def test_a_wide_chain_holds_two_levels_per_prime():
     base = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(36,) + (26,) * 5 + (36,),
                       scale_bits=26, levels=5, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    wide = wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0)
+    wide = wide_variant(base, 0, lambda p: (1.0, 1.0), 1.0)
     assert wide is not None
     assert wide.coeff_mod_bit_sizes == (36, 52, 52, 52, 60)
     assert [wide.chain_index(lv) for lv in range(6)] == [0, 1, 1, 2, 2, 3]
@@ -95,9 +95,9 @@ def test_a_scale_above_28_bits_gets_56_bit_primes_and_the_noise_analysis_decides
                       max_abs=4.0, why="")
     seen: list[float] = []
 
-    def gain(amp: float) -> tuple[float, float]:
-        seen.append(amp)
-        return (1.0, amp)
+    def gain(p: CKKSParams) -> tuple[float, float]:
+        seen.append(p.weight_rounding)
+        return (1.0, p.weight_rounding)
 
     wide = wide_variant(base, 0, gain, 1.0)
     assert wide is not None and seen == [2.0 ** 6]
@@ -106,17 +106,17 @@ def test_a_scale_above_28_bits_gets_56_bit_primes_and_the_noise_analysis_decides
     eng = Engine(wide)
     assert 2 ** 24 < eng.plain_scales[0] < 2 ** 26
     # the same chain is refused where the amplified rounding breaks the promise
-    assert wide_variant(base, 0, lambda amp: (1.0, amp * 1e9), 1e-3) is None
+    assert wide_variant(base, 0, lambda p: (1.0, p.weight_rounding * 1e9), 1e-3) is None
     # at 41 bits the weights would get 15 bits: not tried
     big = dataclasses.replace(base, scale_bits=41, coeff_mod_bit_sizes=(51,) + (41,) * 5 + (51,))
-    assert wide_variant(big, 0, lambda amp: (1.0, 1.0), 1.0) is None
+    assert wide_variant(big, 0, lambda p: (1.0, 1.0), 1.0) is None
 
 
 def test_engine_scales_on_a_wide_chain_land_products_on_the_next_level():
     base = CKKSParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(30, 25, 25, 25, 40),
                       scale_bits=25, levels=3, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    wide = wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0)
+    wide = wide_variant(base, 0, lambda p: (1.0, 1.0), 1.0)
     eng = Engine(wide)
     assert eng.scales == [2.0 ** 50, 2.0 ** 25, 2.0 ** 50, 2.0 ** 25]
     # from a pending level: S[l] * p / q = S[l+1]; from the others: S[l] * p = S[l+1]
@@ -150,7 +150,7 @@ def test_a_ciphertext_product_from_a_pending_level_is_refused():
     base = CKKSParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(30, 25, 25, 25, 40),
                       scale_bits=25, levels=3, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    eng = Engine(wide_variant(base, 0, lambda amp: (1.0, 1.0), 1.0))
+    eng = Engine(wide_variant(base, 0, lambda p: (1.0, 1.0), 1.0))
     pk = seal.PublicKey()
     seal.KeyGenerator(eng.context).create_public_key(pk)
     ct = seal.Ciphertext()
