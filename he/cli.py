@@ -263,6 +263,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _precision(text: str) -> int | str:
+    """``--precision-bits``: a number of bits or ``argmax``."""
+    if text == "argmax":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bits or 'argmax', got {text!r}")
+
+
 def register(subparsers: Any) -> None:
     """Add the encrypted-inference subcommands to the ``polynets`` parser."""
     from he.demo import add_arguments
@@ -281,7 +291,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="samples sent at once, for --objective throughput (default: full "
                         "ciphertexts)")
-    p.add_argument("--precision-bits", type=int, default=16, help="wanted output precision")
+    p.add_argument("--precision-bits", type=_precision, default=16, metavar="BITS|argmax",
+                   help="wanted output precision in bits, or 'argmax' for a classifier: the "
+                        "fewest bits that keep the class of 99%% of the calibration samples")
     p.add_argument("--security", type=int, choices=(128, 192, 256), default=128,
                    help="classical security level in bits (default 128)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",

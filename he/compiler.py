@@ -32,7 +32,8 @@ from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
 from polynets.ir.program import PolyProgram
 
-__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES"]
+__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES",
+           "argmax_precision", "ARGMAX_QUANTILE"]
 
 #: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
 PACKINGS = ("vector", "batch")
@@ -58,6 +59,47 @@ def _program_digest(program: PolyProgram) -> str:
 
 #: Calibration samples the noise analysis reads (per-element mean squares of every step).
 _NOISE_SAMPLES = 1024
+#: ``precision_bits="argmax"``: the promised error stays below half the gap between the two
+#: largest outputs of all but this fraction of the calibration samples
+ARGMAX_QUANTILE = 0.01
+#: calibration samples whose outputs the argmax rule reads (the quantile's estimate)
+_ARGMAX_SAMPLES = 4096
+
+
+def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_QUANTILE
+                     ) -> tuple[int, str]:
+    """Bits of output precision a classifier read by its argmax needs, from its outputs on the
+    calibration data, and the reason.
+
+    The error promised at ``b`` bits is at most ``max|output| * 2^-b``
+    (:func:`he.params.choose_params`); the class of a sample survives any error below half the
+    gap between its two largest outputs. ``b`` is the fewest bits (1 to 40) that keep that
+    promise below half the gap of all but ``quantile`` of the samples: the samples closer to a
+    tie than that are ones the plaintext model itself barely separates.
+
+    Raises:
+        NotEncryptableError: the output is not one vector of at least two scores per sample,
+            or every calibration sample is a tie.
+    """
+    out = np.asarray(outputs, dtype=np.float64)
+    if out.ndim != 2 or out.shape[1] < 2:
+        raise NotEncryptableError(
+            f"precision_bits='argmax' needs an output of shape (B, classes) with at least two "
+            f"classes, got {tuple(out.shape)}; give precision_bits as a number of bits")
+    top = np.sort(out, axis=1)[:, -2:]
+    gaps = top[:, 1] - top[:, 0]
+    positive = gaps[gaps > 0]
+    if positive.size == 0:
+        raise NotEncryptableError("precision_bits='argmax': every calibration sample has tied "
+                                  "top outputs; give precision_bits as a number of bits")
+    gap = float(np.quantile(positive, quantile))
+    scale = max(float(output_abs), 1e-3)
+    bits = int(min(40, max(1, math.ceil(math.log2(scale / (gap / 2))))))
+    why = (f"precision_bits='argmax': {bits} bits, so the promised error (at most "
+           f"{scale * 2.0 ** -bits:.3g}) stays below half the gap between the two largest "
+           f"outputs ({gap:.3g}) of {100 * (1 - quantile):.0f}% of the {out.shape[0]} "
+           f"calibration samples")
+    return bits, why
 
 
 def _degree_depth(program: PolyProgram) -> tuple[int, int]:
@@ -257,6 +299,8 @@ class CompiledProgram:
                  f"{self.degree}, multiplicative depth {self.depth}, {len(self.program)} ops, "
                  f"{len(self.lowered.steps)} CKKS steps)",
                  str(self.params)]
+        if self.options.get("precision"):
+            lines.append(f"  precision: {self.options['precision']}")
         p = self.plan.predicted
         if isinstance(self.plan, VectorPlan):
             s = self.plan.cost()
@@ -561,7 +605,9 @@ def _check_settings(packing: str, objective: str, batch_size: int | None, securi
         lo, hi = bounds[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or not lo <= value <= hi):
-            raise NotEncryptableError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+            also = " or 'argmax'" if name == "precision_bits" else ""
+            raise NotEncryptableError(f"{name} must be an int in [{lo}, {hi}]{also}, got "
+                                      f"{value!r}")
     if packing not in PACKINGS + ("auto",):
         raise NotEncryptableError(f"packing must be one of {PACKINGS + ('auto',)}, "
                                   f"got {packing!r}")
@@ -607,7 +653,8 @@ def _choose(found: list["CompiledProgram"], packing: str, objective: str,
 
 
 def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
-            packing: str = "vector", objective: str = "latency", precision_bits: int = 16,
+            packing: str = "vector", objective: str = "latency",
+            precision_bits: int | str = 16,
             ring_degree: int | None = None, scale_bits: int | None = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
@@ -626,7 +673,11 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         objective: ``"latency"`` (least predicted round trip, client encryption and server, for
             one ciphertext) or ``"throughput"`` (least predicted time per sample); picks the
             packing when ``packing="auto"`` and the samples per ciphertext in vector packing.
-        precision_bits: wanted output precision, in bits relative to the output range.
+        precision_bits: wanted output precision, in bits relative to the output range; or
+            ``"argmax"`` for a classifier read by its largest output: the fewest bits whose
+            promised error keeps the class of 99% of the calibration samples
+            (:func:`argmax_precision`; the reason is in ``prog.options["precision"]`` and the
+            summary). Fewer bits mean a smaller scale, often a shorter chain or a smaller ring.
         ring_degree, scale_bits: overrides of the automatic choice (still 128-bit secure).
         max_input_ciphertexts: input ciphertexts per sample the client may send so that the
             first map needs no rotation (vector packing).
@@ -649,18 +700,27 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             argument is out of range.
         TooDeepError: more levels than any secure parameter set offers.
     """
+    argmax = isinstance(precision_bits, str) and precision_bits == "argmax"
     _check_settings(packing, objective, batch_size, security, memory_budget,
-                    samples_per_ciphertext, precision_bits=precision_bits, scale_bits=scale_bits,
-                    max_input_ciphertexts=max_input_ciphertexts)
+                    samples_per_ciphertext, precision_bits=None if argmax else precision_bits,
+                    scale_bits=scale_bits, max_input_ciphertexts=max_input_ciphertexts)
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
     maxabs = program.max_abs(calib)
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
+    precision_why = ""
+    if argmax:
+        outputs = program.simulate(calib[:_ARGMAX_SAMPLES])
+        precision_bits, precision_why = argmax_precision(
+            outputs.reshape(outputs.shape[0], -1) if outputs.ndim > 2 else outputs,
+            maxabs[program.output])
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
                "batch_size": None if batch_size is None else int(batch_size),
                "security": int(security)}
+    if precision_why:
+        options["precision"] = precision_why
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     lowered = lower(program)
