@@ -21,7 +21,9 @@ a summary and writes JSON (default ``benchmarks/results/equation_discovery.json`
 The summary is given per noise seed and pooled over the seeds. Run:
 ``nice python benchmarks/equation_discovery.py`` (seeds 0, 1, 2; about 10 minutes per seed on
 2 idle cores); ``--systems``, ``--noise`` and ``--seeds 0,1`` shrink or grow the grid (the
-validation systems ``lorenz_84``, ``halvorsen``, ``genesio_tesi`` may be named too);
+validation systems ``lorenz_84``, ``halvorsen``, ``genesio_tesi`` may be named too, and
+``--systems heldout`` runs the eleven held-out systems of ``symbolic.systems.HELDOUT_SYSTEMS``,
+e.g. with ``--seeds 3,4 --out benchmarks/results/equation_discovery_heldout.json``);
 ``--quick`` is a smoke run of a few minutes.
 """
 
@@ -42,11 +44,16 @@ import torch
 
 from polynets.ir.program import atomic_write_bytes
 from symbolic import EquationDiscovery
-from symbolic.systems import ALL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, generate, score_terms
+from symbolic.systems import (ALL_SYSTEMS, HELDOUT_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS,
+                              VALIDATION_SYSTEMS, generate, score_terms)
 
 THRESHOLDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "equation_discovery.json"
 
+
+GROUPS = {"benchmark": sorted(SYSTEMS), "validation": sorted(VALIDATION_SYSTEMS),
+          "heldout": sorted(HELDOUT_SYSTEMS)}
+"""Names that ``--systems`` expands to a group of systems."""
 
 QUICK = {"systems": ["lotka_volterra", "sir", "brusselator"], "noise": [0.0, 0.05],
          "seeds": [0]}
@@ -182,7 +189,9 @@ def summarise(cases: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", nargs="+", default=sorted(SYSTEMS),
-                        choices=sorted(ALL_SYSTEMS))
+                        choices=sorted(ALL_SYSTEMS) + sorted(GROUPS),
+                        help="systems or groups: 'benchmark' (the default twelve), 'validation', "
+                             "'heldout' (symbolic.systems.HELDOUT_SYSTEMS)")
     parser.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.01, 0.05, 0.1])
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated noise seeds (default 0,1,2)")
@@ -195,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                              "processes; the last file wins a repeated cell) into --out and exit")
     args = parser.parse_args(argv)
     args.seeds = [int(v) for v in str(args.seeds).replace(" ", ",").split(",") if v != ""]
+    args.systems = list(dict.fromkeys(n for name in args.systems
+                                      for n in GROUPS.get(name, [name])))
     if args.quick:
         args.systems, args.noise, args.seeds = QUICK["systems"], QUICK["noise"], QUICK["seeds"]
     if args.merge:

@@ -87,6 +87,7 @@ SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
 
 
+
 def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                    trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float,
                    atol: float, max_iter: int = WARM_EVALUATIONS,
@@ -124,6 +125,23 @@ def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
             total += float(np.sum(((states - Xw) / scale) ** 2))
             count += Xw.size
     return max(total / max(count, 1), EXACT_RMS**2)
+
+
+def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: float) -> bool:
+    """Whether a fit on longer windows explains the data as well as ``shorter`` does, by a
+    likelihood-ratio test: the longer windows are the shorter ones joined (fewer free window
+    starts), so under Gaussian noise ``N ln(RSS_long / RSS_short)`` is about chi-square with as
+    many degrees of freedom as starts were removed; accepted up to three standard deviations
+    above its mean. A fit at integration accuracy (residual RMS within ``1 /
+    SEARCH_RTOL_FACTOR`` of ``rtol``) holds too."""
+    n = max(longer.n_residuals, 1)
+    if math.sqrt(longer.rss / n) <= rtol / SEARCH_RTOL_FACTOR:
+        return True
+    if not shorter.rss > 0:
+        return False
+    extra = max(shorter.n_params - longer.n_params, 1)
+    statistic = n * math.log(max(longer.rss, 1e-300) / shorter.rss)
+    return statistic <= extra + 3.0 * math.sqrt(2.0 * extra)
 
 
 def information_criterion(res: ShootingResult, terms: int) -> float:
@@ -451,21 +469,27 @@ class EquationDiscovery(BaseEstimator):
         return record
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
-        """The chosen support refit at the exact tolerances (and on longer windows when
-        ``polish`` says so and they fit as well), coefficients snapped; sets the results."""
+        """The chosen support refit at the exact tolerances, then on windows ``polish`` times
+        longer, again and again up to whole trajectories, while the longer windows fit the data
+        as well (:func:`continuity_holds`; starts read from the shorter fit's states);
+        coefficients snapped; sets the results."""
         if self._search_rtol > self.rtol:
             res = self._refit(res.coef, active, res.x0, res.window, exact=True)
         self.fit_window_ = res.window
         if self.window is not None and self.polish > 1 and res.window == self.window:
-            try:
-                longer = self._refit(res.coef, active, None, self.window * int(self.polish),
-                                     exact=True)
-                if longer.converged and longer.rss / longer.n_residuals <= \
-                        1.5 * res.rss / res.n_residuals:
-                    res = longer
-                    self.fit_window_ = longer.window
-            except FitError:
-                pass
+            longest = max(len(t) for t, _ in self.trajectories_)
+            window = int(self.window)
+            while window < longest:
+                window *= int(self.polish)
+                try:
+                    longer = self._refit(res.coef, active, self._window_starts(res, window),
+                                         window, exact=True)
+                except FitError:
+                    break
+                if not (longer.converged and continuity_holds(longer, res, self.rtol)):
+                    break
+                res = longer
+                self.fit_window_ = longer.window
         coef = res.coef
         if self.snap_tol is not None:
             coef = snap_coefficients(coef, self.snap_tol)
@@ -473,6 +497,14 @@ class EquationDiscovery(BaseEstimator):
         self.x0_ = res.x0
         self.result_ = res
         self.converged_ = res.converged
+
+    def _window_starts(self, res: ShootingResult, window: int) -> np.ndarray | None:
+        """Initial states of ``window``-sample windows read from the fitted model states of
+        ``res`` (the data smoothed by the fit), instead of the noisy first samples."""
+        if res.states is None:
+            return None
+        smoothed = [(t, S) for (t, _), S in zip(self.trajectories_, res.states)]
+        return np.array([Sw[0] for _, Sw in make_windows(smoothed, window)])
 
     def _select(self, fitted: list[dict]) -> dict:
         """Choose among the candidates; returns the chosen one.

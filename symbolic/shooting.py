@@ -52,6 +52,12 @@ NULL_EIGENVALUE = 1e-9
 """Eigenvalues of the coefficients' correlation-scaled information matrix below this fraction
 of the largest span directions the data cannot identify."""
 
+LSODA_STATES = 2000
+"""Most state variables (windows x dim x (1 + coefficients + dim)) one LSODA integration
+carries: its stiff mode factorises a dense Jacobian of that size squared, so a larger batch of
+windows is split (a few thousand windows of a 60-coefficient model would otherwise ask for tens
+of GiB)."""
+
 LSMR_OPTIONS = {"atol": 1e-14, "btol": 1e-14, "conlim": 1e14, "maxiter": 2000}
 
 
@@ -94,11 +100,15 @@ class _Sensitivity:
 
     def __init__(self, exps: np.ndarray, coef: np.ndarray, active: np.ndarray, windows: int):
         self.E = np.asarray(exps, dtype=np.float64)                          # (p, d)
-        self.Em1 = np.maximum(self.E - 1.0, 0.0)
+        self.Ei = np.asarray(exps, dtype=np.int64)
+        self.Em1 = np.maximum(self.Ei - 1, 0)
+        self.degree = int(self.Ei.max()) if self.Ei.size else 0
         self.C = np.asarray(coef, dtype=np.float64)                          # (p, d)
+        self.CT = np.ascontiguousarray(self.C.T)                             # (d, p)
         self.k, self.i = np.nonzero(active)
         self.q = len(self.k)
         self.d = self.E.shape[1]
+        self.cols = np.arange(self.d)[None, :]
         self.others = [np.delete(np.arange(self.d), j) for j in range(self.d)]
         self.shape = (windows, self.d, 1 + self.q + self.d)
         self.evaluations = 0
@@ -107,17 +117,21 @@ class _Sensitivity:
         self.evaluations += 1
         s = flat.reshape(self.shape)
         x = s[..., 0]                                                        # (W, d)
-        pw = x[:, None, :] ** self.E                                         # (W, p, d)
-        phi = pw.prod(axis=2)                                                # (W, p)
-        pwm1 = x[:, None, :] ** self.Em1
-        dphi = np.empty_like(pw)                                             # (W, p, d)
+        powers = np.empty((self.degree + 1,) + x.shape)                      # x**0 .. x**deg
+        powers[0] = 1.0
+        for k in range(1, self.degree + 1):
+            powers[k] = powers[k - 1] * x
+        pw = powers[self.Ei, :, self.cols]                                   # (p, d, W)
+        phi = pw.prod(axis=1)                                                # (p, W)
+        pwm1 = powers[self.Em1, :, self.cols]
+        dphi = np.empty_like(pw)                                             # (p, d, W)
         for j in range(self.d):
-            dphi[..., j] = self.E[:, j] * pwm1[..., j] * pw[..., self.others[j]].prod(axis=2)
+            dphi[:, j] = self.E[:, j, None] * pwm1[:, j] * pw[:, self.others[j]].prod(axis=1)
         out = np.empty_like(s)
-        out[..., 0] = phi @ self.C
-        jac = np.einsum("wkj,ki->wij", dphi, self.C)                         # (W, d, d)
+        out[..., 0] = (self.CT @ phi).T
+        jac = np.matmul(self.CT, dphi.transpose(2, 0, 1))                    # (W, d, d)
         out[..., 1:] = jac @ s[..., 1:]
-        out[:, self.i, 1 + np.arange(self.q)] += phi[:, self.k]
+        out[:, self.i, 1 + np.arange(self.q)] += phi[self.k].T
         return out.reshape(-1)
 
 
@@ -170,7 +184,8 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
         with np.errstate(over="ignore", invalid="ignore"):
             sol = solve_ivp(guarded, (0.0, float(t_rel[-1])), s0.reshape(-1), method=method,
                             t_eval=t_rel, rtol=rtol, atol=atol, events=escape)
-    except (OverflowError, FloatingPointError, ValueError, np.linalg.LinAlgError):
+    except (OverflowError, FloatingPointError, ValueError, MemoryError,
+            np.linalg.LinAlgError):
         return None
     if sol.status != 0 or sol.y.shape[1] != len(t_rel) or not np.all(np.isfinite(sol.y)):
         return None
@@ -187,10 +202,13 @@ class _Shooting:
         self.exps, self.active, self.windows = exps, active, windows
         self.template = np.asarray(coef, dtype=np.float64).copy()   # inactive entries fixed
         self.scale, self.rtol, self.atol, self.method = scale, rtol, atol, method
-        self.groups = group_windows(windows)
         self.d = exps.shape[1]
         self.q = int(active.sum())
         d, q = self.d, self.q
+        self.groups = group_windows(windows)
+        if method == "LSODA":
+            size = max(1, LSODA_STATES // (d * (1 + q + d)))
+            self.groups = [g[lo:lo + size] for g in self.groups for lo in range(0, len(g), size)]
         self.order = [wi for group in self.groups for wi in group]
         lengths = np.array([len(windows[wi][0]) for wi in self.order])
         self.n_res = int(lengths.sum()) * d
