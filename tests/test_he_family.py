@@ -1,0 +1,45 @@
+"""The family benchmark of encrypted token models runs end to end (real SEAL, a real TenSEAL
+baseline) on MNIST-format files written here."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
+        f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_family_benchmark_measures_a_model_against_the_recipe(tmp_path):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 8010)
+    images = rng.integers(0, 40, (8010, 28, 28))
+    for k in range(10):          # a learnable pattern per class
+        images[labels == k, 2 * k:2 * k + 4, 4:24] = 255
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "he_family.py"
+    spec = importlib.util.spec_from_file_location("he_family_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "family.json"
+    res = bench.main(["--data-dir", str(tmp_path), "--quick", "--shipped-costs",
+                      "--models", "p7_d32", "--precision-bits", "argmax",
+                      "--output", str(out)])
+    row = res["models"]["p7_d32"]
+    assert row["within_promise"] and row["argmax_agreement"] == 1.0
+    assert row["median_s"] > 0 and row["recipe_latency_s"] > 0
+    assert row["speedup_vs_recipe"] == pytest.approx(row["recipe_latency_s"] / row["median_s"])
+    assert json.loads(out.read_text())["summary"]["all_within_promise"]
