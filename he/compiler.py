@@ -62,8 +62,10 @@ _NOISE_SAMPLES = 1024
 #: ``precision_bits="argmax"``: the promised error stays below half the gap between the two
 #: largest outputs of all but this fraction of the calibration samples
 ARGMAX_QUANTILE = 0.01
-#: calibration samples whose outputs the argmax rule reads (the quantile's estimate)
+#: calibration samples whose outputs the argmax rule reads (the quantile's estimate), and the
+#: fewest it accepts
 _ARGMAX_SAMPLES = 4096
+ARGMAX_MIN_SAMPLES = 20
 
 
 def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_QUANTILE
@@ -79,13 +81,18 @@ def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_Q
 
     Raises:
         NotEncryptableError: the output is not one vector of at least two scores per sample,
-            or every calibration sample is a tie.
+            fewer than :data:`ARGMAX_MIN_SAMPLES` samples are given, or every one is a tie.
     """
     out = np.asarray(outputs, dtype=np.float64)
     if out.ndim != 2 or out.shape[1] < 2:
         raise NotEncryptableError(
             f"precision_bits='argmax' needs an output of shape (B, classes) with at least two "
             f"classes, got {tuple(out.shape)}; give precision_bits as a number of bits")
+    if out.shape[0] < ARGMAX_MIN_SAMPLES:
+        raise NotEncryptableError(
+            f"precision_bits='argmax' reads the gaps between the two largest outputs of the "
+            f"calibration samples: give calibration= at least {ARGMAX_MIN_SAMPLES} samples "
+            f"(got {out.shape[0]}), or precision_bits as a number of bits")
     top = np.sort(out, axis=1)[:, -2:]
     gaps = top[:, 1] - top[:, 0]
     positive = gaps[gaps > 0]

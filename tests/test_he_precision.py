@@ -47,9 +47,10 @@ def test_closer_calls_need_more_bits():
 
 
 @pytest.mark.parametrize("out, message", [
-    (np.zeros((4,)), r"shape \(B, classes\)"),
-    (np.zeros((4, 1)), "at least two"),
-    (np.ones((4, 3)), "tied"),
+    (np.zeros((40,)), r"shape \(B, classes\)"),
+    (np.zeros((40, 1)), "at least two"),
+    (np.ones((40, 3)), "tied"),
+    (np.eye(3)[:2], "at least 20 samples"),
 ])
 def test_outputs_that_are_not_scores_are_refused(out, message):
     with pytest.raises(he.NotEncryptableError, match=message):
@@ -57,11 +58,17 @@ def test_outputs_that_are_not_scores_are_refused(out, message):
 
 
 def test_bits_are_clamped_to_the_compilers_range():
-    out = np.array([[0.0, 1e-30], [1.0, 1.0 + 1e-30]])
+    out = np.tile([[0.0, 1e-30], [1.0, 1.0 + 1e-30]], (10, 1))
     bits, _ = argmax_precision(out, 1.0)
     assert bits == 40
-    out = np.array([[0.0, 100.0], [100.0, 0.0]])
+    out = np.tile([[0.0, 100.0], [100.0, 0.0]], (10, 1))
     assert argmax_precision(out, 1.0)[0] == 1
+
+
+def test_one_example_is_not_enough_calibration(classifier):
+    model, x = classifier
+    with pytest.raises(he.NotEncryptableError, match="at least 20 samples"):
+        he.compile(model, x[:1], precision_bits="argmax")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +129,7 @@ def test_cli_compile_accepts_argmax(tmp_path, classifier):
 
     model = pn.MONet(**kwargs)
     save_checkpoint(tmp_path / "m.pt", model=model, model_name="monet", model_kwargs=kwargs)
-    np.save(tmp_path / "cal.npy", np.random.default_rng(0).random((16, 1, 4, 4)))
+    np.save(tmp_path / "cal.npy", np.random.default_rng(0).random((32, 1, 4, 4)))
     assert main(["compile", str(tmp_path / "m.pt"), "--calibration", str(tmp_path / "cal.npy"),
                  "--precision-bits", "argmax", "-o", str(tmp_path / "m.he")]) == 0
     prog = he.load_program(tmp_path / "m.he")
