@@ -132,11 +132,13 @@ def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: floa
     likelihood-ratio test: the longer windows are the shorter ones joined (fewer free window
     starts), so under Gaussian noise ``N ln(RSS_long / RSS_short)`` is about chi-square with as
     many degrees of freedom as starts were removed; accepted up to three standard deviations
-    above its mean. A fit at integration accuracy (residual RMS within ``1 /
-    SEARCH_RTOL_FACTOR`` of ``rtol``) holds too."""
+    above its mean. When ``shorter`` already reproduces the data to integration accuracy
+    (residual RMS within ``1 / SEARCH_RTOL_FACTOR`` of ``rtol``: exact data, no noise to average
+    out) the longer fit must do no worse per sample."""
     n = max(longer.n_residuals, 1)
-    if math.sqrt(longer.rss / n) <= rtol / SEARCH_RTOL_FACTOR:
-        return True
+    per_sample = shorter.rss / max(shorter.n_residuals, 1)
+    if math.sqrt(per_sample) <= rtol / SEARCH_RTOL_FACTOR:
+        return longer.rss / n <= per_sample
     if not shorter.rss > 0:
         return False
     extra = max(shorter.n_params - longer.n_params, 1)
@@ -300,14 +302,22 @@ class EquationDiscovery(BaseEstimator):
         integrated at any cost; None until a model was fitted."""
         return None if self._work is None else BUDGET_FACTOR * max(self._work, 500)
 
-    def _fit_safely(self, coef: np.ndarray, active: np.ndarray) -> ShootingResult:
+    def _fit_safely(self, coef: np.ndarray, active: np.ndarray,
+                    candidates: Sequence[dict] = ()) -> ShootingResult:
         """Trajectory fit on the configured windows; a start that blows up is fitted on windows
         half as long (down to ``MIN_WINDOW`` samples), then refit on the configured windows
-        from there when that works. Raises FitError when even the shortest windows blow up."""
+        from there when that works. Raises FitError when even the shortest windows blow up.
+
+        Once another start has given a finished candidate, a retry on shorter windows gets
+        ``WARM_EVALUATIONS`` residual evaluations, and a start whose short-window fit already
+        cannot beat that candidate (:meth:`_hopeless`) is abandoned instead of lengthened."""
         window = self.window
+        finished = any("result" in c for c in candidates)
         while True:
             try:
-                res = self._refit(coef, active, None, window)
+                res = self._refit(coef, active, None, window,
+                                  max_iter=WARM_EVALUATIONS if finished and window != self.window
+                                  else START_EVALUATIONS)
                 break
             except FitError:
                 longest = max(len(t) for t, _ in self.trajectories_) if window is None \
@@ -315,6 +325,9 @@ class EquationDiscovery(BaseEstimator):
                 if longest <= MIN_WINDOW:
                     raise
                 window = max(MIN_WINDOW, longest // 2)
+        if window != self.window and self._hopeless(res, candidates):
+            raise FitError(f"the start blows up on the configured windows and its fit on windows "
+                           f"of {window} samples cannot beat a finished candidate")
         while window != self.window:
             window = self.window if window is None or self.window is None \
                 else min(int(self.window), 2 * int(window))
@@ -454,12 +467,18 @@ class EquationDiscovery(BaseEstimator):
             coef = coef() if callable(coef) else coef
             if not np.all(np.isfinite(coef)):
                 raise FitError(f"the {label} start has non-finite coefficients")
-            res = self._fit_safely(coef, active)
+            res = self._fit_safely(coef, active, candidates)
             record["start_converged"] = res.converged
             if not res.converged and active.all():
                 raise FitError(f"the dense fit did not converge ({res.message}); a stalled "
                                f"dense fit is no basis for elimination")
-            res, kept, rounds = self._eliminate(res, active, noise)
+            if res.window == self.window and self._hopeless(res, candidates):
+                # no model pruned from this start can beat a finished candidate: keep the
+                # start's own fit as a record, without spending elimination rounds on it
+                kept, rounds = active.copy(), [{"terms": int(active.sum()), "rss": res.rss}]
+                record["pruned"] = False
+            else:
+                res, kept, rounds = self._eliminate(res, active, noise)
         except (FitError, PolynetsError, np.linalg.LinAlgError) as exc:
             record.update(error=str(exc), seconds=time.perf_counter() - began)
             return record
@@ -467,6 +486,23 @@ class EquationDiscovery(BaseEstimator):
                       rss=res.rss, window=res.window, converged=res.converged, result=res,
                       active=kept, rounds=rounds, support=kept.tobytes())
         return record
+
+    def _hopeless(self, res: ShootingResult, candidates: Sequence[dict]) -> bool:
+        """True when ``res`` (a fitted start, on the configured windows or shorter ones) cannot
+        lead to the BIC choice: dropping terms or lengthening windows does not lower the
+        least-squares residual, so even with one term per equation its criterion,
+        ``N ln(RSS / N) + dim ln N``, would exceed that of a finished candidate fitted on the
+        configured windows."""
+        def length(window: int | None) -> float:
+            return math.inf if window is None else float(window)
+
+        finished = [information_criterion(c["result"], c["terms"]) for c in candidates
+                    if "result" in c and c["result"].window == self.window]
+        if not finished or length(res.window) > length(self.window):
+            return False
+        n = max(res.n_residuals, 1)
+        bound = n * math.log(max(res.rss / n, EXACT_RMS**2)) + res.coef.shape[1] * math.log(n)
+        return bound > min(finished)
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
