@@ -507,7 +507,8 @@ class EquationDiscovery(BaseEstimator):
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
         longer, again and again up to whole trajectories, while the longer windows fit the data
-        as well (:func:`continuity_holds`; starts read from the shorter fit's states);
+        as well (:func:`continuity_holds`; each a warm refit of ``WARM_EVALUATIONS``
+        evaluations from the shorter fit's states);
         coefficients snapped; sets the results."""
         if self._search_rtol > self.rtol:
             res = self._refit(res.coef, active, res.x0, res.window, exact=True)
@@ -519,7 +520,7 @@ class EquationDiscovery(BaseEstimator):
                 window *= int(self.polish)
                 try:
                     longer = self._refit(res.coef, active, self._window_starts(res, window),
-                                         window, exact=True)
+                                         window, exact=True, max_iter=WARM_EVALUATIONS)
                 except FitError:
                     break
                 if not (longer.converged and continuity_holds(longer, res, self.rtol)):
