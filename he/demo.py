@@ -56,7 +56,9 @@ def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def train_classifier(model: Any, x: np.ndarray, y: np.ndarray, *, epochs: int, lr: float = 3e-3,
                      seed: int = 0, progress: bool = True) -> Any:
-    """Train ``model`` with polynets' Trainer (AdamW, warm-up + cosine, clipping) on CPU."""
+    """Train ``model`` with polynets' Trainer (AdamW, warm-up + cosine, clipping) on CPU, on one
+    intra-op thread: the model is small, and with more threads OpenMP's barriers wait on any
+    core that other work keeps busy (on 2 cores with one busy, an epoch took 100x longer)."""
     import torch
     from torch.utils.data import TensorDataset
 
@@ -66,7 +68,12 @@ def train_classifier(model: Any, x: np.ndarray, y: np.ndarray, *, epochs: int, l
     cfg = TrainConfig(epochs=epochs, batch_size=64, lr=lr, weight_decay=5e-4,
                       warmup_epochs=min(1.0, epochs / 4), clip_grad=1.0, device="cpu",
                       seed=seed, progress=progress, label_smoothing=0.05, num_classes=10)
-    Trainer(model, cfg).fit(ds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(model, cfg).fit(ds)
+    finally:
+        torch.set_num_threads(threads)
     return model.eval()
 
 
