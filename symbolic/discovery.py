@@ -30,8 +30,14 @@ Recipe of :class:`EquationDiscovery.fit`:
    predicted from their own fitted starts), which needs no noise level and does not lean on
    BIC's asymptotics when a small term is near the noise (``selection`` = ``"bic+cv"``; ``"bic"``
    and ``"cv"`` use one rule alone).
-5. A final refit at the full integration tolerance, and on longer windows (``polish``) when
-   that converges as well.
+5. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
+   again and again up to whole trajectories, while a likelihood-ratio test finds the longer
+   windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
+   under noise; a chaotic trajectory stops the doubling where it no longer fits.
+
+Starts are tried safely: a start that blows up is retried on shorter windows, and once one
+candidate is finished, a start whose criterion cannot beat it even with one term per equation is
+abandoned (:meth:`EquationDiscovery._hopeless`) instead of pruned or lengthened.
 
 No knowledge of the true support is used anywhere. On exact data the kept coefficients are the
 least-squares trajectory fit, accurate to the integration tolerance; with noise it is a
@@ -171,10 +177,10 @@ class EquationDiscovery(BaseEstimator):
             variance is estimated from the fit.
         window: samples per multiple-shooting window of the trajectory refits (None: whole
             trajectories).
-        polish: once the model is chosen, refit once more on windows ``polish`` times longer
-            (more samples per fitted initial state: lower variance under noise); the longer fit
-            is kept only if it converges to a residual level no worse than 1.5x per sample.
-            ``1`` skips it.
+        polish: once the model is chosen, refit on windows ``polish`` times longer, and again,
+            up to whole trajectories (more samples per fitted initial state: lower variance under
+            noise); each longer fit is kept only if it converges and a likelihood-ratio test
+            accepts its residual (:func:`continuity_holds`). ``1`` skips it.
         sparse_starts: also start from sequentially thresholded weak-form supports.
         hidden, node_steps, node_window, lr: Poly-NODE width, training steps, training window
             (samples) and learning rate.
