@@ -93,7 +93,6 @@ SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
 
 
-
 def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                    trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float,
                    atol: float, max_iter: int = WARM_EVALUATIONS,
@@ -506,9 +505,7 @@ class EquationDiscovery(BaseEstimator):
                     if "result" in c and c["result"].window == self.window]
         if not finished or length(res.window) > length(self.window):
             return False
-        n = max(res.n_residuals, 1)
-        bound = n * math.log(max(res.rss / n, EXACT_RMS**2)) + res.coef.shape[1] * math.log(n)
-        return bound > min(finished)
+        return information_criterion(res, res.coef.shape[1]) > min(finished)
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
