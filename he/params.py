@@ -227,6 +227,43 @@ def _budget_levels(ring: int, first: int, special: int, scale_bits: int, securit
     return max(0, (max_modulus_bits(ring, security) - first - special) // scale_bits)
 
 
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for ``n < 3.3e24`` (every prime SEAL takes)."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in bases:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def ntt_primes(ring: int, bits: int, wanted: int) -> int:
+    """How many primes of exactly ``bits`` bits are 1 modulo ``2 * ring`` (those a CKKS chain at
+    ring degree ``ring`` can use), counted up to ``wanted``: small primes at large rings are few
+    (22 bits at N=16384: five), and SEAL cannot build a chain that asks for more."""
+    step = 2 * ring
+    q = ((1 << bits) - 2) // step * step + 1
+    found = 0
+    while q >= 1 << (bits - 1) and found < wanted:
+        found += _is_prime(q)
+        q -= step
+    return found
+
+
 def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float],
                 err_target: float, scale_bits: int | None, rotations: bool, security: int
                 ) -> tuple[int, int, int, int, float, int]:
@@ -241,6 +278,9 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
         if scale_bits is None:
             want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
             sb = max(_MIN_SCALE_BITS, math.ceil(want))
+            # SEAL needs `levels` distinct primes of that size that are 1 mod 2N
+            while sb < _MAX_PRIME_BITS and ntt_primes(ring, sb, levels) < levels:
+                sb += 1
         else:
             sb = int(scale_bits)
         first = sb + mag_bits + _MARGIN_BITS

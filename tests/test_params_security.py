@@ -54,3 +54,26 @@ def test_a_set_that_claims_more_security_than_its_modulus_allows_is_refused() ->
 def test_unknown_security_levels_are_refused(security) -> None:
     with pytest.raises(ParameterError, match=r"security must be one of \(128, 192, 256\)"):
         choose_params(2, max_abs=1.0, gain=GAIN, security=security)
+
+
+@pytest.mark.parametrize("ring, bits", [(8192, 20), (16384, 22), (32768, 23)])
+def test_ntt_prime_count_is_what_seal_can_build(ring, bits):
+    import tenseal.sealapi as seal
+
+    from he.params import ntt_primes
+
+    n = ntt_primes(ring, bits, 1000)
+    seal.CoeffModulus.Create(ring, [bits] * n)
+    with pytest.raises(RuntimeError, match="enough qualifying primes"):
+        seal.CoeffModulus.Create(ring, [bits] * (n + 1))
+
+
+def test_a_small_scale_is_raised_until_the_ring_has_primes_for_every_level():
+    from he.backend import build_context
+    from he.params import choose_params, ntt_primes
+
+    # 9 levels at a precision that asks for a ~22-bit scale: N=16384 has five 22-bit primes
+    params = choose_params(9, 1.0, (1e-3, 1e-3), precision_bits=4, output_abs=1.0,
+                           ring_degree=16384)
+    assert ntt_primes(16384, params.scale_bits, 9) == 9
+    build_context(params)
