@@ -26,6 +26,7 @@ from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, 
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
                      choose_plane_packing, key_basis, next_pow2, rotation_path, search_layouts,
                      widest_period)
+from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
@@ -109,7 +110,7 @@ def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_Q
     return bits, why
 
 
-def _degree_depth(program: PolyProgram) -> tuple[int, int]:
+def program_degree_depth(program: PolyProgram) -> tuple[int, int]:
     from polynets.ir.certify import analyse
 
     info = analyse(program)[program.output]
@@ -196,6 +197,23 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES}
 
 
+def _stored_lowering(program: PolyProgram, split: Any) -> Lowered:
+    """The lowered program a stored plan runs on: the program's own, or its values split over
+    several ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
+    lowered = lower(program)
+    if split is None:
+        return lowered
+    if not isinstance(split, dict) or set(split) != {"slots", "axis"} or \
+            any(type(v) is not int for v in split.values()) or split["axis"] not in SPLIT_AXES \
+            or split["slots"] not in {r // 2 for r in RING_DEGREES}:
+        raise ValueError(f"split must be {{'slots': one of {[r // 2 for r in RING_DEGREES]}, "
+                         f"'axis': one of {list(SPLIT_AXES)}}}, got {split!r}")
+    done = split_lowered(lowered, split["slots"], split["axis"])
+    if done is None:
+        raise ValueError(f"split {split!r} does not apply to this program")
+    return done.lowered
+
+
 class CompiledProgram:
     """A polynomial program compiled for CKKS: parameters, packing plan, calibrated ranges.
 
@@ -215,15 +233,18 @@ class CompiledProgram:
 
     def __init__(self, program: PolyProgram, params: CKKSParams, packing: str,
                  calibration: list[float], options: dict[str, Any], certificate: str = "",
-                 *, _lowered: Lowered | None = None, _plan: VectorPlan | None = None):
+                 *, _lowered: Lowered | None = None, _plan: VectorPlan | None = None,
+                 _degree_depth: tuple[int, int] | None = None):
         self.program = program
         self.params = params
         self.packing = packing
         self.calibration = [float(c) for c in calibration]
         self.options = dict(options)
         self.certificate = certificate
-        self.degree, self.depth = _degree_depth(program)
-        self.lowered = _lowered if _lowered is not None else lower(program)
+        self.degree, self.depth = _degree_depth if _degree_depth is not None else \
+            program_degree_depth(program)
+        self.lowered = _lowered if _lowered is not None else _stored_lowering(
+            program, self.options.get("split"))
         self.plan: VectorPlan | BatchPlan
         if _plan is not None:
             self.plan = _plan
@@ -561,42 +582,104 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                     f"model chose)")}
 
 
+def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
+               ) -> list[tuple[Lowered, list[np.ndarray], Split | None]]:
+    """The lowered programs ``packing`` can run at ``slots`` slots, with their values' mean
+    squares: the program itself where its values fit (batch packing: always), else in vector
+    packing its splits over several ciphertexts (:func:`he.split.split_lowered`), one per axis
+    that admits one."""
+    if packing != "vector" or _dense_widest(lowered) <= slots:
+        return [(lowered, msq, None)]
+    out: list[tuple[Lowered, list[np.ndarray], Split | None]] = []
+    for axis in SPLIT_AXES:
+        split = split_lowered(lowered, slots, axis)
+        if split is not None:
+            out.append((split.lowered, split.slice_values(msq), split))
+    return out
+
+
+def _layout_words(prog: "CompiledProgram") -> str:
+    split = prog.options.get("split")
+    where = f"N={prog.params.poly_modulus_degree}"
+    return (f"{where} with every value whole" if split is None else
+            f"{where} with values split along axis {split['axis']}")
+
+
 def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,
                      maxabs: list[float], msq: list[np.ndarray], options: dict[str, Any],
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
                      scale_bits: int | None, samples: int | None,
                      memory_budget: int | None = None) -> CompiledProgram:
-    gain = noise_gain(lowered, msq, packing)
-    levels = lowered.depth_levels(packing)
+    """The program compiled at the smallest ring whose chain holds it. In vector packing a
+    value wider than that ring's slots is split over several ciphertexts (each axis that admits
+    it priced), and the next ring that holds it whole is priced too: the cheaper for the
+    objective is kept."""
     notes: list[str] = []
     error: TooDeepError | None = None
+    best: tuple[float, CompiledProgram] | None = None
+    info = program_degree_depth(program)
     for ring in rings:
         slots = ring // 2
-        if packing == "vector" and _dense_widest(lowered) > slots:
-            notes.append(f"N={ring}: a value needs {_dense_widest(lowered)} slots")
+        cands = _lowerings(lowered, msq, packing, slots)
+        if not cands:
+            notes.append(f"N={ring}: a value needs {_dense_widest(lowered)} slots and "
+                         f"splits over at most {MAX_BLOCKS} ciphertexts do not hold it")
             continue
-        try:
-            params = choose_params(levels, max(maxabs), gain, precision_bits=precision_bits,
-                                   output_abs=maxabs[program.output],
-                                   slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
-                                   rotations=packing == "vector",
-                                   security=int(options.get("security", 128)))
-        except TooDeepError as exc:
-            notes.append(f"N={ring}: {levels} levels do not fit")
-            error = exc
-            continue
-        if notes:
-            params = dataclasses.replace(params, why=params.why + "; rejected " + "; ".join(notes))
-        build_context(params)       # SEAL must accept the chain now, not when a client is made
-        if packing == "vector":
-            err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
-            params, plan, opts = _narrow_or_wide(program, lowered, params, costs, options,
-                                                 samples, msq, err_target)
-            params, opts = _fit_keys(plan, params, costs, opts, memory_budget, lowered, msq)
-        else:
-            plan, opts = None, _batch_choice(lowered, params, costs, options)
-        return CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=lowered,
-                               _plan=plan)
+        for low, m, split in cands:
+            levels = low.depth_levels(packing)
+            try:
+                params = choose_params(levels, max(maxabs), noise_gain(low, m, packing),
+                                       precision_bits=precision_bits,
+                                       output_abs=maxabs[program.output],
+                                       slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
+                                       rotations=packing == "vector",
+                                       security=int(options.get("security", 128)))
+            except TooDeepError as exc:
+                note = f"N={ring}: {levels} levels do not fit"
+                if note not in notes:
+                    notes.append(note)
+                error = exc
+                continue
+            if notes:
+                params = dataclasses.replace(params,
+                                             why=params.why + "; rejected " + "; ".join(notes))
+            build_context(params)   # SEAL must accept the chain now, not when a client is made
+            if packing == "vector":
+                opts = dict(options)
+                if split is not None:
+                    opts["split"] = {"slots": split.slots, "axis": split.axis}
+                err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
+                params, plan, opts = _narrow_or_wide(program, low, params, costs, opts,
+                                                     samples, m, err_target)
+                params, opts = _fit_keys(plan, params, costs, opts, memory_budget, low, m)
+                if split is not None:
+                    opts["why"] += (f"; values wider than {slots} slots split over up to "
+                                    f"{split.blocks} ciphertexts along axis {split.axis} of "
+                                    f"their layout shape")
+            else:
+                plan, opts = None, _batch_choice(low, params, costs, options)
+            prog = CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=low,
+                                   _plan=plan, _degree_depth=info)
+            score = _objective_cost(prog.plan.predicted, options["objective"],
+                                    options.get("batch_size"))
+            if best is not None:
+                # a split at a smaller ring against another ring or axis
+                won, lost = (best[1], prog) if best[0] <= score else (prog, best[1])
+                won.options["why"] += (
+                    f"; chosen against {_layout_words(lost)}: predicted "
+                    f"{min(best[0], score):.3g} s against {max(best[0], score):.3g} s")
+            if best is None or score < best[0]:
+                best = (score, prog)
+        if best is not None and all(c[2] is None for c in cands):
+            break
+    if best is not None:
+        chosen = best[1]
+        chosen.plan.why = str(chosen.options.get("why", ""))
+        return CompiledProgram(chosen.program, chosen.params, chosen.packing,
+                               chosen.calibration, chosen.options, chosen.certificate,
+                               _lowered=chosen.lowered,
+                               _plan=chosen.plan if chosen.packing == "vector" else None,
+                               _degree_depth=info)
     if error is not None:
         raise error
     raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
@@ -655,7 +738,8 @@ def _choose(found: list["CompiledProgram"], packing: str, objective: str,
         best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
                                {**best.options, "why": why}, best.certificate,
                                _lowered=best.lowered,
-                               _plan=best.plan if best.packing == "vector" else None)
+                               _plan=best.plan if best.packing == "vector" else None,
+                               _degree_depth=(best.degree, best.depth))
     return best
 
 

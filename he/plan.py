@@ -29,6 +29,7 @@ vectors:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -739,6 +740,11 @@ def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int]
     return [best_choice[search.group[i]] for i in range(len(lowered.steps))], best_cost
 
 
+#: primitive counts of a map's sparsity pattern in a pair of layouts, shared by searches
+_PATTERN_COUNTS: dict[tuple[Any, ...], dict[str, int]] = {}
+_PATTERN_COUNTS_MAX = 200_000
+
+
 class _LayoutSearch:
     """The modelled cost of affine steps under a choice of layouts, one per layout group, with
     the slot maps, term counts and step costs memoised across the choices tried."""
@@ -765,7 +771,7 @@ class _LayoutSearch:
         self.identity = {(si, t): is_identity(m) for si, st in enumerate(steps)
                          for t, m in enumerate(st.terms)}
         self.maps: dict[tuple[int, Order], tuple[np.ndarray, int]] = {}
-        self.coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.coos: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, tuple[Any, ...]]] = {}
         self.term_memo: dict[tuple[Any, ...], dict[str, int]] = {}
         self.memo: dict[tuple[Any, ...], float] = {}
         self.reps: dict[int, list[int]] = {}
@@ -789,11 +795,21 @@ class _LayoutSearch:
                 if (si, t) not in self.coos:
                     coo = st.terms[t].tocoo()
                     keep = coo.data != 0
-                    self.coos[si, t] = (coo.row[keep].astype(np.int64),
-                                        coo.col[keep].astype(np.int64))
-                r, c = self.coos[si, t]
-                self.term_memo[key] = _counts_of(out_map[r], in_map[c], next_pow2(in_w),
-                                                 next_pow2(out_w))
+                    r, c = coo.row[keep].astype(np.int64), coo.col[keep].astype(np.int64)
+                    digest = hashlib.blake2b(r.tobytes() + b"|" + c.tobytes(),
+                                             digest_size=16).digest()
+                    self.coos[si, t] = (r, c, (digest, self.shapes[si],
+                                               self.shapes[st.inputs[t]]))
+                r, c, pattern = self.coos[si, t]
+                # maps of one sparsity pattern between values of one shape (the blocks of a
+                # split value, the narrow and wide chains' searches) count alike
+                shared = (pattern, o_out, o_in)
+                if shared not in _PATTERN_COUNTS:
+                    if len(_PATTERN_COUNTS) > _PATTERN_COUNTS_MAX:
+                        _PATTERN_COUNTS.clear()
+                    _PATTERN_COUNTS[shared] = _counts_of(out_map[r], in_map[c],
+                                                         next_pow2(in_w), next_pow2(out_w))
+                self.term_memo[key] = _PATTERN_COUNTS[shared]
         return self.term_memo[key]
 
     def step_cost(self, si: int, choice: dict[int, Order]) -> float:

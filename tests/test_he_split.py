@@ -1,0 +1,166 @@
+"""Values wider than a ciphertext split over several: the rewritten program computes the same
+function at the same levels, the compiler prices the split against the larger ring, and split
+programs decrypt within their promise on real SEAL ciphertexts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import he
+import polynets as pn
+from he.split import MAX_BLOCKS, SPLIT_AXES, split_lowered
+from polynets.ir.lowering import lower, step_levels
+
+
+def _run(lowered, x: np.ndarray) -> np.ndarray:
+    """Float64 evaluation of a lowered program, step by step."""
+    vals: list[np.ndarray] = []
+    for st_ in lowered.steps:
+        ins = [vals[j] for j in st_.inputs]
+        if st_.kind == "input":
+            v = x
+        elif st_.kind == "affine":
+            v = sum((m @ a.T).T for m, a in zip(st_.terms, ins))
+            if st_.bias is not None:
+                v = v + np.asarray(st_.bias)[None, :]
+            v = np.broadcast_to(v, (len(x), st_.n))
+        elif st_.kind == "mul":
+            v = ins[0] * ins[1]
+        else:
+            v = ins[0] * float(st_.factor)
+        vals.append(v)
+    return vals[lowered.output]
+
+
+class Tokens(nn.Module):
+    """Patch embedding of a small image to ``side x side`` tokens, Mu-Layers (BatchNorm, spatial
+    shift in the first), a flattened linear head."""
+
+    def __init__(self, side: int, dim: int, depth: int = 1, hidden: int | None = None):
+        super().__init__()
+        self.embed = pn.PatchEmbed(side, 1, 1, dim)
+        self.mus = nn.ModuleList(pn.MuLayer(dim, hidden=hidden, norm="batch",
+                                            spatial_shift=i == 0) for i in range(depth))
+        self.head = nn.Linear(side * side * dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.flatten(1))
+
+
+def _trained_shape(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(3, 6), st.sampled_from([6, 12, 20]), st.integers(1, 2),
+       st.sampled_from([None, 24]), st.sampled_from([64, 128, 256]),
+       st.sampled_from(SPLIT_AXES), st.integers(0, 1000))
+def test_a_split_program_computes_the_same_function_at_the_same_levels(side, dim, depth, hidden,
+                                                                       slots, axis, seed):
+    torch.manual_seed(seed)
+    x = torch.rand(4, 1, side, side)
+    model = _trained_shape(Tokens(side, dim, depth, hidden), x)
+    lowered = lower(pn.trace(model, x[:1]))
+    split = split_lowered(lowered, slots, axis)
+    widest = max(s.n for s in lowered.steps)
+    if widest <= slots:
+        assert split is None
+        return
+    if split is None:
+        # the axis would need more than MAX_BLOCKS blocks (the input and output are narrow)
+        assert widest > slots * (MAX_BLOCKS - 1) // 2 or axis == 0
+        return
+    new = split.lowered
+    assert all(s.n <= slots for s in new.steps)
+    assert new.steps[0].kind == "input" and new.steps[0].n == lowered.steps[0].n
+    assert new.steps[new.output].n == lowered.steps[lowered.output].n
+    assert 2 <= split.blocks <= MAX_BLOCKS
+    xf = x.numpy().reshape(len(x), -1).astype(np.float64)
+    np.testing.assert_allclose(_run(new, xf), _run(lowered, xf), rtol=1e-12, atol=1e-12)
+    # no block costs a level its value did not
+    old_levels, new_levels = step_levels(lowered.steps), step_levels(new.steps)
+    for i, (j, _) in enumerate(split.origin):
+        assert new_levels[i] <= old_levels[j]
+    assert max(new_levels) == max(old_levels)
+    # per-element arrays follow the split
+    marks = [np.arange(s.n, dtype=np.float64) + 1000 * i for i, s in enumerate(lowered.steps)]
+    for (j, idx), part in zip(split.origin, split.slice_values(marks)):
+        np.testing.assert_array_equal(part, marks[j] if idx is None else marks[j][idx])
+
+
+def test_nothing_wide_and_wide_outputs_are_not_split():
+    torch.manual_seed(0)
+    x = torch.rand(4, 1, 4, 4)
+    lowered = lower(pn.trace(_trained_shape(Tokens(4, 8), x), x[:1]))
+    assert split_lowered(lowered, 4096, -1) is None          # everything fits
+    wide_out = lower(pn.trace(nn.Sequential(nn.Flatten(1), nn.Linear(16, 300)).eval(), x[:1]))
+    assert split_lowered(wide_out, 128, -1) is None          # the output would be split
+    assert split_lowered(lowered, 2, -1) is None             # more than MAX_BLOCKS blocks
+
+
+@pytest.fixture(scope="module")
+def wide_model() -> tuple[nn.Module, torch.Tensor]:
+    """8 x 8 tokens of 80 channels: 5,120 elements, more than N=8192's 4,096 slots."""
+    torch.manual_seed(3)
+    x = torch.rand(24, 1, 8, 8)
+    return _trained_shape(Tokens(8, 80), x), x
+
+
+def test_a_split_program_decrypts_within_its_promise_and_survives_a_file(wide_model):
+    model, x = wide_model
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    assert prog.params.poly_modulus_degree == 8192
+    assert prog.options["split"]["slots"] == 4096
+    assert "split over up to 2 ciphertexts" in prog.plan.why
+    assert max(s.n for s in prog.lowered.steps) <= 4096
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2]).to_bytes()).to_bytes())
+    with torch.no_grad():
+        ref = model(x[:2]).double().numpy()
+    assert y.shape == ref.shape
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+    again = he.CompiledProgram.from_bytes(prog.to_bytes())
+    assert again.fingerprint == prog.fingerprint
+    assert again.plan.rotations() == prog.plan.rotations()
+    assert len(again.lowered.steps) == len(prog.lowered.steps)
+    # a client of the reloaded program talks to the original server
+    c2 = he.Client.from_secret_context(again, client.secret_context())
+    y2 = c2.decrypt(server.run(c2.encrypt(x[:2])))
+    assert np.max(np.abs(y2 - prog.simulate(x[:2]))) <= prog.params.expected_error
+
+
+@pytest.mark.parametrize("bad", [{"slots": 4096, "axis": 5}, {"slots": 1000, "axis": -1},
+                                 {"slots": 4096}, {"slots": 4096, "axis": -1, "x": 1},
+                                 {"slots": "4096", "axis": -1}, [4096, -1],
+                                 {"slots": 8192, "axis": -1}])
+def test_a_stored_split_is_checked(wide_model, bad):
+    model, x = wide_model
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    opts = {**prog.options, "split": bad}
+    with pytest.raises(ValueError, match="split"):
+        he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration, opts)
+
+
+def test_the_compiler_prices_the_split_against_the_next_ring(wide_model):
+    model, x = wide_model
+    prog = he.compile(model, x, calibration=x, precision_bits=8)
+    split = he.compile(model, x, calibration=x, precision_bits=8, ring_degree=8192)
+    whole = he.compile(model, x, calibration=x, precision_bits=8, ring_degree=16384)
+    assert "split" in split.options and "split" not in whole.options
+    costs = [p.plan.predicted["round_trip_seconds"] for p in (split, whole)]
+    want = split if costs[0] <= costs[1] else whole
+    assert prog.params.poly_modulus_degree == want.params.poly_modulus_degree
+    assert ("split" in prog.options) == ("split" in want.options)
+    assert "with every value whole" in prog.plan.why or "with values split" in prog.plan.why
