@@ -63,9 +63,7 @@ _NOISE_SAMPLES = 1024
 #: ``precision_bits="argmax"``: the promised error stays below half the gap between the two
 #: largest outputs of all but this fraction of the calibration samples
 ARGMAX_QUANTILE = 0.01
-#: calibration samples whose outputs the argmax rule reads (the quantile's estimate), and the
-#: fewest it accepts
-_ARGMAX_SAMPLES = 4096
+#: the fewest calibration samples whose outputs the argmax rule accepts (it reads them all)
 ARGMAX_MIN_SAMPLES = 20
 
 
@@ -797,12 +795,14 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                     scale_bits=scale_bits, max_input_ciphertexts=max_input_ciphertexts)
     program, cert = _lower(model, example_input)
     calib = _calibration_data(program, example_input, calibration)
-    maxabs = program.max_abs(calib)
+    chunks: list[np.ndarray] | None = [] if argmax else None
+    maxabs = program.max_abs(calib, outputs=chunks)
     if not all(np.isfinite(maxabs)):
         raise NotEncryptableError("the calibration data drives the model to non-finite values")
     precision_why = ""
-    if argmax:
-        outputs = program.simulate(calib[:_ARGMAX_SAMPLES])
+    if chunks is not None:
+        # the outputs of the same pass over the calibration data
+        outputs = np.concatenate([np.asarray(c, dtype=np.float64) for c in chunks])
         precision_bits, precision_why = argmax_precision(
             outputs.reshape(outputs.shape[0], -1) if outputs.ndim > 2 else outputs,
             maxabs[program.output])

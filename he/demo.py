@@ -67,13 +67,9 @@ def train_classifier(model: Any, x: np.ndarray, y: np.ndarray, *, epochs: int, l
     ds = TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
     cfg = TrainConfig(epochs=epochs, batch_size=64, lr=lr, weight_decay=5e-4,
                       warmup_epochs=min(1.0, epochs / 4), clip_grad=1.0, device="cpu",
-                      seed=seed, progress=progress, label_smoothing=0.05, num_classes=10)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        Trainer(model, cfg).fit(ds)
-    finally:
-        torch.set_num_threads(threads)
+                      seed=seed, progress=progress, label_smoothing=0.05, num_classes=10,
+                      num_threads=1)
+    Trainer(model, cfg).fit(ds)
     return model.eval()
 
 

@@ -161,7 +161,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                          amp=args.amp, compile=args.compile, ema_decay=args.ema_decay, mixup=args.mixup,
                          cutmix=args.cutmix, seed=args.seed, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                          num_workers=args.num_workers, log_every=args.log_every, progress=not args.no_progress,
-                         deterministic=args.deterministic, resume=args.resume, num_classes=info.num_classes)
+                         deterministic=args.deterministic, resume=args.resume, num_classes=info.num_classes,
+                         num_threads=args.threads)
     run_info = {"dataset": info.name, "data_dir": args.data_dir, "seed": args.seed, "test_size": args.test_size,
                 "img_size": args.img_size, "input_shape": list(info.input_shape), "info": info.as_dict()}
     trainer = Trainer(model, config, model_name=args.model, model_kwargs=kwargs, run_info=run_info)
@@ -329,6 +330,9 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
     p.add_argument("--checkpoint-every", type=int, default=1, help="epochs between checkpoints")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads while training (default: torch's; 1 suits small "
+                        "models on a busy CPU)")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log records")
     p.add_argument("--deterministic", action="store_true", help="use deterministic kernels")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

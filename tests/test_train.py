@@ -159,6 +159,37 @@ def test_config_rejects_bad_values():
         TrainConfig(opt="adamx")
     with pytest.raises(ConfigError, match="layer_decay"):
         TrainConfig(layer_decay=1.5)
+    for bad in (0, True, "2", 1.5):
+        with pytest.raises(ConfigError, match="num_threads must be a positive int or None"):
+            TrainConfig(num_threads=bad)
+
+
+class _ThreadRecorder(nn.Module):
+    """A linear classifier that records torch's intra-op thread count at every forward."""
+
+    def __init__(self, d_in: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, classes)
+        self.seen: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add(torch.get_num_threads())
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("threads", [1, None])
+def test_training_runs_on_the_configured_threads_and_restores_them(tmp_path, threads):
+    train, _, info = load_dataset("wine")
+    model = _ThreadRecorder(info.in_features, info.num_classes)
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Trainer(model, config(tmp_path, epochs=1, batch_size=32, out_dir=None,
+                              num_threads=threads)).fit(train)
+        assert model.seen == {1 if threads == 1 else 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outer)
 
 
 class _LrRecorder(nn.Module):

@@ -353,14 +353,18 @@ class PolyProgram:
             return out.reshape((interpreter.batch,) + tuple(self.output_shape[1:]))
         return out
 
-    def max_abs(self, x: np.ndarray, *, chunk: int = 256) -> list[float]:
+    def max_abs(self, x: np.ndarray, *, chunk: int = 256,
+                outputs: list[np.ndarray] | None = None) -> list[float]:
         """Largest |value| of every node over the batch ``x`` (shape ``(B, *input_shape[1:])``),
         evaluated ``chunk`` samples at a time holding only live values, so the memory is that of
-        one chunk's live values whatever ``B``."""
+        one chunk's live values whatever ``B``. ``outputs``: a list that receives the output of
+        every chunk (``(chunk, *node shape)``), so one pass serves both."""
         xb = self._as_batch(_numeric_input(x))
         out = [0.0] * len(self.nodes)
         for lo in range(0, max(1, int(xb.shape[0])), chunk):
-            _MaxAbs(xb[lo:lo + chunk], out).run(self, release=True)
+            values = _MaxAbs(xb[lo:lo + chunk], out).run(self, release=True)
+            if outputs is not None:
+                outputs.append(values[self.output])
         return out
 
     def simulate(self, x: Any) -> np.ndarray:

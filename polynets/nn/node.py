@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from polynets.errors import (ConfigError, DataError, ShapeError, TrainingDivergedError,
                              check_int)
 from polynets.nn.layers import MuLayer
+from polynets._threads import torch_threads
 
 __all__ = ["PolyNODE", "ODEFlow", "PolyANODE", "NODEHistory", "odeint_safe", "train_node",
            "annulus_data", "train_flow"]
@@ -363,15 +364,10 @@ def train_node(model: PolyNODE, t: Any, X: Any, *, steps: int = 300, window: int
     ODE batches run fastest on one; None keeps torch's setting). Returns the
     :class:`NODEHistory`.
     """
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(int(num_threads))
-    try:
+    with torch_threads(None if num_threads is None else int(num_threads)):
         return _train(model, t, X, steps=steps, window=window, batch_size=batch_size, lr=lr,
                       method=method, rtol=rtol, atol=atol, adjoint=adjoint, min_step=min_step,
                       clip_grad=clip_grad, seed=seed, progress=progress)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _train(model: PolyNODE, t: Any, X: Any, *, steps: int, window: int, batch_size: int,
