@@ -164,3 +164,21 @@ def test_the_compiler_prices_the_split_against_the_next_ring(wide_model):
     assert prog.params.poly_modulus_degree == want.params.poly_modulus_degree
     assert ("split" in prog.options) == ("split" in want.options)
     assert "with every value whole" in prog.plan.why or "with values split" in prog.plan.why
+
+
+@pytest.mark.parametrize("axis", SPLIT_AXES)
+def test_splits_along_either_axis_decrypt_within_the_promise(monkeypatch, axis):
+    """A Mu-Layer with spatial shift and a hidden width, split along the channels or along the
+    token rows alone (the compiler prices both), at N=8192."""
+    import he.compiler
+
+    monkeypatch.setattr(he.compiler, "SPLIT_AXES", (axis,))
+    torch.manual_seed(5)
+    x = torch.rand(24, 1, 6, 6)
+    model = _trained_shape(Tokens(6, 120, depth=1, hidden=40), x)
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=6)
+    assert prog.options["split"] == {"slots": 4096, "axis": axis}
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2])))
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
