@@ -326,13 +326,22 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
                     span = int(units.max()) + 1
                     cands[v] += [(st, 1 << e) for e in range(0, span.bit_length() + 1)]
 
+        memo: dict[tuple[Any, ...], tuple[set[int] | None, set[int]]] = {}
+
+        def rotations(key: tuple[Any, ...], split: tuple[int, int], keys: np.ndarray,
+                      period: int) -> tuple[set[int] | None, set[int]]:
+            if (key, split) not in memo:
+                memo[key, split] = _rotations_of(split, keys, period)
+            return memo[key, split]
+
         def cost(ch: dict[Var, tuple[int, int]]) -> int:
             babies: dict[tuple[int, int], set[int]] = {}
             n = 0
             for v in comp:
-                n += len(_rotations_of(ch[v], union[v], v[1])[1])
-                for src, k in var_keys[v]:
-                    babies.setdefault(src, set()).update(_rotations_of(ch[v], k, v[1])[0] or ())
+                n += len(rotations((v,), ch[v], union[v], v[1])[1])
+                for i, (src, k) in enumerate(var_keys[v]):
+                    babies.setdefault(src, set()).update(
+                        rotations((v, i), ch[v], k, v[1])[0] or ())
             return n + sum(len(b) for b in babies.values())
 
         def descend(ch: dict[Var, tuple[int, int]]) -> dict[Var, tuple[int, int]]:
