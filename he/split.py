@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 
 from he.plan import layout_groups, layout_shapes
 from polynets.ir.lowering import Lowered, Step
@@ -94,7 +93,8 @@ def split_lowered(lowered: Lowered, slots: int, axis: int) -> Split | None:
     """``lowered`` with every value of more than ``slots`` elements split along ``axis`` of its
     layout shape (see the module docstring); None when nothing needs splitting, or when a value
     that does cannot be split along ``axis`` into at most :data:`MAX_BLOCKS` blocks, or is the
-    program's input or output."""
+    program's input or output, or when a block of a map would read no input (its outputs have
+    zero weights along that axis)."""
     steps = lowered.steps
     group = layout_groups(lowered)
     shapes = layout_shapes(lowered)
@@ -134,11 +134,10 @@ def split_lowered(lowered: Lowered, slots: int, axis: int) -> Split | None:
                         if sub.nnz:
                             inputs.append(jb)
                             terms.append(sub)
-                if not terms:             # a block no input reaches: a zero map of the first
-                    j = st.inputs[0]
-                    inputs.append(index[j][0])
-                    width = steps[j].n if blocks_of[j][0] is None else blocks_of[j][0].size
-                    terms.append(sp.csr_matrix((len(blk) if blk is not None else st.n, width)))
+                if not terms:
+                    # a block no input reaches (outputs with zero weights) would be a constant,
+                    # which no step computes: not along this axis
+                    return None
                 bias = None if st.bias is None else \
                     np.asarray(st.bias)[blk] if blk is not None else st.bias
                 step = Step("affine", tuple(inputs), shape, terms, bias, st.factor)

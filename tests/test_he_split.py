@@ -182,3 +182,29 @@ def test_splits_along_either_axis_decrypt_within_the_promise(monkeypatch, axis):
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x[:2])))
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+
+
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def test_a_block_with_zero_weights_is_split_along_another_axis():
+    """Channels 40-79 of a map have zero weights (a bias only): split by channels, their block
+    would be a constant no step computes, so the compiler splits by tokens instead."""
+    torch.manual_seed(0)
+    lin = nn.Linear(80, 80)
+    with torch.no_grad():
+        lin.weight[40:] = 0
+    model = nn.Sequential(nn.Linear(16, 80), _Square(), lin, _Square(), nn.Flatten(1),
+                          nn.Linear(64 * 80, 3)).eval()
+    x = torch.rand(24, 64, 16)
+    lowered = lower(pn.trace(model, x[:1]))
+    assert split_lowered(lowered, 4096, -1) is None
+    assert split_lowered(lowered, 4096, 0) is not None
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    assert prog.options["split"] == {"slots": 4096, "axis": 0}
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2])))
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
