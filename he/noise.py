@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from polynets.ir.lowering import Lowered, affine_is_free, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, evaluate_steps, step_levels
 
 __all__ = ["step_values_msq", "noise_gain"]
 
@@ -43,32 +43,12 @@ ROTATION = {"batch": 0.0, "vector": 1.0}
 def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
     """Per step, the mean square of each element of its value over the samples ``x``
     (``(B, n_input)``, the flattened calibration inputs), evaluated step by step."""
-    steps = lowered.steps
-    last = [0] * len(steps)
-    for si, st in enumerate(steps):
-        for j in st.inputs:
-            last[j] = si
-    vals: list[np.ndarray | None] = [None] * len(steps)
-    msq: list[np.ndarray] = []
-    x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
-    for si, st in enumerate(steps):
-        ins = [vals[j] for j in st.inputs]
-        if st.kind == "input":
-            v = x
-        elif st.kind == "affine":
-            v = sum((m @ a.T).T for m, a in zip(st.terms, ins))
-            if st.bias is not None:
-                v = v + np.asarray(st.bias, dtype=np.float64)[None, :]
-            v = np.broadcast_to(v, (len(x), st.n)) if np.ndim(v) < 2 else v
-        elif st.kind == "mul":
-            v = ins[0] * ins[1]
-        else:
-            v = ins[0] * float(st.factor)
-        vals[si] = v
-        msq.append(np.mean(np.square(v), axis=0))
-        for j in st.inputs:
-            if last[j] == si:
-                vals[j] = None
+    msq: list[np.ndarray] = [np.zeros(0)] * len(lowered.steps)
+
+    def visit(si: int, v: np.ndarray) -> None:
+        msq[si] = np.mean(np.square(v), axis=0)
+
+    evaluate_steps(lowered, x, visit)
     return msq
 
 

@@ -14,27 +14,7 @@ from torch import nn
 import he
 import polynets as pn
 from he.split import MAX_BLOCKS, SPLIT_AXES, split_lowered
-from polynets.ir.lowering import lower, step_levels
-
-
-def _run(lowered, x: np.ndarray) -> np.ndarray:
-    """Float64 evaluation of a lowered program, step by step."""
-    vals: list[np.ndarray] = []
-    for st_ in lowered.steps:
-        ins = [vals[j] for j in st_.inputs]
-        if st_.kind == "input":
-            v = x
-        elif st_.kind == "affine":
-            v = sum((m @ a.T).T for m, a in zip(st_.terms, ins))
-            if st_.bias is not None:
-                v = v + np.asarray(st_.bias)[None, :]
-            v = np.broadcast_to(v, (len(x), st_.n))
-        elif st_.kind == "mul":
-            v = ins[0] * ins[1]
-        else:
-            v = ins[0] * float(st_.factor)
-        vals.append(v)
-    return vals[lowered.output]
+from polynets.ir.lowering import evaluate_steps, lower, step_levels
 
 
 class Tokens(nn.Module):
@@ -87,7 +67,8 @@ def test_a_split_program_computes_the_same_function_at_the_same_levels(side, dim
     assert new.steps[new.output].n == lowered.steps[lowered.output].n
     assert 2 <= split.blocks <= MAX_BLOCKS
     xf = x.numpy().reshape(len(x), -1).astype(np.float64)
-    np.testing.assert_allclose(_run(new, xf), _run(lowered, xf), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(evaluate_steps(new, xf), evaluate_steps(lowered, xf),
+                               rtol=1e-12, atol=1e-12)
     # no block costs a level its value did not
     old_levels, new_levels = step_levels(lowered.steps), step_levels(new.steps)
     for i, (j, _) in enumerate(split.origin):

@@ -38,7 +38,7 @@ and the CKKS compiler:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -46,7 +46,7 @@ import scipy.sparse as sp
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
 __all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is_free",
-           "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
+           "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
@@ -115,6 +115,42 @@ class Lowered:
     def depth_levels(self, packing: str = "vector") -> int:
         """Levels (rescales) on the longest path: the modulus chain's length."""
         return max(self.levels(packing), default=0)
+
+
+def evaluate_steps(lowered: Lowered, x: np.ndarray,
+                   visit: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+    """Float64 evaluation of the steps on a batch ``x`` (``(B, n_input)``, flattened inputs):
+    the output step's value ``(B, n)``. ``visit(i, value)`` sees every step's value as it is
+    computed; a value is released once its last reader has run."""
+    steps = lowered.steps
+    last = [0] * len(steps)
+    for si, st in enumerate(steps):
+        for j in st.inputs:
+            last[j] = si
+    vals: list[np.ndarray | None] = [None] * len(steps)
+    x = np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+    for si, st in enumerate(steps):
+        ins = [vals[j] for j in st.inputs]
+        if st.kind == "input":
+            v = x
+        elif st.kind == "affine":
+            v = sum((m @ a.T).T for m, a in zip(st.terms, ins))
+            if st.bias is not None:
+                v = v + np.asarray(st.bias, dtype=np.float64)[None, :]
+            v = np.broadcast_to(v, (len(x), st.n)) if np.ndim(v) < 2 else v
+        elif st.kind == "mul":
+            v = ins[0] * ins[1]
+        else:
+            v = ins[0] * float(st.factor)
+        vals[si] = v
+        if visit is not None:
+            visit(si, v)
+        for j in st.inputs:
+            if last[j] == si and j != lowered.output:
+                vals[j] = None
+    out = vals[lowered.output]
+    assert out is not None
+    return out
 
 
 def _eye(n: int) -> sp.csr_matrix:
