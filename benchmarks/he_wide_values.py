@@ -7,7 +7,8 @@ TenSEAL's tutorial recipe, all measured in the same run.
 Models, written as users write them (``he_family.PatchTokens``, ``pn.MONet``): 2x2 patches give
 14 x 14 = 196 tokens, so 32 channels are 6,272 elements (more than N=8192's 4,096 slots), 48
 channels 9,408 and 64 channels 12,544 (more than N=16384's 8,192); a hidden expansion to 128
-channels is 25,088 elements, more than any ring holds whole (its baseline is then "none").
+channels is 25,088 elements, more than any ring holds whole (its baseline is then "none"), and
+6,272 over the 7 x 7 tokens of 4x4 patches.
 Trained briefly on the first 8,000 MNIST test images (the timings do not depend on accuracy),
 compiled with the compiler's defaults (``--precision-bits`` to change), timed one image per
 round trip (encrypt, serialise, server, decrypt; median of ``--n-latency``); the recipe is timed
@@ -51,6 +52,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "p2_d64_x2": lambda: PatchTokens(patch=2, dim=64, depth=2),
     "p2_d64_mean": lambda: PatchTokens(patch=2, dim=64, pool="mean"),
     "p2_d32_h128": lambda: PatchTokens(patch=2, hidden=128),
+    "p4_d32_h128": lambda: PatchTokens(patch=4, hidden=128),
     "monet_p2_d48": lambda: pn.MONet(img_size=28, in_chans=1, num_classes=10, patch_size=2,
                                      embed_dim=48, depth=1, merges=0, norm="batch"),
 }

@@ -189,3 +189,23 @@ def test_a_block_with_zero_weights_is_split_along_another_axis():
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x[:2])))
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(7, 8), st.sampled_from([96, 130]), st.sampled_from([None, 48]),
+       st.integers(0, 1000))
+def test_random_split_token_models_decrypt_to_the_model_output(side, dim, hidden, seed):
+    """decrypt(server(encrypt(x))) == simulate(x) == model(x) for random token models whose
+    values exceed N=8192's slots, whatever split and layouts the compiler picks."""
+    torch.manual_seed(seed)
+    x = torch.rand(24, 1, side, side)
+    model = _trained_shape(Tokens(side, dim, hidden=hidden), x)
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    assert "split" in prog.options
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2]).to_bytes()))
+    with torch.no_grad():
+        ref = model(x[:2]).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
