@@ -24,8 +24,8 @@ from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
-                     choose_plane_packing, key_basis, next_pow2, rotation_path, search_layouts,
-                     widest_period)
+                     choose_plane_packing, key_basis, next_pow2, padded_layouts_fit,
+                     rotation_path, search_layouts, widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
@@ -583,12 +583,18 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
 def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
                ) -> list[tuple[Lowered, list[np.ndarray], Split | None]]:
     """The lowered programs ``packing`` can run at ``slots`` slots, with their values' mean
-    squares: the program itself where its values fit (batch packing: always), else in vector
-    packing its splits over several ciphertexts (:func:`he.split.split_lowered`), one per axis
-    that admits one."""
-    if packing != "vector" or _dense_widest(lowered) <= slots:
+    squares: the program itself where its values fit (batch packing: always); in vector
+    packing, where they do not, its splits over several ciphertexts
+    (:func:`he.split.split_lowered`), one per axis that admits one, and where they fit only in
+    unpadded layouts, also its splits into blocks of half the slots (which fit padded)."""
+    if packing != "vector":
         return [(lowered, msq, None)]
     out: list[tuple[Lowered, list[np.ndarray], Split | None]] = []
+    if _dense_widest(lowered) <= slots:
+        out.append((lowered, msq, None))
+        if padded_layouts_fit(lowered, slots):
+            return out
+        slots //= 2
     for axis in SPLIT_AXES:
         split = split_lowered(lowered, slots, axis)
         if split is not None:
@@ -651,7 +657,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                                                      samples, m, err_target)
                 params, opts = _fit_keys(plan, params, costs, opts, memory_budget, low, m)
                 if split is not None:
-                    opts["why"] += (f"; values wider than {slots} slots split over up to "
+                    opts["why"] += (f"; values wider than {split.slots} slots split over up to "
                                     f"{split.blocks} ciphertexts along axis {split.axis} of "
                                     f"their layout shape")
             else:
@@ -668,8 +674,8 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                     f"{min(best[0], score):.3g} s against {max(best[0], score):.3g} s")
             if best is None or score < best[0]:
                 best = (score, prog)
-        if best is not None and all(c[2] is None for c in cands):
-            break
+        if best is not None and any(c[2] is None for c in cands):
+            break           # the program whole at this ring was priced: larger rings cost more
     if best is not None:
         chosen = best[1]
         chosen.plan.why = str(chosen.options.get("why", ""))

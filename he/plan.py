@@ -44,7 +44,8 @@ __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map"
            "rotation_path",
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
-           "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms"]
+           "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms",
+           "padded_layouts_fit"]
 
 Order = tuple[int, ...] | None
 
@@ -129,6 +130,18 @@ def candidate_orders(shape: Sequence[int], max_axes: int = 3) -> list[Order]:
     # the unpadded variant where padding widens the value
     cands += [dense(o) for o in orders if _width(shape, dense(o)) < _width(shape, o)]
     return cands
+
+
+def padded_layouts_fit(lowered: Lowered, slots: int) -> bool:
+    """Whether every value with axes to order has a padded axis order (every inner axis a
+    power of two) within ``slots``; where one has only unpadded orders left (144 channels over a
+    7 x 7 grid at 8,192 slots), its maps take strides the baby/giant steps fit less well."""
+    for sh in set(layout_shapes(lowered)):
+        widths = [next_pow2(_width(sh, o)) for o in candidate_orders(sh)
+                  if o is not None and o[0] >= 0]
+        if widths and min(widths) > slots:
+            return False
+    return True
 
 
 def _width(shape: Sequence[int], order: Order) -> int:

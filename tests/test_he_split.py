@@ -209,3 +209,24 @@ def test_random_split_token_models_decrypt_to_the_model_output(side, dim, hidden
         ref = model(x[:2]).double().numpy()
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
     assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_values_that_fit_only_unpadded_are_also_priced_split_in_the_same_ring():
+    """49 tokens of 80 channels fit N=8192's 4,096 slots only unpadded (padded: 5,120 or 6,272);
+    the compiler also prices them split into blocks that fit padded, keeps the cheaper, and the
+    result decrypts within its promise."""
+    from he.plan import padded_layouts_fit
+
+    torch.manual_seed(2)
+    x = torch.rand(24, 1, 7, 7)
+    model = _trained_shape(Tokens(7, 80), x)
+    lowered = lower(pn.trace(model, x[:1]))
+    assert max(s.n for s in lowered.steps) <= 4096 and not padded_layouts_fit(lowered, 4096)
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    other = ("N=8192 with every value whole" if "split" in prog.options else
+             "N=8192 with values split")
+    assert f"chosen against {other}" in prog.plan.why
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2])))
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
