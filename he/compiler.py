@@ -585,8 +585,9 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
     """The lowered programs ``packing`` can run at ``slots`` slots, with their values' mean
     squares: the program itself where its values fit (batch packing: always); in vector
     packing, where they do not, its splits over several ciphertexts
-    (:func:`he.split.split_lowered`), one per axis that admits one, and where they fit only in
-    unpadded layouts, also its splits into blocks of half the slots (which fit padded)."""
+    (:func:`he.split.split_lowered`) along each axis that admits one; and where the values (or
+    the blocks) fit only in unpadded layouts, also splits into blocks of half the slots, which
+    fit padded."""
     if packing != "vector":
         return [(lowered, msq, None)]
     out: list[tuple[Lowered, list[np.ndarray], Split | None]] = []
@@ -594,11 +595,17 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
         out.append((lowered, msq, None))
         if padded_layouts_fit(lowered, slots):
             return out
-        slots //= 2
+        targets = [slots // 2]
+    else:
+        targets = [slots, slots // 2]
     for axis in SPLIT_AXES:
-        split = split_lowered(lowered, slots, axis)
-        if split is not None:
+        for i, target in enumerate(targets):
+            split = split_lowered(lowered, target, axis)
+            if split is None:
+                break
             out.append((split.lowered, split.slice_values(msq), split))
+            if padded_layouts_fit(split.lowered, slots):
+                break       # smaller blocks only where these fit only unpadded
     return out
 
 
@@ -606,7 +613,8 @@ def _layout_words(prog: "CompiledProgram") -> str:
     split = prog.options.get("split")
     where = f"N={prog.params.poly_modulus_degree}"
     return (f"{where} with every value whole" if split is None else
-            f"{where} with values split along axis {split['axis']}")
+            f"{where} with values split along axis {split['axis']} into blocks of at most "
+            f"{split['slots']} elements")
 
 
 def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert: str,

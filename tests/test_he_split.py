@@ -230,3 +230,20 @@ def test_values_that_fit_only_unpadded_are_also_priced_split_in_the_same_ring():
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x[:2])))
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+
+
+def test_blocks_that_fit_only_unpadded_are_also_priced_smaller():
+    """49 tokens of 160 channels need two blocks at N=8192, each fitting only unpadded; four
+    blocks of 40 channels fit padded: both are priced, the cheaper kept."""
+    torch.manual_seed(4)
+    x = torch.rand(24, 1, 7, 7)
+    model = _trained_shape(Tokens(7, 160), x)
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8)
+    chosen = prog.options["split"]["slots"]
+    assert chosen in (4096, 2048)
+    other = 6144 - chosen
+    assert f"blocks of at most {other} elements: predicted" in prog.plan.why
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2])))
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
