@@ -599,7 +599,7 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
     else:
         targets = [slots, slots // 2]
     for axis in SPLIT_AXES:
-        for i, target in enumerate(targets):
+        for target in targets:
             split = split_lowered(lowered, target, axis)
             if split is None:
                 break
@@ -622,13 +622,15 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
                      scale_bits: int | None, samples: int | None,
                      memory_budget: int | None = None) -> CompiledProgram:
-    """The program compiled at the smallest ring whose chain holds it. In vector packing a
-    value wider than that ring's slots is split over several ciphertexts (each axis that admits
-    it priced), and the next ring that holds it whole is priced too: the cheaper for the
-    objective is kept."""
+    """The program compiled at the smallest ring whose chain holds it. In vector packing,
+    where a value is wider than that ring's slots (or fits it only unpadded), its splits over
+    several ciphertexts (:func:`_lowerings`) are priced, and every larger ring up to the first
+    that holds the program whole: the cheapest for the objective whose server fits
+    ``memory_budget`` is kept (:func:`_rank`)."""
     notes: list[str] = []
     error: TooDeepError | None = None
-    best: tuple[float, CompiledProgram] | None = None
+    best: tuple[tuple[bool, float], CompiledProgram] | None = None
+    budget = available_memory() if memory_budget is None else int(memory_budget)
     info = program_degree_depth(program)
     for ring in rings:
         slots = ring // 2
@@ -672,14 +674,14 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                 plan, opts = None, _batch_choice(low, params, costs, options)
             prog = CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=low,
                                    _plan=plan, _degree_depth=info)
-            score = _objective_cost(prog.plan.predicted, options["objective"],
-                                    options.get("batch_size"))
+            score = _rank(prog, options["objective"], options.get("batch_size"), budget)
             if best is not None:
-                # a split at a smaller ring against another ring or axis
-                won, lost = (best[1], prog) if best[0] <= score else (prog, best[1])
+                # a split at a smaller ring against another ring, axis or block size
+                (ws, won), (ls, lost) = sorted([best, (score, prog)], key=lambda t: t[0])
                 won.options["why"] += (
-                    f"; chosen against {_layout_words(lost)}: predicted "
-                    f"{min(best[0], score):.3g} s against {max(best[0], score):.3g} s")
+                    f"; chosen against {_layout_words(lost)}: predicted {ws[1]:.3g} s against "
+                    f"{ls[1]:.3g} s" + (" (over the memory budget)" if ls[0] and not ws[0]
+                                        else ""))
             if best is None or score < best[0]:
                 best = (score, prog)
         if best is not None and any(c[2] is None for c in cands):
@@ -729,16 +731,23 @@ def _check_settings(packing: str, objective: str, batch_size: int | None, securi
                                   f"{samples_per_ciphertext!r}")
 
 
+def _rank(prog: "CompiledProgram", objective: str, batch_size: int | None, budget: int
+          ) -> tuple[bool, float]:
+    """Sort key of candidate programs: those whose server fits ``budget`` bytes first (a plan
+    over it is chosen only when none fits), then the predicted cost for ``objective``."""
+    over = float(prog.plan.predicted.get("server_memory_bytes", 0)) > budget
+    return over, _objective_cost(prog.plan.predicted, objective, batch_size)
+
+
 def _choose(found: list["CompiledProgram"], packing: str, objective: str,
             batch_size: int | None, memory_budget: int | None) -> "CompiledProgram":
     """The candidate packing with the lowest predicted cost for ``objective`` whose server fits
     ``memory_budget`` (any, when none fits); with ``packing="auto"`` its ``why`` says so."""
-    scores = [_objective_cost(p.plan.predicted, objective, batch_size) for p in found]
     budget = available_memory() if memory_budget is None else int(memory_budget)
+    ranked = [_rank(p, objective, batch_size, budget) for p in found]
+    scores = [r[1] for r in ranked]
     memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
-    fits = [m <= budget for m in memory]
-    # a plan whose server would not fit the memory is chosen only when none fits
-    ranked = [(not f, s) for f, s in zip(fits, scores)]
+    fits = [not r[0] for r in ranked]
     best = found[min(range(len(found)), key=lambda i: ranked[i])]
     if packing == "auto":
         others = "; ".join(
