@@ -201,11 +201,12 @@ def _stored_lowering(program: PolyProgram, split: Any) -> Lowered:
     lowered = lower(program)
     if split is None:
         return lowered
+    sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
     if not isinstance(split, dict) or set(split) != {"slots", "axis"} or \
             any(type(v) is not int for v in split.values()) or split["axis"] not in SPLIT_AXES \
-            or split["slots"] not in {r // 2 for r in RING_DEGREES}:
-        raise ValueError(f"split must be {{'slots': one of {[r // 2 for r in RING_DEGREES]}, "
-                         f"'axis': one of {list(SPLIT_AXES)}}}, got {split!r}")
+            or split["slots"] not in sizes:
+        raise ValueError(f"split must be {{'slots': one of {sizes}, 'axis': one of "
+                         f"{list(SPLIT_AXES)}}}, got {split!r}")
     done = split_lowered(lowered, split["slots"], split["axis"])
     if done is None:
         raise ValueError(f"split {split!r} does not apply to this program")

@@ -123,6 +123,7 @@ def test_a_split_program_decrypts_within_its_promise_and_survives_a_file(wide_mo
 
 
 @pytest.mark.parametrize("bad", [{"slots": 4096, "axis": 5}, {"slots": 1000, "axis": -1},
+                                 {"slots": 1024, "axis": -1},
                                  {"slots": 4096}, {"slots": 4096, "axis": -1, "x": 1},
                                  {"slots": "4096", "axis": -1}, [4096, -1],
                                  {"slots": 8192, "axis": -1}])
@@ -247,3 +248,13 @@ def test_blocks_that_fit_only_unpadded_are_also_priced_smaller():
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x[:2])))
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+    # the program's file keeps the split, whichever block size won
+    again = he.CompiledProgram.from_bytes(prog.to_bytes())
+    assert again.fingerprint == prog.fingerprint
+    assert len(again.lowered.steps) == len(prog.lowered.steps)
+    # and both block sizes are splits a stored program may name
+    from he.compiler import _stored_lowering
+
+    for slots in (4096, 2048):
+        low = _stored_lowering(prog.program, {"slots": slots, "axis": -1})
+        assert max(st_.n for st_ in low.steps) <= slots
