@@ -22,7 +22,13 @@ Recipe of :class:`EquationDiscovery.fit`:
    terms the data cannot identify, e.g. under a conservation law) is below ``significance``;
    refit (from the weak-form fit of the smaller support if the warm start blows up); repeat
    until every term is large and significant, or a smaller model blows up.
-4. **Selection** among the candidates: the Bayesian information criterion of the trajectory
+4. **Local swaps** (:meth:`EquationDiscovery._stepwise`): from the candidate of lowest BIC,
+   each equation's best support of every size under the Gauss-Newton model of the trajectory
+   fit (one evaluation of the sensitivities to every library coefficient), penalised per term;
+   a proposal that differs is refit and eliminated, and kept as a candidate. This finds true
+   supports that elimination lost to correlated stand-in terms (several spurious terms together
+   replacing a true one), where no single term is significant on its own.
+5. **Selection** among the candidates: the Bayesian information criterion of the trajectory
    fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
    so on exact data the sparsest exact model wins), all evaluated on the same windows, ranks
    the distinct supports; the few best are compared by held-out window error
@@ -30,7 +36,7 @@ Recipe of :class:`EquationDiscovery.fit`:
    predicted from their own fitted starts), which needs no noise level and does not lean on
    BIC's asymptotics when a small term is near the noise (``selection`` = ``"bic+cv"``; ``"bic"``
    and ``"cv"`` use one rule alone).
-5. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
+6. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
    again and again up to whole trajectories, while a likelihood-ratio test finds the longer
    windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
    under noise; a chaotic trajectory stops the doubling where it no longer fits.
@@ -66,8 +72,8 @@ from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import (BUDGET_FACTOR, EXACT_RMS, ShootingResult, fit_trajectories,
-                               make_windows)
-from symbolic.weak import sparse_supports, weak_lstsq
+                               local_quadratic, make_windows)
+from symbolic.weak import _lstsq, sparse_supports, subset_path, weak_lstsq
 
 __all__ = ["EquationDiscovery"]
 
@@ -88,6 +94,24 @@ SELECTIONS = ("bic", "cv", "bic+cv")
 CV_SHORTLIST = 4
 """Candidates (distinct supports, best by BIC first) that ``selection="bic+cv"`` compares by
 held-out window error."""
+
+STEPWISE_ROUNDS = 4
+"""Most rounds of :meth:`EquationDiscovery._stepwise`."""
+
+SWAP_MIN_RMS = 100 * EXACT_RMS
+"""A candidate whose residual RMS (in units of each variable's std) is below this reproduces the
+data to about the integration accuracy; then :meth:`EquationDiscovery._stepwise` does nothing
+(on exact data a swap can only trade one exact representation for another, e.g. under a
+conservation law, and the residuals that would rank them are integration error)."""
+
+SWAP_EVIDENCE = 6.0
+"""BIC decrease a local swap must achieve over the candidate it starts from to be kept: a Bayes
+factor of about 20, "strong" evidence on Kass and Raftery's scale. Under a collinear library
+(e.g. ``S + E + I + R = 1``) near-equivalent representations differ by less, by chance."""
+
+SWAP_EXTRA = 2
+"""Supports up to this many terms larger than the current one are searched per equation by
+:func:`local_swaps`."""
 
 SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
@@ -157,6 +181,56 @@ def information_criterion(res: ShootingResult, terms: int) -> float:
     return n * math.log(max(res.rss / n, EXACT_RMS**2)) + terms * math.log(n)
 
 
+def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
+                active: np.ndarray, penalty: float, extra: int = SWAP_EXTRA
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Best support of every equation under the local Gauss-Newton model of a trajectory fit.
+
+    ``S``, ``g``, ``norm`` from :func:`~symbolic.shooting.local_quadratic` at coefficients
+    ``coef`` of support ``active`` (p, dim). For each equation the other equations' active
+    coefficients are minimised out, the quadratic is written as a least-squares problem and its
+    best support of every size up to ``extra`` more terms than now is found
+    (:func:`~symbolic.weak.subset_path`); the size minimising ``RSS + penalty * terms`` (RSS of
+    the quadratic model) is kept when that beats the current support. Returns the proposed
+    support (p, dim) and its Gauss-Newton coefficients (the current ones where unchanged)."""
+    p, dim = active.shape
+    flat = active.reshape(-1)
+    c0 = coef.reshape(-1) * norm
+    proposal, new = active.copy(), coef.copy()
+    for i in range(dim):
+        eq = np.arange(p) * dim + i
+        others = np.nonzero(flat & (np.arange(flat.size) % dim != i))[0]
+        Sii, gi = S[np.ix_(eq, eq)], g[eq]
+        if len(others):
+            Soi = S[np.ix_(others, eq)]
+            proj = np.linalg.lstsq(S[np.ix_(others, others)],
+                                   np.hstack([Soi, g[others, None]]), rcond=1e-12)[0]
+            Sii = Sii - Soi.T @ proj[:, :-1]
+            gi = gi - Soi.T @ proj[:, -1]
+        # RSS(c) = c^T Sii c - 2 b^T c + const = ||G c - beta||^2 + const
+        b = Sii @ c0[eq] - gi
+        vals, vecs = np.linalg.eigh(0.5 * (Sii + Sii.T))
+        keep = vals > 1e-10 * max(float(vals.max()), 1e-300)
+        G = np.sqrt(vals[keep])[:, None] * vecs[:, keep].T
+        beta = (vecs[:, keep].T @ b) / np.sqrt(vals[keep])
+        current = np.nonzero(active[:, i])[0]
+
+        def rss(cols: np.ndarray) -> float:
+            return float(np.sum((G @ _lstsq(G, beta, cols) - beta) ** 2))
+
+        best_cols, best = current, rss(current) + penalty * len(current)
+        for support, _ in subset_path(G, beta, max_terms=min(p, len(current) + extra)):
+            cols = np.nonzero(support)[0]
+            value = rss(cols) + penalty * len(cols)
+            if value < best - 1e-9 * abs(best):
+                best_cols, best = cols, value
+        if not np.array_equal(best_cols, current):
+            proposal[:, i] = False
+            proposal[best_cols, i] = True
+            new[:, i] = _lstsq(G, beta, best_cols) / norm[eq]
+    return proposal, new
+
+
 class EquationDiscovery(BaseEstimator):
     """Sparse polynomial ODE discovery with a Poly-NODE, weak-form starts and trajectory refits.
 
@@ -195,10 +269,10 @@ class EquationDiscovery(BaseEstimator):
     Fitted attributes: ``coef_`` (p, dim) over the monomials ``library_`` (p, dim exponents),
     ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
     exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
-    ``"lstsq"`` the dense integral-form least squares, or ``"weak"``), ``candidates_`` one
-    record per start (terms, RSS, criterion, held-out error ``cv`` where computed, window,
-    converged, or the error), ``rounds_`` the
-    terms and residual per elimination round of the chosen model, ``result_`` its
+    ``"lstsq"`` the dense integral-form least squares, ``"weak"``, or ``"stepwise"`` a local
+    swap, see :meth:`_stepwise`), ``candidates_`` one record per start (terms, RSS,
+    criterion, held-out error ``cv`` where computed, window, converged, or the error),
+    ``rounds_`` the terms and residual per elimination round of the chosen model, ``result_`` its
     :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
     ``x0_`` the fitted window starts, ``fit_window_`` the final window length, ``timings_``
     seconds spent.
@@ -406,6 +480,10 @@ class EquationDiscovery(BaseEstimator):
                 f" The data may be sampled too coarsely for its time scales, or not come from a "
                 f"polynomial ODE of degree <= {self.degree}: sample more densely, raise degree, "
                 f"or remove outliers")
+        began = time.perf_counter()
+        self._stepwise(fitted, candidates, noise)
+        timings["stepwise"] = time.perf_counter() - began
+        fitted = [c for c in candidates if "result" in c]
         best = self._select(fitted)
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
@@ -506,6 +584,91 @@ class EquationDiscovery(BaseEstimator):
         if not finished or length(res.window) > length(self.window):
             return False
         return information_criterion(res, res.coef.shape[1]) > min(finished)
+
+    def _stepwise(self, fitted: list[dict], candidates: list[dict], noise: float | None) -> None:
+        """Local support search from the candidate of lowest BIC on the configured windows.
+
+        Backward elimination from a start can drop a true term while correlated spurious ones
+        stand in for it (``y*z`` for ``y**3`` where an oscillation's amplitude and ``z`` decay
+        together; ``x1, x1**2, x2, x2**2`` for ``x2*x4, x3*x4`` on populations near an invariant
+        surface), and then no start holds the true support: each single term is insignificant
+        next to its stand-ins, so neither elimination nor adding one term finds it. From that
+        candidate one evaluation of the sensitivities to every library coefficient gives
+        the Gauss-Newton model of the trajectory fit's residual
+        (:func:`~symbolic.shooting.local_quadratic`); in it every equation's best support of each
+        size is searched (:func:`local_swaps`) with a penalty per term of the residual variance
+        times ``max(significance**2, ln N)`` (a term must pass the bar that elimination keeps it
+        by and BIC's), the proposal is refit and eliminated again (:meth:`_eliminate`), and joins
+        the candidates (start ``"stepwise"``) when its BIC is lower by ``SWAP_EVIDENCE``;
+        repeated from it while that holds, at most
+        ``STEPWISE_ROUNDS`` times. Selection then treats these candidates like the others.
+        Nothing is done when a candidate reproduces the data to about the integration accuracy
+        (``SWAP_MIN_RMS``): the data are exact and a model explaining them is at hand."""
+        def criterion(c: dict) -> float:
+            return information_criterion(c["result"], int(c["active"].sum()))
+
+        def exact(c: dict) -> bool:
+            res = c["result"]
+            return math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS
+
+        if any(exact(c) for c in fitted):
+            return
+        pool = [c for c in fitted if c["result"].window == self.window]
+        if not pool:
+            return
+        best = min(pool, key=criterion)
+        seen = {c["support"] for c in fitted}
+        tried: set[bytes] = set()
+        for _ in range(STEPWISE_ROUNDS):
+            found = self._step(best, candidates, noise, tried)
+            if found is None or found["support"] in seen:
+                break
+            seen.add(found["support"])
+            best = found
+
+    def _step(self, best: dict, candidates: list[dict], noise: float | None,
+              tried: set[bytes]) -> dict | None:
+        """One round of :meth:`_stepwise` from ``best``: the new record (also appended to
+        ``candidates``) when its BIC is lower than ``best``'s by ``SWAP_EVIDENCE``, else None.
+        A proposed support in ``tried`` (refit before in this search) is not refit again."""
+        res, active = best["result"], best["active"]
+        rtol = self._search_rtol
+        try:
+            S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
+                                         rtol=rtol, atol=self.atol * rtol / self.rtol,
+                                         budget=self._budget())
+        except (FitError, np.linalg.LinAlgError):
+            return None
+        sigma2 = max(res.sigma2, EXACT_RMS**2)
+        penalty = sigma2 * max(float(self.significance) ** 2, math.log(max(res.n_residuals, 2)))
+        proposal, coef = local_swaps(S, g, norm, res.coef, active, penalty)
+        if np.array_equal(proposal, active) or proposal.tobytes() in tried:
+            return None
+        tried.add(proposal.tobytes())
+        record: dict = {"start": "stepwise", "start_terms": int(proposal.sum())}
+        began = time.perf_counter()
+        try:
+            try:
+                moved = self._refit(coef, proposal, res.x0, res.window,
+                                    max_iter=WARM_EVALUATIONS)
+            except FitError:
+                moved = self._refit(res.coef, proposal, res.x0, res.window,
+                                    max_iter=WARM_EVALUATIONS)
+            record["start_converged"] = moved.converged
+            moved, kept, rounds = self._eliminate(moved, proposal, noise)
+        except (FitError, PolynetsError, np.linalg.LinAlgError) as exc:
+            record.update(error=str(exc), seconds=time.perf_counter() - began)
+            candidates.append(record)
+            return None
+        if moved.window != self.window or \
+                information_criterion(moved, int(kept.sum())) > \
+                information_criterion(res, int(active.sum())) - SWAP_EVIDENCE:
+            return None
+        record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
+                      rss=moved.rss, window=moved.window, converged=moved.converged,
+                      result=moved, active=kept, rounds=rounds, support=kept.tobytes())
+        candidates.append(record)
+        return record
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times

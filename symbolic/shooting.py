@@ -31,7 +31,8 @@ from threadpoolctl import threadpool_limits
 
 from symbolic.errors import FitError
 
-__all__ = ["ShootingResult", "fit_trajectories", "group_windows", "make_windows"]
+__all__ = ["ShootingResult", "fit_trajectories", "group_windows", "make_windows",
+           "local_quadratic"]
 
 STATIONARY_COSINE = 1e-4
 """A fit is stationary when no Jacobian column has a cosine with the residual above this."""
@@ -422,3 +423,47 @@ def _shooting_result(problem: "_Shooting", sol: Any, final: tuple[np.ndarray, An
     return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, int(sol.nfev), converged,
                           int(sol.status), str(sol.message), window,
                           np.split(smoothed, bounds), int(problem.used))
+
+
+
+def local_quadratic(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
+                    trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float = 1e-10,
+                    atol: float = 1e-12, budget: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gauss-Newton model of the residual sum of squares around the fit ``res`` of the support
+    ``active`` in *every* library coefficient, the window starts minimised out.
+
+    One evaluation of the sensitivities to all coefficients at the fitted point (on the windows
+    of ``res``) gives the Jacobian ``J`` and residual ``r``; the information ``J^T J`` and
+    gradient ``J^T r`` are reduced over the window starts (Schur complement, one block per
+    window). With coefficients scaled by ``norm`` (``c' = c * norm``, unit diagonal),
+    ``RSS(c) ~ RSS + 2 g^T (c' - c0') + (c' - c0')^T S (c' - c0')``. Returns ``S`` (P, P),
+    ``g`` (P,) and ``norm`` (P,) over the flattened (p, dim) coefficients. Raises
+    :class:`FitError` when the model blows up on the windows.
+    """
+    exps = np.asarray(exps, dtype=np.int64)
+    active = np.asarray(active, dtype=bool)
+    coef = np.where(active, res.coef, 0.0)
+    windows = make_windows(trajectories, res.window)
+    d = exps.shape[1]
+    theta = np.concatenate([coef.reshape(-1), np.asarray(res.x0, dtype=np.float64).reshape(-1)])
+    problem = _shooting_problem(exps, coef, np.ones_like(active), windows, trajectories, theta,
+                                rtol, atol, "DOP853", budget)
+    r, jac = problem.evaluate(theta)
+    q = problem.q
+    jtj = (jac.T @ jac).tocsr()
+    grad = np.asarray(jac.T @ r).ravel()
+    A = jtj[:q, :q].toarray()
+    g = grad[:q]
+    n = jtj.shape[0] - q
+    if n:
+        B = jtj[:q, q:].toarray()
+        D = jtj[q:, q:].toarray()
+        blocks = D.reshape(n // d, d, n // d, d)[np.arange(n // d), :, np.arange(n // d)]
+        inv = np.linalg.pinv(blocks)                                     # (W, d, d)
+        Bw = B.reshape(q, n // d, d).transpose(1, 0, 2)                  # (W, q, d)
+        A = A - np.einsum("wqd,wde,wpe->qp", Bw, inv, Bw)
+        g = g - np.einsum("wqd,wde,we->q", Bw, inv, grad[q:].reshape(n // d, d))
+    norm = np.sqrt(np.maximum(np.diag(A), 1e-300))
+    return A / norm[:, None] / norm[None, :], g / norm, norm
+
