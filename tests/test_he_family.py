@@ -22,18 +22,28 @@ def _write_idx(path: Path, array: np.ndarray) -> None:
         f.write(header + array.astype(np.uint8).tobytes())
 
 
-def test_family_benchmark_measures_a_model_against_the_recipe(tmp_path):
-    rng = np.random.default_rng(0)
+def _mnist_files(where: Path, seed: int) -> None:
+    """MNIST-format test files of random images with a learnable pattern per class."""
+    rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, 8010)
     images = rng.integers(0, 40, (8010, 28, 28))
-    for k in range(10):          # a learnable pattern per class
+    for k in range(10):
         images[labels == k, 2 * k:2 * k + 4, 4:24] = 255
-    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images)
-    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels)
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "he_family.py"
-    spec = importlib.util.spec_from_file_location("he_family_bench", path)
+    _write_idx(where / "t10k-images-idx3-ubyte.gz", images)
+    _write_idx(where / "t10k-labels-idx1-ubyte.gz", labels)
+
+
+def _benchmark(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_family_benchmark_measures_a_model_against_the_recipe(tmp_path):
+    _mnist_files(tmp_path, 0)
+    bench = _benchmark("he_family")
     out = tmp_path / "family.json"
     res = bench.main(["--data-dir", str(tmp_path), "--quick", "--shipped-costs",
                       "--models", "p7_d32", "--precision-bits", "argmax",
@@ -46,17 +56,8 @@ def test_family_benchmark_measures_a_model_against_the_recipe(tmp_path):
 
 
 def test_wide_values_benchmark_times_the_split_against_the_whole_ring(tmp_path):
-    rng = np.random.default_rng(1)
-    labels = rng.integers(0, 10, 8010)
-    images = rng.integers(0, 40, (8010, 28, 28))
-    for k in range(10):
-        images[labels == k, 2 * k:2 * k + 4, 4:24] = 255
-    _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images)
-    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels)
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "he_wide_values.py"
-    spec = importlib.util.spec_from_file_location("he_wide_values_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    _mnist_files(tmp_path, 1)
+    bench = _benchmark("he_wide_values")
     out = tmp_path / "wide.json"
     res = bench.main(["--data-dir", str(tmp_path), "--quick", "--shipped-costs",
                       "--models", "p2_d32", "--output", str(out)])
