@@ -73,7 +73,7 @@ from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_expo
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import (BUDGET_FACTOR, EXACT_RMS, ShootingResult, fit_trajectories,
                                local_quadratic, make_windows)
-from symbolic.weak import _lstsq, sparse_supports, subset_path, weak_lstsq
+from symbolic.weak import sparse_supports, subset_path, support_lstsq, weak_lstsq
 
 __all__ = ["EquationDiscovery"]
 
@@ -216,7 +216,7 @@ def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray
         current = np.nonzero(active[:, i])[0]
 
         def rss(cols: np.ndarray) -> float:
-            return float(np.sum((G @ _lstsq(G, beta, cols) - beta) ** 2))
+            return float(np.sum((G @ support_lstsq(G, beta, cols) - beta) ** 2))
 
         best_cols, best = current, rss(current) + penalty * len(current)
         for support, _ in subset_path(G, beta, max_terms=min(p, len(current) + extra)):
@@ -227,7 +227,7 @@ def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray
         if not np.array_equal(best_cols, current):
             proposal[:, i] = False
             proposal[best_cols, i] = True
-            new[:, i] = _lstsq(G, beta, best_cols) / norm[eq]
+            new[:, i] = support_lstsq(G, beta, best_cols) / norm[eq]
     return proposal, new
 
 

@@ -425,7 +425,6 @@ def _shooting_result(problem: "_Shooting", sol: Any, final: tuple[np.ndarray, An
                           np.split(smoothed, bounds), int(problem.used))
 
 
-
 def local_quadratic(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                     trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float = 1e-10,
                     atol: float = 1e-12, budget: int | None = None
@@ -458,8 +457,13 @@ def local_quadratic(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
     n = jtj.shape[0] - q
     if n:
         B = jtj[:q, q:].toarray()
-        D = jtj[q:, q:].toarray()
-        blocks = D.reshape(n // d, d, n // d, d)[np.arange(n // d), :, np.arange(n // d)]
+        # the window starts couple only within their window: read the (W, d, d) diagonal
+        # blocks from the sparse matrix (its dense (n, n) form grows as the windows squared)
+        D = jtj[q:, q:].tocoo()
+        inside = D.row // d == D.col // d
+        blocks = np.zeros((n // d, d, d))
+        np.add.at(blocks, (D.row[inside] // d, D.row[inside] % d, D.col[inside] % d),
+                  D.data[inside])
         inv = np.linalg.pinv(blocks)                                     # (W, d, d)
         Bw = B.reshape(q, n // d, d).transpose(1, 0, 2)                  # (W, q, d)
         A = A - np.einsum("wqd,wde,wpe->qp", Bw, inv, Bw)

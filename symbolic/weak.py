@@ -20,8 +20,8 @@ from scipy.integrate import trapezoid
 
 from symbolic.field import PolyField
 
-__all__ = ["weak_system", "weak_lstsq", "sparse_supports", "subset_path", "cv_size",
-           "forward_path"]
+__all__ = ["weak_system", "weak_lstsq", "support_lstsq", "sparse_supports", "subset_path",
+           "cv_size", "forward_path"]
 
 THRESHOLDS = (0.002, 0.01, 0.03, 0.1, 0.3)
 """Term sizes relative to the largest term of the equation tried by the thresholding."""
@@ -67,7 +67,7 @@ def weak_system(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarra
     return np.array(rows).reshape(-1, field.exps.shape[0]), np.array(rhs).reshape(-1, field.dim)
 
 
-def _lstsq(G: np.ndarray, b: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def support_lstsq(G: np.ndarray, b: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """Least squares on the columns ``cols`` of ``G``, scaled to unit norm."""
     out = np.zeros(G.shape[1])
     if len(cols):
@@ -82,7 +82,7 @@ def weak_lstsq(field: PolyField, active: np.ndarray,
                trajectories: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Least squares of the weak form on the fixed support ``active`` (p, dim); coef (p, dim)."""
     G, b = weak_system(field, trajectories)
-    return np.stack([_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
+    return np.stack([support_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
                      for i in range(field.dim)], axis=1)
 
 
@@ -180,7 +180,7 @@ def cv_size(G: np.ndarray, b: np.ndarray, path: list[tuple[np.ndarray, float]],
     for f, test in enumerate(blocks):
         train = np.setdiff1d(np.arange(rows), test)
         for j, (support, _) in enumerate(path):
-            c = _lstsq(G[train], b[train], np.nonzero(support)[0])
+            c = support_lstsq(G[train], b[train], np.nonzero(support)[0])
             errors[j, f] = float(np.mean((G[test] @ c - b[test]) ** 2))
     mean = errors.mean(axis=1)
     se = errors.std(axis=1, ddof=1) / math.sqrt(folds)
@@ -222,7 +222,7 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
         for i in range(d):
             keep = np.ones(p, dtype=bool)
             for _ in range(iterations):
-                c = _lstsq(G, b[:, i], np.nonzero(keep)[0])
+                c = support_lstsq(G, b[:, i], np.nonzero(keep)[0])
                 size = np.abs(c) * rms_m
                 new = keep & (size >= threshold * size.max())
                 if not new.any():
@@ -231,7 +231,7 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
                     break
                 keep = new
             active[:, i] = keep
-            coef[:, i] = _lstsq(G, b[:, i], np.nonzero(keep)[0])
+            coef[:, i] = support_lstsq(G, b[:, i], np.nonzero(keep)[0])
         key = active.tobytes()
         if key not in seen:
             seen.add(key)
@@ -241,7 +241,7 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
     key = chosen.tobytes()
     if key not in seen:
         seen.add(key)
-        coef = np.stack([_lstsq(G, b[:, i], np.nonzero(chosen[:, i])[0]) for i in range(d)],
+        coef = np.stack([support_lstsq(G, b[:, i], np.nonzero(chosen[:, i])[0]) for i in range(d)],
                         axis=1)
         out.append((chosen, coef))
     for level in residuals:
@@ -252,6 +252,6 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
         key = active.tobytes()
         if key not in seen:
             seen.add(key)
-            coef = np.stack([_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
+            coef = np.stack([support_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
                              for i in range(d)], axis=1)
             out.append((active, coef))
