@@ -632,6 +632,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
     error: TooDeepError | None = None
     best: tuple[tuple[bool, float], CompiledProgram] | None = None
     budget = available_memory() if memory_budget is None else int(memory_budget)
+    compared = False
     info = program_degree_depth(program)
     for ring in rings:
         slots = ring // 2
@@ -678,6 +679,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             score = _rank(prog, options["objective"], options.get("batch_size"), budget)
             if best is not None:
                 # a split at a smaller ring against another ring, axis or block size
+                compared = True
                 (ws, won), (ls, lost) = sorted([best, (score, prog)], key=lambda t: t[0])
                 won.options["why"] += (
                     f"; chosen against {_layout_words(lost)}: predicted {ws[1]:.3g} s against "
@@ -689,7 +691,9 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
             break           # the program whole at this ring was priced: larger rings cost more
     if best is not None:
         chosen = best[1]
-        chosen.plan.why = str(chosen.options.get("why", ""))
+        if not compared:
+            return chosen
+        # rebuilt so that the plan's why and the fingerprint include the comparisons
         return CompiledProgram(chosen.program, chosen.params, chosen.packing,
                                chosen.calibration, chosen.options, chosen.certificate,
                                _lowered=chosen.lowered,
