@@ -2,7 +2,7 @@
 
 Each :class:`System` knows its variables, its true equations (as ``{monomial: coefficient}`` per
 state, the format of :meth:`symbolic.EquationDiscovery.coefficients`) and a default sampling.
-:func:`generate` integrates it with SciPy's DOP853 (rtol 1e-10, atol 1e-12) and adds optional
+:func:`generate` integrates it with SciPy's DOP853 (rtol 1e-13, atol 1e-15) and adds optional
 Gaussian noise whose standard deviation is a fraction of each variable's standard deviation.
 """
 
@@ -459,7 +459,7 @@ def generate(system: System | str, *, n: int | None = None, t_end: float | None 
         raise SymbolicDataError(f"noise must be a non-negative fraction, got {noise!r}")
     t = np.linspace(0.0, t_end, n)
     sol = solve_ivp(lambda _t, x: system.rhs(x), (0.0, t_end), start, method="DOP853",
-                    t_eval=t, rtol=1e-10, atol=1e-12)
+                    t_eval=t, rtol=1e-13, atol=1e-15)
     if not sol.success:
         raise SymbolicDataError(f"integration of {system.name} failed: {sol.message}")
     clean = sol.y.T.copy()
