@@ -31,6 +31,16 @@ def test_lotka_volterra_paper_setup_is_recovered_to_1e_4_without_spurious_terms(
     assert rel < 1e-4
 
 
+def test_exact_data_is_fitted_to_the_data_accuracy_not_the_default_tolerance(
+        lotka_volterra_fit):
+    # generate() integrates at rtol 1e-13; a final fit left at the default rtol 1e-10 stays at
+    # about 2e-12, the tightened one reaches the data's own accuracy
+    traj, model = lotka_volterra_fit
+    rel, missed, spurious = _errors(model.coefficients(), traj.truth)
+    assert (missed, spurious) == (0, 0) and model.converged_
+    assert rel < 2e-13
+
+
 def test_results_print_export_and_simulate(lotka_volterra_fit):
     traj, model = lotka_volterra_fit
     eqs = model.equations()
