@@ -41,16 +41,6 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
     return eng.rescale(eng.mul_scalar(e, v))
 
 
-def _add_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
-    if _is_ct(a) and _is_ct(b):
-        return eng.add(a, b)
-    if _is_ct(a):
-        return eng.add_plain_scalar(a, b) if b != 0.0 else a
-    if _is_ct(b):
-        return eng.add_plain_scalar(b, a) if a != 0.0 else b
-    return a + b
-
-
 def _mul_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
     if _is_ct(a) and _is_ct(b):
         return eng.multiply(a, b)
