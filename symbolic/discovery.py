@@ -30,8 +30,10 @@ Recipe of :class:`EquationDiscovery.fit`:
    replacing a true one), where no single term is significant on its own.
 5. **Selection** among the candidates: the Bayesian information criterion of the trajectory
    fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
-   so on exact data the sparsest exact model wins), all evaluated on the same windows, ranks
-   the distinct supports; the few best are compared by held-out window error
+   so on exact data the sparsest exact model wins; ``k`` counts the terms and the fitted window
+   starts, so a candidate that blows up on the configured windows and is left on shorter ones
+   pays for its extra starts), all evaluated on the same windows where they integrate, ranks
+   the distinct supports; the few best on the same windows are compared by held-out window error
    (:func:`held_out_error`: coefficients refit on every other window, the held-out windows
    predicted from their own fitted starts), which needs no noise level and does not lean on
    BIC's asymptotics when a small term is near the noise (``selection`` = ``"bic+cv"``; ``"bic"``
@@ -755,11 +757,17 @@ class EquationDiscovery(BaseEstimator):
 
         Every candidate gets its ``criterion`` (BIC) on the configured windows; a candidate
         fitted on shorter windows is refit on them first (if it blows up there, it is compared on
-        its own windows). ``selection="bic"`` takes the lowest BIC; ``"cv"`` the lowest held-out
-        window error (:func:`held_out_error`, stored as ``cv``) of all distinct supports;
-        ``"bic+cv"`` the lowest held-out error among the ``CV_SHORTLIST`` distinct supports of
-        lowest BIC when it beats the BIC choice's by more than two standard errors (of a mean
-        square over the held-out residuals), else the BIC choice.
+        its own windows). The criterion counts every free parameter of the fit, the window
+        starts with the terms: on shorter windows more starts absorb noise and lower the
+        residual, so a candidate left on them pays for its extra starts instead of winning by
+        them (on equal windows the starts are the same for all and the ranking is that of the
+        terms). ``selection="bic"`` takes the lowest BIC; ``"cv"`` the lowest held-out window
+        error (:func:`held_out_error`, stored as ``cv``) of all distinct supports; ``"bic+cv"``
+        the lowest held-out error among the ``CV_SHORTLIST`` distinct supports of lowest BIC
+        when it beats the BIC choice's by more than two standard errors (of a mean square over
+        the held-out residuals), else the BIC choice. Held-out errors are compared only between
+        fits on the same windows as the BIC choice (shorter windows predict their held-out
+        samples from nearer fitted starts).
         """
         for c in fitted:
             res = c["result"]
@@ -769,7 +777,7 @@ class EquationDiscovery(BaseEstimator):
                     c["result"], c["window"], c["rss"] = res, res.window, res.rss
                 except FitError:
                     pass
-            c["criterion"] = information_criterion(res, int(c["active"].sum()))
+            c["criterion"] = information_criterion(res, res.n_params)
         ranked, seen = [], set()
         for c in sorted(fitted, key=lambda c: c["criterion"]):
             if c["support"] not in seen:
@@ -777,7 +785,8 @@ class EquationDiscovery(BaseEstimator):
                 ranked.append(c)
         if self.selection == "bic" or len(ranked) == 1:
             return ranked[0]
-        shortlist = ranked if self.selection == "cv" else ranked[:CV_SHORTLIST]
+        same = [c for c in ranked if c["result"].window == ranked[0]["result"].window]
+        shortlist = same if self.selection == "cv" else same[:CV_SHORTLIST]
         rtol = self._search_rtol
         for c in shortlist:
             c["cv"] = held_out_error(self.library_, c["result"], c["active"],

@@ -447,3 +447,38 @@ def test_stepwise_swaps_a_stand_in_term_for_the_true_one():
     # from the true support nothing is proposed
     assert model._step(found, candidates, None, set()) is None
 
+
+
+def _field_coef(exps: np.ndarray, coef_of: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Support and coefficients over the library ``exps`` from ``{(exponents, eq): value}``."""
+    rows = {tuple(int(v) for v in e): k for k, e in enumerate(exps)}
+    coef = np.zeros((len(exps), exps.shape[1]))
+    for (e, i), value in coef_of.items():
+        coef[rows[e], i] = value
+    return coef != 0, coef
+
+
+def test_a_candidate_left_on_shorter_windows_pays_for_its_window_starts():
+    # Brusselator at 10 % noise (seed 8): a weak-form support with +0.54 x**3 (unstable) blows
+    # up on the configured 50-sample windows and was fitted on 6-sample windows, where its 86
+    # free starts absorb noise: its RSS (8.6) undercut the true support's (9.8 on 50-sample
+    # windows) and, counted by terms alone, it won BIC and the held-out error and was chosen.
+    # Counting the window starts, and comparing held-out errors on equal windows, keeps the truth.
+    traj = generate("brusselator", noise=0.1, seed=8)
+    model = EquationDiscovery(degree=3, variables=["x", "y"], progress=False)
+    model._prepare(traj.t, traj.X, None)
+    exps = model.library_
+    truth, start = _field_coef(exps, {((0, 0), 0): 1.0, ((1, 0), 0): -4.0, ((2, 1), 0): 1.0,
+                                      ((1, 0), 1): 3.0, ((2, 1), 1): -1.0})
+    wrong, guess = _field_coef(exps, {((3, 0), 0): 0.54, ((2, 1), 0): 1.02, ((2, 0), 0): -2.97,
+                                      ((2, 1), 1): -1.02, ((1, 0), 1): 3.05})
+    kept = model._refit(start, truth, None, model.window)
+    short = model._refit(guess, wrong, None, 6)
+    assert kept.converged and short.window == 6 and short.rss < kept.rss
+    with pytest.raises(FitError):
+        model._refit(short.coef, wrong, None, model.window)
+    records = [{"start": "weak", "result": r, "active": a, "support": a.tobytes()}
+               for r, a in ((short, wrong), (kept, truth))]
+    chosen = model._select(records)
+    assert np.array_equal(chosen["active"], truth) and chosen["result"].window == model.window
+    assert records[0]["result"].window == 6
