@@ -190,6 +190,13 @@ def _diagonal_index(a: sp.spmatrix, p_in: int, p_out: int
 
 def _diagonals_of(r: np.ndarray, c: np.ndarray, p_in: int, p_out: int
                   ) -> tuple[np.ndarray, np.ndarray, int]:
+    if p_in & (p_in - 1) == 0 and p_out & (p_out - 1) == 0:
+        # powers of two (every layout period): masks and shifts instead of divisions
+        mask = p_in - 1
+        if p_out >= p_in:
+            return r, (c - r) & mask, p_out
+        rows = r + (((c - r) & mask) & ~(p_out - 1))
+        return rows, (c - rows) & mask, p_in
     if p_out >= p_in:
         return r, (c - r) % p_in, p_out
     rows = r + (((c - r) % p_in) // p_out) * p_out
@@ -214,7 +221,10 @@ def _key_units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
 def _units(keys: np.ndarray, step: int, period: int) -> np.ndarray | None:
     """The distinct units of :func:`_key_units` (sorted)."""
     units = _key_units(keys, step, period)
-    return None if units is None else np.unique(units)
+    if units is None:
+        return None
+    step = int(step)
+    return _unique_small(units, period >> ((step & -step).bit_length() - 1))
 
 
 #: Odd strides tried as BSGS units when a map's diagonals are spread thinly over the period
@@ -246,23 +256,30 @@ def _step_candidates(keys: np.ndarray, period: int) -> list[int]:
     if span <= 4 * keys.size:
         return cands
     red = keys >> a
-    best = (span, g)
-    for odd in range(3, min(MAX_ODD_STRIDE, m) + 1, 2):
-        u = _unique_small((red * pow(odd, -1, m)) % m, m)
-        cand = _cyclic_span(u, m)
-        if cand < best[0]:
-            best = (cand, odd << a)
-    if best[1] != g:
-        cands.append(best[1])
+    odds = np.arange(3, min(MAX_ODD_STRIDE, m) + 1, 2)
+    if odds.size == 0:
+        return cands
+    # every odd stride at once: each row the offsets' units under one stride, sorted; the
+    # shortest arc holding a row is the period less its largest gap (repeats add no gap)
+    inv = np.array([pow(int(o), -1, m) for o in odds], dtype=np.int64)
+    rows = np.sort((red[None, :] * inv[:, None]) % m, axis=1)
+    gaps = np.diff(rows, axis=1, append=rows[:, :1] + m)
+    spans = m - gaps.max(axis=1) + 1
+    first = int(np.argmin(spans))
+    if spans[first] < span:
+        cands.append(int(odds[first]) << a)
     return cands
 
 
 def _unit_rotations(units: np.ndarray, n1: int) -> int:
     """Distinct nonzero baby plus giant rotations of ``units`` split by ``n1`` (a unit is
     ``giant * n1 + baby``; a nonzero unit multiple of the step is a nonzero rotation)."""
-    m = int(units.max()) + 1 if units.size else 1
-    return (int(np.count_nonzero(_unique_small(units % n1, n1))) +
-            int(np.count_nonzero(_unique_small(units // n1, m // n1 + 1))))
+    if units.size == 0:
+        return 0
+    # units are sorted: their giant parts are too, so distinct ones are where they change
+    giants = units // n1
+    distinct_giants = int(np.count_nonzero(np.diff(giants))) + 1 - int(giants[0] == 0)
+    return int(np.count_nonzero(_unique_small(units % n1, n1))) + distinct_giants
 
 
 def _bsgs(keys: np.ndarray, period: int) -> tuple[int, int]:

@@ -580,3 +580,53 @@ def test_the_two_maps_of_a_product_run_stacked_where_that_is_cheaper():
     with pytest.raises(ValueError, match="stacked"):
         he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
                            {**prog.options, "stacked": [[a, a]]})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 11), st.integers(0, 11),
+       st.lists(st.tuples(st.integers(0, 4095), st.integers(0, 4095)), max_size=80),
+       st.sampled_from([1, 2, 3, 5, 7, 12, 49, 98]))
+def test_bsgs_counting_kernels_match_their_definitions(log_in, log_out, entries, step):
+    """The vectorised kernels of the layout search (diagonal offsets, distinct units, rotation
+    counts, odd-stride candidates) agree with direct definitions on random sparsity patterns."""
+    from he.plan import (MAX_ODD_STRIDE, _cyclic_span, _diagonals_of, _key_units,
+                         _step_candidates, _unit_rotations, _units)
+    p_in, p_out = 1 << log_in, 1 << log_out
+    r = np.array([e[0] % p_out for e in entries], dtype=np.int64)
+    c = np.array([e[1] % p_in for e in entries], dtype=np.int64)
+    rows, d, big = _diagonals_of(r, c, p_in, p_out)
+    # a nonzero (r, c) sits on the diagonal d of the row block it is moved to: c = row + d
+    assert big == max(p_in, p_out)
+    assert np.all((rows - r) % p_out == 0) and np.all((c - rows - d) % p_in == 0)
+    assert np.all((0 <= d) & (d < p_in))
+    keys = np.unique(d)
+    units = _units(keys, step, p_in)
+    raw = _key_units(keys, step, p_in)
+    assert (units is None) == (raw is None)
+    if units is None:
+        return
+    assert units.tolist() == sorted(set(raw.tolist()))
+    for n1 in (1, 2, 4, 8, 32):
+        want = len({u % n1 for u in units.tolist()} - {0}) + \
+            len({u // n1 for u in units.tolist()} - {0})
+        assert _unit_rotations(units, n1) == want
+    cands = _step_candidates(keys, p_in)
+    g = int(np.gcd.reduce(keys)) if keys.size else 1
+    assert cands[0] == (g or 1)
+    if len(cands) > 1:
+        # the extra candidate is the first odd stride with the shortest arc, shorter than g's
+        a = (cands[0] & -cands[0]).bit_length() - 1
+        m = p_in >> a
+        spans = {odd: _cyclic_span(np.unique(((keys >> a) * pow(odd, -1, m)) % m), m)
+                 for odd in range(3, min(MAX_ODD_STRIDE, m) + 1, 2)}
+        best = min(spans.values())
+        assert cands[1] == min(o for o, s in spans.items() if s == best) << a
+        assert best < _cyclic_span(_units(keys, cands[0], p_in), m)
+
+
+def test_odd_stride_candidate_packs_an_unpadded_token_grid():
+    """Offsets of a 7 x 7 token grid laid out unpadded (multiples of 49 modulo 4096) get the odd
+    stride 49 as a unit, which packs them into a short arc."""
+    from he.plan import _step_candidates
+    keys = np.unique((49 * np.arange(-12, 13)) % 4096).astype(np.int64)
+    assert _step_candidates(keys, 4096) == [1, 49]
