@@ -59,11 +59,20 @@ class CostModel:
     table: dict[int, dict[str, list[tuple[int, float]]]]
     source: str = ""
     words: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WORD_COSTS))
+    #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
+    _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
+                                                     repr=False, compare=False)
 
     def seconds(self, op: str, ring: int, limbs: int) -> float:
         """Predicted seconds of one ``op`` on a ciphertext of ``limbs`` primes in ring ``ring``
         (for a word primitive: of one unit of :meth:`he.fused.FusedMap.work` per coefficient,
         or, for ``alloc``, of one fresh ciphertext)."""
+        key = (op, ring, limbs)
+        if key not in self._memo:
+            self._memo[key] = self._seconds(op, ring, limbs)
+        return self._memo[key]
+
+    def _seconds(self, op: str, ring: int, limbs: int) -> float:
         if op in WORD_PRIMITIVES:
             per = self.words.get(op, DEFAULT_WORD_COSTS[op])
             return per * ring * (2 * max(limbs, 1) if op == "alloc" else 1)
