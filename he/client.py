@@ -20,9 +20,9 @@ from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
-                       SecretKeyError, SerializationError)
-from he.parallel import fork_map, resolve_workers
-from he.runtime import VectorKernels, run_batch, run_vector
+                       ResourceError, SecretKeyError, SerializationError)
+from he.parallel import fork_map, memory_workers, resolve_workers
+from he.runtime import VectorKernels, available_memory, run_batch, run_vector
 
 __all__ = ["Ciphertext", "Client", "Server"]
 
@@ -433,6 +433,18 @@ class Server:
         _check(ct, self.program, self.key_id, "input", "server")
         ctx = self.engine.context
         n_workers = resolve_workers(workers)
+        if self.program.packing == "batch":
+            # a group's ciphertexts dwarf the keys: as many processes as the memory holds
+            slots = self.program.params.slots
+            try:
+                n_workers = memory_workers(
+                    workers, len(ct._groups),
+                    self.program.plan.predicted.get("working_memory_bytes"), available_memory(),
+                    f"evaluating a group of {slots} batch-packed samples")
+            except ResourceError as exc:
+                raise ResourceError(
+                    f"{exc}; vector packing holds one sample at a time (he.compile(..., "
+                    f"packing='vector')), or run on a machine with more memory") from None
         if n_workers == 1 or len(ct._groups) == 1:
             groups = ct._seal_groups(ctx)
             out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,

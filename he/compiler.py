@@ -192,7 +192,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
             "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
-            "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES}
+            "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES,
+            # what evaluating one group adds to a server whose keys are loaded
+            "working_memory_bytes": held + PLAIN_CACHE_BYTES}
 
 
 def _stored_lowering(program: PolyProgram, split: Any) -> Lowered:

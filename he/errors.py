@@ -54,5 +54,10 @@ class SecretKeyError(HEError):
     """A secret key was offered where only public material is allowed, or is missing."""
 
 
+class ResourceError(HEError):
+    """Evaluating would need more memory than the machine has available now (as the cost model
+    predicts it); the message says how much, and what to change."""
+
+
 class CalibrationRangeWarning(UserWarning):
     """Data given to encrypt lies outside the range the parameters were calibrated for."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-__all__ = ["fork_map", "resolve_workers"]
+__all__ = ["fork_map", "resolve_workers", "memory_workers"]
 
 _JOB: list[Callable[[int], Any]] = []
 
@@ -27,6 +27,35 @@ def resolve_workers(workers: int | None) -> int:
     if not workers:
         return max(1, os.cpu_count() or 1)
     return max(1, int(workers))
+
+
+def memory_workers(workers: int | None, tasks: int, working_bytes: float | None,
+                   available_bytes: int, what: str = "a task") -> int:
+    """Processes to run ``tasks`` with when each holds ``working_bytes`` while it works (None:
+    unknown, no limit) and ``available_bytes`` are free: ``workers`` as :func:`resolve_workers`
+    reads it, at most one per task; left to choose (``None`` / ``0``), as many as the memory
+    holds. Raises :class:`~he.errors.ResourceError` where not even one fits, or where the
+    requested number does not (never more processes than memory for them: an out-of-memory
+    kill loses the whole run)."""
+    from he.errors import ResourceError
+
+    n = min(resolve_workers(workers), max(1, int(tasks)))
+    if working_bytes is None or working_bytes <= 0:
+        return n
+    gib = 2.0 ** 30
+    fit = int(available_bytes // working_bytes)
+    if fit < 1:
+        raise ResourceError(
+            f"{what} is predicted to hold {working_bytes / gib:.1f} GiB while it runs, more "
+            f"than the {available_bytes / gib:.1f} GiB available now")
+    if n > fit:
+        if workers:
+            raise ResourceError(
+                f"{n} processes each holding {working_bytes / gib:.1f} GiB ({what}) need "
+                f"{n * working_bytes / gib:.1f} GiB, more than the {available_bytes / gib:.1f} "
+                f"GiB available now: at most {fit} fit (workers=0 chooses)")
+        n = fit
+    return n
 
 
 def _run_task(i: int) -> Any:

@@ -412,3 +412,32 @@ def test_an_input_with_only_zero_weights_is_not_encrypted(mlp):
     prog = he.compile(model, x, calibration=x, packing="batch")
     assert prog.batch_inputs.tolist() == [0, 1, 2, 3, 5]
     _check_matches(model, x, "batch")
+
+
+def test_memory_workers_fit_the_processes_to_the_memory():
+    from he.parallel import memory_workers
+    gib = 2 ** 30
+    assert memory_workers(2, 5, 1 * gib, 8 * gib) == 2
+    assert memory_workers(4, 2, 1 * gib, 8 * gib) == 2            # never more than the tasks
+    assert memory_workers(0, 5, 3 * gib, 8 * gib) <= 2            # left to choose: what fits
+    assert memory_workers(3, 5, None, 1) == 3                     # no prediction: no limit
+    with pytest.raises(he.ResourceError, match="at most 2 fit"):
+        memory_workers(3, 5, 3 * gib, 8 * gib)                    # asked for more than fit
+    with pytest.raises(he.ResourceError, match="12.0 GiB .* more than the 8.0 GiB"):
+        memory_workers(1, 1, 12 * gib, 8 * gib)
+
+
+def test_a_batch_server_refuses_a_group_larger_than_the_memory_before_running(mlp_setup):
+    prog, client, server, _ = mlp_setup
+    assert 0 < prog.plan.predicted["working_memory_bytes"] < \
+        prog.plan.predicted["server_memory_bytes"]
+    ct = client.encrypt(np.zeros((2, 6)))
+    saved = dict(prog.plan.predicted)
+    try:
+        prog.plan.predicted["working_memory_bytes"] = float(2 ** 60)
+        with pytest.raises(he.ResourceError, match="batch-packed samples.*packing='vector'"):
+            server.run(ct)
+    finally:
+        prog.plan.predicted.clear()
+        prog.plan.predicted.update(saved)
+    assert client.decrypt(server.run(ct)).shape[0] == 2
