@@ -334,6 +334,10 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     res["logits"] = par["logits"][:len(x)]
     res["single_process"] = {k: v for k, v in single.items() if k != "logits"}
     res["prediction_error"] = pred["seconds_per_ciphertext"] / single["server_s"] - 1
+    # a serving process's steady state: its first request also page-faults in the memory of a
+    # group's ciphertexts (about 5 us per 4 KiB page here), which the cost model does not price
+    res["prediction_error_warm"] = pred["seconds_per_ciphertext"] / single["warm_server_s"] - 1
+    res["predicted_working_memory_gib"] = pred.get("working_memory_bytes", 0) / 2 ** 30
     res.update(public_context_bytes=len(public), groups=workers)
     return res
 
