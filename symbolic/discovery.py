@@ -134,7 +134,8 @@ dominates it)."""
 def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                    trajectories: list[tuple[np.ndarray, np.ndarray]], *, rtol: float,
                    atol: float, max_iter: int = WARM_EVALUATIONS,
-                   budget: int | None = None) -> float:
+                   budget: int | None = None, per_window: bool = False
+                   ) -> float | tuple[float, np.ndarray]:
     """Two-fold cross-validation of a trajectory fit over its windows.
 
     The windows of ``res`` are dealt alternately into two folds (both span the whole record).
@@ -143,11 +144,17 @@ def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
     the held-out residual (in units of each variable's std) is summed over both folds. Returns
     the mean squared held-out residual, floored at ``EXACT_RMS**2`` (models exact to the
     integration accuracy tie); ``inf`` if a fit blows up (or needs more than ``budget``
-    right-hand-side evaluations per integration).
+    right-hand-side evaluations per integration). ``per_window``: also return each window's
+    mean squared held-out residual (windows, ), ``inf`` throughout on a blow-up.
     """
     windows = make_windows(trajectories, res.window)
+    each = np.full(len(windows), math.inf)
+
+    def out(value: float) -> float | tuple[float, np.ndarray]:
+        return (value, each) if per_window else value
+
     if len(windows) < 2:
-        return math.inf
+        return out(math.inf)
     scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
     scale = np.where(scale > 0, scale, 1.0)
     x0 = np.asarray(res.x0)
@@ -163,11 +170,25 @@ def held_out_error(exps: np.ndarray, res: ShootingResult, active: np.ndarray,
                                     [windows[w] for w in test], x0=x0[test], rtol=rtol,
                                     atol=atol, max_iter=max_iter, fixed=True, budget=budget)
         except FitError:
-            return math.inf
-        for (_, Xw), states in zip([windows[w] for w in test], held.states):
-            total += float(np.sum(((states - Xw) / scale) ** 2))
+            each[:] = math.inf
+            return out(math.inf)
+        for w, states in zip(test, held.states):
+            Xw = windows[w][1]
+            sq = float(np.sum(((states - Xw) / scale) ** 2))
+            each[w] = max(sq / Xw.size, EXACT_RMS**2)
+            total += sq
             count += Xw.size
-    return max(total / max(count, 1), EXACT_RMS**2)
+    return out(max(total / max(count, 1), EXACT_RMS**2))
+
+
+def clearly_lower(errors: np.ndarray, reference: np.ndarray) -> bool:
+    """Whether per-window held-out errors are lower than ``reference``'s (same windows) by more
+    than two standard errors of their mean paired difference, the windows taken as the
+    independent units."""
+    diff = np.asarray(errors, dtype=float) - np.asarray(reference, dtype=float)
+    if diff.size < 2 or not np.all(np.isfinite(diff)):
+        return False
+    return float(diff.mean()) < -2.0 * float(diff.std(ddof=1)) / math.sqrt(diff.size)
 
 
 def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: float) -> bool:
@@ -788,20 +809,26 @@ class EquationDiscovery(BaseEstimator):
         same = [c for c in ranked if c["result"].window == ranked[0]["result"].window]
         shortlist = same if self.selection == "cv" else same[:CV_SHORTLIST]
         rtol = self._search_rtol
+        per_window = {}
         for c in shortlist:
-            c["cv"] = held_out_error(self.library_, c["result"], c["active"],
-                                     self.trajectories_, rtol=rtol,
-                                     atol=self.atol * rtol / self.rtol, budget=self._budget())
+            c["cv"], per_window[id(c)] = held_out_error(
+                self.library_, c["result"], c["active"], self.trajectories_, rtol=rtol,
+                atol=self.atol * rtol / self.rtol, budget=self._budget(), per_window=True)
         best = min(shortlist, key=lambda c: (c["cv"], c["criterion"]))
         if self.selection == "cv" or best is ranked[0]:
             return best
         # BIC's choice stands unless the held-out error is clearly lower elsewhere: by more than
-        # two standard errors of a mean square over the held-out residuals; a BIC choice whose
-        # cross-validation blew up (a refit on half the windows diverged) leaves it undecided
+        # two standard errors of a mean square over the held-out residuals, and by more than two
+        # standard errors of the window-by-window differences (held-out residuals are correlated
+        # within a window, and a few windows, e.g. a transient, can carry most of the
+        # information: then one fold's refit is poorly determined and its errors are not
+        # independent evidence); a BIC choice whose cross-validation blew up (a refit on half
+        # the windows diverged) leaves it undecided
         n = max(ranked[0]["result"].n_residuals, 1)
         if not math.isfinite(ranked[0]["cv"]):
             return ranked[0]
-        if best["cv"] < ranked[0]["cv"] * (1.0 - 2.0 * math.sqrt(2.0 / n)):
+        if best["cv"] < ranked[0]["cv"] * (1.0 - 2.0 * math.sqrt(2.0 / n)) and \
+                clearly_lower(per_window[id(best)], per_window[id(ranked[0])]):
             return best
         return ranked[0]
 
