@@ -218,11 +218,17 @@ class Engine:
         self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct)
 
-    def to_level(self, ct: Any, level: int) -> Any:
+    def to_level(self, ct: Any, level: int, fresh: bool = False) -> Any:
         """Finish a product (plaintext products at :attr:`plain_scales`, or two ciphertexts'
         of a non-pending level) that reaches ``level``: rescale where the level drops a prime,
-        then the canonical scale."""
+        then the canonical scale. ``fresh``: a rescale writes a new ciphertext of exactly the
+        result's size and leaves ``ct`` (a scratch buffer) unchanged; in place, the result
+        keeps ``ct``'s storage, a prime (and a relinearised product's polynomial) larger."""
         if self.chain(ct) < self.params.chain_index(level):
+            if fresh:
+                out = seal.Ciphertext()
+                self.evaluator.rescale_to_next(ct, out)
+                return self._canon(out, level)
             self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct, level)
 
@@ -257,19 +263,22 @@ class Engine:
         out = self.mul_plain(ct, self.encode_scalar(float(value), self.level(ct), 1.0))
         return self._canon(out)
 
-    def multiply(self, a: Any, b: Any) -> Any:
-        """``a * b`` (relinearised and rescaled), both lifted to a common level first."""
+    def multiply(self, a: Any, b: Any, out: Any = None) -> Any:
+        """``a * b`` (relinearised and rescaled), both lifted to a common level first. ``out``:
+        a scratch ciphertext to compute in (the result is then a new ciphertext of exactly its
+        size where the product rescales, else ``out`` itself)."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
         if self.params.pending >= 0 and level % 2 == self.params.pending:
             raise ParameterError(f"a ciphertext product from pending level {level}")
-        out = seal.Ciphertext()
+        scratch = out is not None
+        out = seal.Ciphertext() if out is None else out
         if a is b:
             self.evaluator.square(a, out)
         else:
             self.evaluator.multiply(a, b, out)
         self.evaluator.relinearize_inplace(out, self.relin_keys)
-        return self.to_level(out, level + 1)
+        return self.to_level(out, level + 1, fresh=scratch)
 
     def add(self, a: Any, b: Any) -> Any:
         level = max(self.level(a), self.level(b))

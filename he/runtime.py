@@ -41,9 +41,16 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
     return eng.rescale(eng.mul_scalar(e, v))
 
 
-def _mul_elem(eng: Engine, a: Elem, b: Elem) -> Elem:
+def _mul_elem(eng: Engine, a: Elem, b: Elem, buffers: "_Buffers | None" = None) -> Elem:
     if _is_ct(a) and _is_ct(b):
-        return eng.multiply(a, b)
+        if buffers is None:
+            return eng.multiply(a, b)
+        # computed in a recycled three-polynomial buffer, kept at its own (smaller) size
+        scratch = buffers.take(eng, max(eng.level(a), eng.level(b)), 3)
+        out = eng.multiply(a, b, out=scratch)
+        if out is not scratch:
+            buffers.recycle(scratch)
+        return out
     if _is_ct(a):
         return _scale_elem(eng, a, b)
     return _scale_elem(eng, b, a)
@@ -94,11 +101,18 @@ def _moduli(eng: Engine, level: int) -> list[int]:
 
 
 class _Buffers:
-    """Ciphertexts of released values, reused as output buffers (SEAL writes into an existing
-    ciphertext without allocating). A ciphertext is recycled only when no live value holds it."""
+    """Ciphertexts of released values and scratch space, reused as output buffers: SEAL writes
+    into an existing ciphertext without allocating while its storage holds the result, so a
+    buffer of a higher level (more primes) or of three polynomials serves any smaller result.
+    Fresh memory costs more than the arithmetic written into it (the kernel zero-fills every
+    page on first touch). A ciphertext is recycled only when no live value holds it."""
 
     def __init__(self) -> None:
+        #: free ciphertexts by the words their storage holds
         self.free: dict[int, list[Any]] = {}
+
+    def recycle(self, ct: Any) -> None:
+        self.free.setdefault(int(ct.dyn_array().capacity()), []).append(ct)
 
     def release(self, dead: list[Elem], live: Iterable[list[Elem] | None]) -> None:
         held = {id(e) for x in live if x is not None for e in x if _is_ct(e)}
@@ -106,18 +120,29 @@ class _Buffers:
         for e in dead:
             if _is_ct(e) and id(e) not in held and id(e) not in seen:
                 seen.add(id(e))
-                self.free.setdefault(e.coeff_modulus_size(), []).append(e)
+                self.recycle(e)
+
+    def take(self, eng: Engine, level: int, size: int = 2) -> Any:
+        """A ciphertext whose storage holds ``size`` polynomials at ``level``, to be overwritten
+        by a SEAL result: the smallest free buffer that holds them (resized), else an empty
+        one (SEAL sizes it when it writes)."""
+        return self._take(eng, eng.parms_ids[level], eng.params.limbs(level), size)
+
+    def _take(self, eng: Engine, parms_id: Any, limbs: int, size: int) -> Any:
+        need = size * eng.params.poly_modulus_degree * limbs
+        cap = min((c for c, pool in self.free.items() if c >= need and pool), default=None)
+        if cap is None:
+            return eng.new_ciphertext()
+        out = self.free[cap].pop()
+        out.resize(eng.context, parms_id, size)
+        return out
 
     def like(self, eng: Engine, ct: Any) -> Any:
-        """A ciphertext with ``ct``'s level, size and form (its words are to be overwritten)."""
-        pool = self.free.get(ct.coeff_modulus_size())
-        while pool:
-            out = pool.pop()
-            if out.size() == ct.size():
-                out.scale = ct.scale
-                return out
-        out = eng.new_ciphertext()
-        eng.evaluator.negate(ct, out)
+        """A ciphertext with ``ct``'s level, size, scale and NTT form (words to be overwritten)."""
+        out = self._take(eng, ct.parms_id(), ct.coeff_modulus_size(), ct.size())
+        if not out.is_ntt_form():
+            eng.evaluator.negate(ct, out)      # an empty buffer takes the form from a copy
+        out.scale = ct.scale
         return out
 
 
@@ -166,7 +191,11 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
         out.scale = product
         if v != 0.0:
             add_constant(raw, out, round(v * product), moduli)
-        result[int(r)] = eng.rescale(out)
+        # rescaled into a ciphertext of exactly its size; the buffer serves the next map
+        res = eng.to_level(out, level + 1, fresh=True)
+        if res is not out:
+            buffers.recycle(out)
+        result[int(r)] = res
     return result
 
 
@@ -258,7 +287,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                                 FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
                                 fused_maps, buffers)
         elif st.kind == "mul":
-            out = [_mul_elem(eng, p, q) if r else 0.0 for p, q, r in zip(ins[0], ins[1], rows)]
+            out = [_mul_elem(eng, p, q, buffers) if r else 0.0
+                   for p, q, r in zip(ins[0], ins[1], rows)]
         else:
             out = [_scale_elem(eng, p, float(st.factor)) if r else 0.0
                    for p, r in zip(ins[0], rows)]
