@@ -186,16 +186,18 @@ class Engine:
         return ct
 
     # --------------------------------------------------------------------- arithmetic
-    def lift(self, ct: Any, level: int) -> Any:
-        """Return ``ct`` at ``level`` (>= its own) on the canonical scale, value unchanged."""
+    def lift(self, ct: Any, level: int, out: Any = None) -> Any:
+        """Return ``ct`` at ``level`` (>= its own) on the canonical scale, value unchanged: ``ct``
+        itself where it is there already, else a new ciphertext (``out`` where given, a buffer
+        whose storage is reused)."""
         cur = self.level(ct)
         if cur == level:
             return ct
         if cur > level:
             raise ParameterError(f"cannot lower a level-{cur} ciphertext to level {level}")
         target = self.params.chain_index(level)
+        res = seal.Ciphertext() if out is None else out
         out = ct
-        res = seal.Ciphertext()
         if target == self.chain(ct):
             # a wide chain's canonical level to its pending one: a product with 1, no rescale
             one = self.encode_scalar(1.0, level, self.scales[level] / self.scales[cur])
@@ -218,17 +220,17 @@ class Engine:
         self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct)
 
-    def to_level(self, ct: Any, level: int, fresh: bool = False) -> Any:
+    def to_level(self, ct: Any, level: int, into: Any = None) -> Any:
         """Finish a product (plaintext products at :attr:`plain_scales`, or two ciphertexts'
         of a non-pending level) that reaches ``level``: rescale where the level drops a prime,
-        then the canonical scale. ``fresh``: a rescale writes a new ciphertext of exactly the
-        result's size and leaves ``ct`` (a scratch buffer) unchanged; in place, the result
-        keeps ``ct``'s storage, a prime (and a relinearised product's polynomial) larger."""
+        then the canonical scale. ``into``: a buffer a rescale writes to, leaving ``ct`` (a
+        scratch ciphertext) unchanged -- the result is ``into`` where the level rescales, else
+        ``ct``; in place, the result keeps ``ct``'s storage, a prime (and a relinearised
+        product's polynomial) larger than it needs."""
         if self.chain(ct) < self.params.chain_index(level):
-            if fresh:
-                out = seal.Ciphertext()
-                self.evaluator.rescale_to_next(ct, out)
-                return self._canon(out, level)
+            if into is not None:
+                self.evaluator.rescale_to_next(ct, into)
+                return self._canon(into, level)
             self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct, level)
 
@@ -263,27 +265,28 @@ class Engine:
         out = self.mul_plain(ct, self.encode_scalar(float(value), self.level(ct), 1.0))
         return self._canon(out)
 
-    def multiply(self, a: Any, b: Any, out: Any = None) -> Any:
+    def multiply(self, a: Any, b: Any, out: Any = None, into: Any = None) -> Any:
         """``a * b`` (relinearised and rescaled), both lifted to a common level first. ``out``:
-        a scratch ciphertext to compute in (the result is then a new ciphertext of exactly its
-        size where the product rescales, else ``out`` itself)."""
+        a scratch ciphertext to compute in; ``into``: where its rescale writes the result
+        (see :meth:`to_level`)."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
         if self.params.pending >= 0 and level % 2 == self.params.pending:
             raise ParameterError(f"a ciphertext product from pending level {level}")
-        scratch = out is not None
         out = seal.Ciphertext() if out is None else out
         if a is b:
             self.evaluator.square(a, out)
         else:
             self.evaluator.multiply(a, b, out)
         self.evaluator.relinearize_inplace(out, self.relin_keys)
-        return self.to_level(out, level + 1, fresh=scratch)
+        return self.to_level(out, level + 1, into=into)
 
-    def add(self, a: Any, b: Any) -> Any:
+    def add(self, a: Any, b: Any, out: Any = None) -> Any:
+        """``a + b``, both lifted to a common level first, in a new ciphertext (``out`` where
+        given, a buffer whose storage is reused)."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
-        out = seal.Ciphertext()
+        out = seal.Ciphertext() if out is None else out
         self.evaluator.add(a, b, out)
         return out
 

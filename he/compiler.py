@@ -30,7 +30,7 @@ from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
-from polynets.ir.lowering import Lowered, lower, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, lower, step_levels
 from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES",
@@ -173,17 +173,23 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     for st, c in zip(lowered.steps, counts):
         lin = max((levels[j] for j in st.inputs), default=0)
         seconds += costs.price(c, ring, params.limbs(lin))
-    # ciphertexts held at once: a step's value lives until its last reader has run
+    # ciphertexts held at once: a step's value lives until its last reader has run (the
+    # group's inputs, which the server loaded, until the end), and a weighted map's rows are
+    # computed at its inputs' level, a prime wider than the values they are rescaled into
     last = list(range(len(lowered.steps)))
     for si, st in enumerate(lowered.steps):
         for j in st.inputs:
             last[j] = si
-    last[lowered.output] = len(lowered.steps)
+    last[lowered.output] = last[0] = len(lowered.steps)
+    word = 2 * ring * 8
     held = 0
-    for si in range(len(lowered.steps)):
+    for si, st in enumerate(lowered.steps):
         alive = [j for j in range(si + 1) if last[j] >= si]
-        held = max(held, sum(2 * ring * params.limbs(levels[j]) * 8 * int(live[j].sum())
-                             for j in alive))
+        scratch = 0
+        if st.kind == "affine" and not affine_is_free(st, "batch"):
+            scratch = word * params.limbs(max(levels[j] for j in st.inputs)) * int(live[si].sum())
+        held = max(held, scratch + sum(word * params.limbs(levels[j]) * int(live[j].sum())
+                                       for j in alive))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = int(live[0].sum())

@@ -45,12 +45,11 @@ def _mul_elem(eng: Engine, a: Elem, b: Elem, buffers: "_Buffers | None" = None) 
     if _is_ct(a) and _is_ct(b):
         if buffers is None:
             return eng.multiply(a, b)
-        # computed in a recycled three-polynomial buffer, kept at its own (smaller) size
-        scratch = buffers.take(eng, max(eng.level(a), eng.level(b)), 3)
-        out = eng.multiply(a, b, out=scratch)
-        if out is not scratch:
-            buffers.recycle(scratch)
-        return out
+        # computed in a recycled three-polynomial buffer, rescaled into a recycled one
+        level = max(eng.level(a), eng.level(b))
+        scratch = buffers.take(eng, level, 3)
+        return buffers.finish(lambda into: eng.multiply(a, b, out=scratch, into=into),
+                              scratch, buffers.take(eng, level + 1))
     if _is_ct(a):
         return _scale_elem(eng, a, b)
     return _scale_elem(eng, b, a)
@@ -122,6 +121,14 @@ class _Buffers:
                 seen.add(id(e))
                 self.recycle(e)
 
+    def finish(self, compute: Any, scratch: Any, into: Any) -> Any:
+        """``compute(into)``'s result, computed in ``scratch`` and rescaled ``into`` (see
+        :meth:`~he.backend.Engine.to_level`); whichever of the two it does not return is free
+        again."""
+        res = compute(into)
+        self.recycle(scratch if res is into else into)
+        return res
+
     def take(self, eng: Engine, level: int, size: int = 2) -> Any:
         """A ciphertext whose storage holds ``size`` polynomials at ``level``, to be overwritten
         by a SEAL result: the smallest free buffer that holds them (resized), else an empty
@@ -191,11 +198,9 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
         out.scale = product
         if v != 0.0:
             add_constant(raw, out, round(v * product), moduli)
-        # rescaled into a ciphertext of exactly its size; the buffer serves the next map
-        res = eng.to_level(out, level + 1, fresh=True)
-        if res is not out:
-            buffers.recycle(out)
-        result[int(r)] = res
+        # rescaled into a recycled buffer; the product's serves the next row
+        result[int(r)] = buffers.finish(lambda into: eng.to_level(out, level + 1, into=into),
+                                        out, buffers.take(eng, level + 1))
     return result
 
 
@@ -222,14 +227,19 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     def elem(t: int, c: int) -> Elem:
         if (t, c) not in lifted:
             e = srcs[t][c]
-            lifted[(t, c)] = eng.lift(e, level) if _is_ct(e) else e
+            if _is_ct(e) and eng.level(e) != level:
+                e = eng.lift(e, level, out=buffers.take(eng, level))
+                copies.append(e)
+            lifted[(t, c)] = e
         return lifted[(t, c)]
+
+    copies: list[Any] = []         # inputs lifted to the step's level, in buffers
 
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
     for r in rest:
         const = float(st.bias[r]) if st.bias is not None else 0.0
-        acc = None
+        acc, summed = None, False
         for t, m in enumerate(mats):
             lo, hi = m.indptr[r], m.indptr[r + 1]
             for c, w in zip(m.indices[lo:hi], m.data[lo:hi]):
@@ -239,7 +249,12 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
                 elif not free and abs(w) * scale < 0.5:
                     continue                # encodes to zero: SEAL refuses the empty product
                 elif free:
-                    acc = e if acc is None else eng.add(acc, e)
+                    if acc is None:
+                        acc = e
+                    elif summed:
+                        eng.add_inplace(acc, e)
+                    else:           # the first sum of the row goes to a buffer of its own
+                        acc, summed = eng.add(acc, e, out=buffers.take(eng, level)), True
                 else:
                     key = (float(w), level)
                     if key not in plains:
@@ -256,6 +271,10 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
             continue
         res = acc if free else eng.rescale(acc)
         out[r] = eng.add_plain_scalar(res, const) if const != 0.0 else res
+    kept = {id(e) for e in out if _is_ct(e)}
+    for e in copies:
+        if id(e) not in kept:
+            buffers.recycle(e)
     return out
 
 
