@@ -109,16 +109,20 @@ class _Buffers:
     def __init__(self) -> None:
         #: free ciphertexts by the words their storage holds
         self.free: dict[int, list[Any]] = {}
+        self._parked: set[int] = set()      # their ids: a ciphertext is parked once
 
     def recycle(self, ct: Any) -> None:
-        self.free.setdefault(int(ct.dyn_array().capacity()), []).append(ct)
+        if id(ct) not in self._parked:
+            self._parked.add(id(ct))
+            self.free.setdefault(int(ct.dyn_array().capacity()), []).append(ct)
 
-    def release(self, dead: list[Elem], live: Iterable[list[Elem] | None]) -> None:
-        held = {id(e) for x in live if x is not None for e in x if _is_ct(e)}
-        seen: set[int] = set()
+    def release(self, dead: list[Elem], live: Iterable[list[Elem] | None],
+                pinned: Iterable[int] = ()) -> None:
+        """Recycle the ciphertexts of a value that died, except those a live value or the
+        caller (``pinned`` ids) still holds."""
+        held = {id(e) for x in live if x is not None for e in x if _is_ct(e)} | set(pinned)
         for e in dead:
-            if _is_ct(e) and id(e) not in held and id(e) not in seen:
-                seen.add(id(e))
+            if _is_ct(e) and id(e) not in held:
                 self.recycle(e)
 
     def finish(self, compute: Any, scratch: Any, into: Any) -> Any:
@@ -141,6 +145,7 @@ class _Buffers:
         if cap is None:
             return eng.new_ciphertext()
         out = self.free[cap].pop()
+        self._parked.discard(id(out))
         out.resize(eng.context, parms_id, size)
         return out
 
@@ -293,6 +298,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     plains: dict[tuple[float, int], Any] = {}
     fused_maps: dict[Any, Any] = {}
     buffers = _Buffers()
+    pinned = {id(e) for e in inputs if _is_ct(e)}      # the caller's: never recycled
     # no bar object at all without progress: this also runs in forked workers
     order = tqdm(range(len(steps)), desc="batch steps", leave=False) if progress else \
         range(len(steps))
@@ -317,7 +323,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             if remaining[j] == 0 and j != lowered.output:
                 dead, vals[j] = vals[j], None
                 if steps[j].kind != "input" and dead is not None:
-                    buffers.release(dead, vals)
+                    buffers.release(dead, vals, pinned)
     result = vals[lowered.output]
     assert result is not None
     return result
