@@ -426,8 +426,11 @@ class Server:
         """Evaluate the program on encrypted inputs; returns the encrypted outputs.
 
         ``workers``: processes that evaluate independent groups (batch packing: groups of
-        ``slots`` samples; vector packing: samples) at the same time (``0``: one per CPU core);
-        results are the same whatever the number.
+        ``slots`` samples; vector packing: samples) at the same time (``0``: one per CPU core,
+        and in batch packing no more than the available memory holds); results are the same
+        whatever the number. Raises :class:`~he.errors.ResourceError`, before evaluating
+        anything, where a batch-packed group (or ``workers`` of them) is predicted to need
+        more memory than is available.
         """
         ct = _as_ciphertext(ct)
         _check(ct, self.program, self.key_id, "input", "server")
