@@ -435,8 +435,9 @@ class Server:
         ct = _as_ciphertext(ct)
         _check(ct, self.program, self.key_id, "input", "server")
         ctx = self.engine.context
-        n_workers = resolve_workers(workers)
-        if self.program.packing == "batch":
+        if self.program.packing != "batch":
+            n_workers = resolve_workers(workers)
+        else:
             # a group's ciphertexts dwarf the keys: as many processes as the memory holds
             slots = self.program.params.slots
             try:

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from he.errors import ResourceError
+
 __all__ = ["fork_map", "resolve_workers", "memory_workers"]
 
 _JOB: list[Callable[[int], Any]] = []
@@ -37,8 +39,6 @@ def memory_workers(workers: int | None, tasks: int, working_bytes: float | None,
     holds. Raises :class:`~he.errors.ResourceError` where not even one fits, or where the
     requested number does not (never more processes than memory for them: an out-of-memory
     kill loses the whole run)."""
-    from he.errors import ResourceError
-
     n = min(resolve_workers(workers), max(1, int(tasks)))
     if working_bytes is None or working_bytes <= 0:
         return n

@@ -41,10 +41,8 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
     return eng.rescale(eng.mul_scalar(e, v))
 
 
-def _mul_elem(eng: Engine, a: Elem, b: Elem, buffers: "_Buffers | None" = None) -> Elem:
+def _mul_elem(eng: Engine, a: Elem, b: Elem, buffers: "_Buffers") -> Elem:
     if _is_ct(a) and _is_ct(b):
-        if buffers is None:
-            return eng.multiply(a, b)
         # computed in a recycled three-polynomial buffer, rescaled into a recycled one
         level = max(eng.level(a), eng.level(b))
         scratch = buffers.take(eng, level, 3)
