@@ -216,6 +216,12 @@ def information_criterion(res: ShootingResult, terms: int) -> float:
     return n * math.log(max(res.rss / n, EXACT_RMS**2)) + terms * math.log(n)
 
 
+def fit_criterion(res: ShootingResult) -> float:
+    """:func:`information_criterion` of a fitted candidate, every free parameter counted: its
+    terms and its fitted window starts (on shorter windows more starts absorb noise)."""
+    return information_criterion(res, res.n_params)
+
+
 def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
                 active: np.ndarray, penalty: float, extra: int = SWAP_EXTRA
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -640,9 +646,6 @@ class EquationDiscovery(BaseEstimator):
         ``STEPWISE_ROUNDS`` times. Selection then treats these candidates like the others.
         Nothing is done when a candidate reproduces the data to about the integration accuracy
         (``SWAP_MIN_RMS``): the data are exact and a model explaining them is at hand."""
-        def criterion(c: dict) -> float:
-            return information_criterion(c["result"], int(c["active"].sum()))
-
         def exact(c: dict) -> bool:
             res = c["result"]
             return math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS
@@ -652,7 +655,7 @@ class EquationDiscovery(BaseEstimator):
         pool = [c for c in fitted if c["result"].window == self.window]
         if not pool:
             return
-        best = min(pool, key=criterion)
+        best = min(pool, key=lambda c: fit_criterion(c["result"]))
         seen = {c["support"] for c in fitted}
         tried: set[bytes] = set()
         for _ in range(STEPWISE_ROUNDS):
@@ -697,8 +700,7 @@ class EquationDiscovery(BaseEstimator):
             candidates.append(record)
             return None
         if moved.window != self.window or \
-                information_criterion(moved, int(kept.sum())) > \
-                information_criterion(res, int(active.sum())) - SWAP_EVIDENCE:
+                fit_criterion(moved) > fit_criterion(res) - SWAP_EVIDENCE:
             return None
         record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
                       rss=moved.rss, window=moved.window, converged=moved.converged,
@@ -798,7 +800,7 @@ class EquationDiscovery(BaseEstimator):
                     c["result"], c["window"], c["rss"] = res, res.window, res.rss
                 except FitError:
                     pass
-            c["criterion"] = information_criterion(res, res.n_params)
+            c["criterion"] = fit_criterion(res)
         ranked, seen = [], set()
         for c in sorted(fitted, key=lambda c: c["criterion"]):
             if c["support"] not in seen:

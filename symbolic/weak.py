@@ -78,12 +78,18 @@ def support_lstsq(G: np.ndarray, b: np.ndarray, cols: np.ndarray) -> np.ndarray:
     return out
 
 
+def _support_coef(G: np.ndarray, b: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """:func:`support_lstsq` of every equation (column of ``b``) on its support (column of
+    ``active``); coef (p, dim)."""
+    return np.stack([support_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
+                     for i in range(b.shape[1])], axis=1)
+
+
 def weak_lstsq(field: PolyField, active: np.ndarray,
                trajectories: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Least squares of the weak form on the fixed support ``active`` (p, dim); coef (p, dim)."""
     G, b = weak_system(field, trajectories)
-    return np.stack([support_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
-                     for i in range(field.dim)], axis=1)
+    return _support_coef(G, b, active)
 
 
 def forward_path(G: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, float]]:
@@ -241,9 +247,7 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
     key = chosen.tobytes()
     if key not in seen:
         seen.add(key)
-        coef = np.stack([support_lstsq(G, b[:, i], np.nonzero(chosen[:, i])[0]) for i in range(d)],
-                        axis=1)
-        out.append((chosen, coef))
+        out.append((chosen, _support_coef(G, b, chosen)))
     for level in residuals:
         active = np.zeros((p, d), dtype=bool)
         for i, path in enumerate(paths):
@@ -252,6 +256,4 @@ def _supports(field: PolyField, trajectories: list[tuple[np.ndarray, np.ndarray]
         key = active.tobytes()
         if key not in seen:
             seen.add(key)
-            coef = np.stack([support_lstsq(G, b[:, i], np.nonzero(active[:, i])[0])
-                             for i in range(d)], axis=1)
-            out.append((active, coef))
+            out.append((active, _support_coef(G, b, active)))
