@@ -337,3 +337,22 @@ def test_constant_masks_are_selections_and_data_dependent_masks_are_refused() ->
     cert = pn.certify(DataMask(), x)
     assert not cert.is_polynomial
     assert any(o.op == "aten.gt" for o in cert.offending)
+
+
+def test_a_map_read_only_by_maps_is_fused_into_each_and_saves_its_level():
+    """Mu-Layers stacked without a residual: each layer's C is read by the next layer's A and D;
+    fused into both, C costs no level of its own (2 per Mu-Layer plus the first map)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(pn.MuLayer(8, hidden=16, norm="batch"),
+                          pn.MuLayer(8, hidden=16, norm="batch"),
+                          pn.MuLayer(8, hidden=16, norm="batch")).train()
+    x = torch.randn(32, 5, 8)
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    cert = pn.certify(model, x[:1])
+    assert cert.depth == 3 and cert.levels == 2 * 3 + 1
+    program = pn.trace(model, x[:1])
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.allclose(program.simulate(x.numpy().astype(np.float64)), ref, atol=1e-5)

@@ -411,16 +411,26 @@ def _push_into_product(nodes: list[Node], i: int, users: list[list[int]]) -> int
 
 
 def _fuse_linears(nodes: list[Node], i: int, users: list[list[int]]) -> int | None:
+    """linear_b(linear_a(x)) on one axis -> one linear map.
+
+    A map read only by linear maps on its axis is fused into each of them (a Mu-Layer's ``C``
+    read by the next layer's ``A`` and ``D``): the shared value is then never computed, which
+    saves the level it would take, at the price of one larger map per reader.
+    """
     n = nodes[i]
     if n.op != "linear":
         return None
     j = n.inputs[0]
     first = nodes[j]
-    if first.op != "linear" or not _single_user(users, j) \
-            or first.attrs["axis"] != n.attrs["axis"]:
+    if first.op != "linear" or first.attrs["axis"] != n.attrs["axis"]:
         return None
     w1, b1 = first.attrs["weight"], first.attrs.get("bias")
     w2, b2 = n.attrs["weight"], n.attrs.get("bias")
+    if not _single_user(users, j):
+        readers = [nodes[k] for k in set(users[j])]
+        if any(r.op != "linear" or r.inputs[0] != j or r.attrs["axis"] != n.attrs["axis"]
+               or w1.shape[0] * r.attrs["weight"].shape[1] > _DENSE_LIMIT for r in readers):
+            return None
     bias = None
     if b1 is not None:
         bias = b1 @ w2
