@@ -25,6 +25,7 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
+from he.native import NativeRotations, Pool, default_threads
 from he.params import CKKSParams, seal_security_level
 from he.plan import rotation_path
 
@@ -155,6 +156,28 @@ class Engine:
         self.galois_keys: Any = None
         #: rotation steps the Galois keys cover when they are a key basis; None: every step
         self.key_steps: frozenset[int] | None = None
+        #: rotations without the GIL (:mod:`he.native`), once :meth:`use_threads` validated them
+        self.native: NativeRotations | None = None
+        #: threads that rotate one ciphertext group's values at once
+        self.pool = Pool(1)
+
+    def use_threads(self, threads: int | None, probe: Any, probe_step: int) -> str:
+        """Rotate on ``threads`` threads (None: every core this process may use) where SEAL can
+        be called without the GIL (:mod:`he.native`, validated on ``probe`` rotated by
+        ``probe_step``); returns why not where it cannot, else ``""``."""
+        n = default_threads() if threads is None else int(threads)
+        if n < 1:
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+        if n == 1 or self.galois_keys is None:
+            self.native, self.pool = None, Pool(1)
+            return ""
+        native = NativeRotations(self.context, self.evaluator, self.galois_keys, probe,
+                                 probe_step)
+        if not native.ok:
+            self.native, self.pool = None, Pool(1)
+            return native.reason
+        self.native, self.pool = native, Pool(n)
+        return ""
 
     # --------------------------------------------------------------------- bookkeeping
     def chain(self, ct: Any) -> int:
@@ -309,7 +332,11 @@ class Engine:
         """``ct`` rotated left by ``step`` slots: one key switching, or where the keys are a
         power-of-two basis (:attr:`key_steps`), the composition :func:`he.plan.rotation_path`
         gives."""
+        native = self.native
         for s in rotation_path(step, self.slots, self.key_steps):
+            if native is not None and native.accepts(ct, s):
+                ct = native.rotate(ct, s)
+                continue
             out = seal.Ciphertext()
             self.evaluator.rotate_vector(ct, s, self.galois_keys, out)
             ct = out

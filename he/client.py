@@ -20,9 +20,10 @@ from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
-                       ResourceError, SecretKeyError, SerializationError)
+                       ParameterError, ResourceError, SecretKeyError, SerializationError)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.runtime import VectorKernels, available_memory, run_batch, run_vector
+from polynets.errors import check_int
 
 __all__ = ["Ciphertext", "Client", "Server"]
 
@@ -369,11 +370,15 @@ class Server:
     ``Server(program, public_context)``: ``public_context`` is :meth:`Client.public_context`'s
     bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
     ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
-    beyond it are encoded at each use (default: half the memory available).
+    beyond it are encoded at each use (default: half the memory available). ``threads``: in
+    vector packing, threads that rotate one sample's values at once (default: every core this
+    process may use; SEAL is then called without Python's GIL, see :mod:`he.native`, and
+    ``threads_note`` says why not where that is unavailable); results are the same whatever
+    the number.
     """
 
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, threads: int | None = None):
         if not isinstance(public_context, (bytes, bytearray, memoryview)):
             raise SerializationError(f"Server needs the public context as bytes, got "
                                      f"{type(public_context).__name__}")
@@ -392,6 +397,12 @@ class Server:
         self.context_bytes = len(public_context)
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
+        self.threads_note = ""
+        if threads is not None:
+            check_int(threads, "Server threads", error=ParameterError)
+        if self.kernels is not None and program.plan.galois_steps():
+            self.threads_note = self.engine.use_threads(
+                threads, self._encrypt_constant(1.0), program.plan.galois_steps()[0])
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine

@@ -20,6 +20,7 @@ import numpy as np
 from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
+from he.native import default_threads
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
@@ -126,17 +127,48 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
 
-def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> dict[str, Any]:
+#: op_counts entries that are not primitives: plaintexts held, and the rotations among
+#: ``rotate`` that run on the server's threads
+_NOT_PRIMITIVES = ("plaintexts", "babies", "giants")
+
+
+def _threads(options: dict[str, Any]) -> int:
+    """Server threads a compiled program's predictions assume (programs saved before the
+    option: one)."""
+    return int(options.get("server_threads", 1))
+
+
+def _threaded_seconds(c: dict[str, int], price: Any, threads: int) -> float:
+    """Seconds of one vector step whose baby-step rotations, then giant steps (each its
+    plaintext products and sum, then its rotation) are spread over ``threads`` threads: each
+    phase takes as many rounds as its tasks fill (:func:`he.runtime._affine`); the plaintext
+    products hold Python's GIL, so a phase is never shorter than they are."""
+    serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
+    babies, giants = c.get("babies", 0), c.get("giants", 0)
+    if threads <= 1 or babies + giants == 0:
+        return serial
+    rot = price({"rotate": 1})
+    products = price({"mul_plain": c["mul_plain"], "add": c["mul_plain"]})
+    babies_par = math.ceil(babies / threads) * rot
+    n_giant = max(giants, 1)
+    giants_par = max(math.ceil(n_giant / threads) * (rot * giants + products) / n_giant,
+                     products)
+    return serial - rot * (babies + giants) - products + babies_par + giants_par
+
+
+def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
+                    threads: int = 1) -> dict[str, Any]:
     counts = plan.op_counts()
     ring = params.poly_modulus_degree
     seconds = 0.0
     plaintexts: list[tuple[int, int]] = []
     for st, c in zip(plan.steps, counts):
         lin = max((plan.steps[j].level for j in st.inputs), default=0)
-        seconds += costs.price({k: v for k, v in c.items() if k != "plaintexts"}, ring,
-                               params.limbs(lin))
+        seconds += _threaded_seconds(
+            c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads)
         plaintexts.append((c["plaintexts"], lin))
-    total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
+    total = {k: sum(c.get(k, 0) for c in counts) for k in counts[0] if k not in
+             _NOT_PRIMITIVES[1:]} if counts else {}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
@@ -145,6 +177,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel) -> d
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
+            "server_threads": threads,
             "server_memory_bytes": _server_memory(params, plaintexts, len(plan.galois_steps()),
                                                   len(plan.steps))}
 
@@ -351,7 +384,9 @@ class CompiledProgram:
                          f"{int(np.prod(self.input_shape))} input elements, the others never "
                          f"reach the output)")
         if p:
-            lines.append(f"  predicted: {p['seconds_per_ciphertext']:.3g} s per ciphertext "
+            threads = p.get("server_threads", 1)
+            on = f" on {threads} server threads" if threads > 1 else ""
+            lines.append(f"  predicted: {p['seconds_per_ciphertext']:.3g} s per ciphertext{on} "
                          f"({p['samples_per_ciphertext']} samples), "
                          f"{p['seconds_per_sample'] * 1e3:.3g} ms per sample, server memory "
                          f"{p['server_memory_bytes'] / 2 ** 20:.0f} MiB")
@@ -484,7 +519,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                                   output_shape=tuple(program.output_shape),
                                   max_input_ciphertexts=int(options["max_input_ciphertexts"]),
                                   planes_per_ct=per_ct, price=price)
-        predicted = _predict_vector(trial, params, costs)
+        predicted = _predict_vector(trial, params, costs, _threads(options))
         score = _objective_cost(predicted, objective, options.get("batch_size"))
         if best is None or score < best[0]:
             best = (score, trial, per_ct, predicted)
@@ -560,7 +595,7 @@ def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict
     if old["server_memory_bytes"] <= budget or len(basis) >= len(direct):
         return params, opts
     plan.key_steps = basis
-    new = _predict_vector(plan, params, costs)
+    new = _predict_vector(plan, params, costs, _threads(opts))
     hops = max(len(rotation_path(r, plan.slots, basis)) for r in direct)
     g_one, g_hops = _vector_gain(lowered, msq, params)[1], _vector_gain(lowered, msq, params,
                                                                         hops)[1]
@@ -783,7 +818,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             ring_degree: int | None = None, scale_bits: int | None = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
-            memory_budget: int | None = None, security: int = 128) -> CompiledProgram:
+            memory_budget: int | None = None, security: int = 128,
+            server_threads: int | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     Args:
@@ -814,6 +850,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
         security: classical security in bits, 128, 192 or 256 (SEAL's modulus budgets; higher
             levels hold fewer levels per ring, so may need a larger ring).
+        server_threads: threads a vector-packed server rotates on (``he.Server(threads=)``),
+            which the predicted times assume (default: the cores of this machine).
         memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
             predicted server memory exceeds it is chosen only when none fits, and a vector plan
             whose Galois keys (one per distinct rotation) would exceed it composes its rotations
@@ -842,10 +880,14 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         precision_bits, precision_why = argmax_precision(
             outputs.reshape(outputs.shape[0], -1) if outputs.ndim > 2 else outputs,
             maxabs[program.output])
+    if server_threads is not None:
+        check_int(server_threads, "server_threads", error=NotEncryptableError)
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
                "batch_size": None if batch_size is None else int(batch_size),
-               "security": int(security)}
+               "security": int(security),
+               "server_threads": default_threads() if server_threads is None
+               else int(server_threads)}
     if precision_why:
         options["precision"] = precision_why
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES

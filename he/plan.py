@@ -631,7 +631,8 @@ class VectorPlan:
         :func:`he.runtime.run_vector` runs them: baby-step rotations of one input shared by all
         maps that read it, giant steps shared by a step's terms of one input period, one
         rescale per step, folds shared by the step's terms; a rotation composed from a key basis
-        counts each key switching it takes."""
+        counts each key switching it takes. ``babies`` and ``giants`` (where a step has maps)
+        count the rotations among ``rotate`` that the runtime spreads over its threads."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
@@ -649,9 +650,9 @@ class VectorPlan:
                 diags = sum(mv.n_diagonals for _, mv in mvs)
                 widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
                 folds = len(widest.folds)
-                c["rotate"] += (sum(w(b) for _, _, b in new)
-                                + sum(w(g) for gs in giants.values() for g in gs)
-                                + sum(w(f) for f in widest.folds))
+                c["babies"] = sum(w(b) for _, _, b in new)
+                c["giants"] = sum(w(g) for gs in giants.values() for g in gs)
+                c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
                 c["mul_plain"] += diags
                 c["plaintexts"] += diags
                 c["add"] += diags + folds + len(s.matvecs) - 1

@@ -444,27 +444,40 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
     identity terms added."""
     k = kern.interleave
     lin = max(eng.level(x) for x in xs if x is not None)
-    by_period: dict[int, dict[int, Any]] = {}
+    # (period, giant) -> the baby-step terms summed before the giant rotation, in order
+    terms: dict[tuple[int, int], list[tuple[tuple[int, int, int], Any]]] = {}
     folds_of: dict[int, list[int]] = {}
+    babies: dict[tuple[int, int, int], Any] = {}
     for ti, (src, mv, x) in enumerate(zip(srcs, st.matvecs, xs)):
         if mv is None or src is None:
             continue
-        sums = by_period.setdefault(mv.p_in, {})
         folds_of[mv.p_in] = mv.folds
         for gi, (giant, group) in enumerate(zip(mv.giants, mv.groups)):
             for b, _ in group.items():
                 if ("d", si, ti, gi, b) not in kern.store:
                     continue                # a diagonal that encodes to zero
                 if (src, lin, b) not in rotated:
-                    rotated[src, lin, b] = eng.rotate(x, b * k)
-                term = eng.mul_plain(rotated[src, lin, b], kern.store["d", si, ti, gi, b])
-                if giant in sums:
-                    eng.add_inplace(sums[giant], term)
-                else:
-                    sums[giant] = term
-    parts = sorted(((folds_of[p], _accumulate(eng, (eng.rotate(ct, g * k)
-                                                    for g, ct in sums.items())))
-                    for p, sums in by_period.items() if sums), key=lambda t: -len(t[0]))
+                    babies.setdefault((src, lin, b), x)
+                terms.setdefault((mv.p_in, giant), []).append(
+                    ((src, lin, b), ("d", si, ti, gi, b)))
+    # baby steps, then each giant step's sum and rotation, spread over the engine's threads;
+    # every sum is taken in the same order whatever the threads, so results are bit-identical
+    keys = list(babies)
+    for key, ct in zip(keys, eng.pool.map(lambda key: eng.rotate(babies[key], key[2] * k),
+                                          keys)):
+        rotated[key] = ct
+
+    def giant_step(item: tuple[tuple[int, int], list[Any]]) -> Any:
+        (_, giant), group = item
+        acc = _accumulate(eng, (eng.mul_plain(rotated[r], kern.store[d]) for r, d in group))
+        return eng.rotate(acc, giant * k)
+
+    items = list(terms.items())
+    by_period: dict[int, list[Any]] = {}
+    for ((p, _), _), ct in zip(items, eng.pool.map(giant_step, items)):
+        by_period.setdefault(p, []).append(ct)
+    parts = sorted(((folds_of[p], _accumulate(eng, cts)) for p, cts in by_period.items()),
+                   key=lambda t: -len(t[0]))
     out = None
     folds: list[int] = []
     for term_folds, ct in parts:

@@ -1,0 +1,167 @@
+"""SEAL's rotations called without Python's global interpreter lock, so one sample's rotations
+use every core.
+
+``tenseal.sealapi`` holds the GIL through every call, so threads that rotate take as long as one.
+The extension module that defines ``tenseal.sealapi``'s classes also exports SEAL's own C++
+symbols, and a :mod:`ctypes` call releases the GIL. :class:`NativeRotations` rotates by calling
+``seal::Evaluator::rotate_internal`` on a copy made by ``seal::Ciphertext::operator=``, on the
+very objects ``tenseal.sealapi`` created (their C++ addresses follow the binding's object layout,
+as in :mod:`he.fused`). SEAL takes its memory pool handle by value, which the Itanium C++ ABI
+passes by address: the handle of a fresh, empty ciphertext is lent, and SEAL takes it over (or
+copies it), so the pool's reference count stays balanced either way.
+
+A C++ exception cannot cross :mod:`ctypes`, so every call first checks what SEAL would refuse: a
+ciphertext of two polynomials in NTT form, at a level of this context, not transparent, and a
+Galois key for the step. Before the first use, rotations of a probe ciphertext are compared
+byte for byte with ``tenseal.sealapi``'s; a missing symbol, another platform or any mismatch
+leaves :attr:`NativeRotations.ok` false with the reason, and the runtime keeps
+``tenseal.sealapi``'s rotations (one core).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import tenseal.sealapi as seal
+
+from he.fused import _DYN_OFFSET, _cxx_address
+
+__all__ = ["NativeRotations", "Pool", "default_threads"]
+
+_ROTATE = "_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10GaloisKeysENS_16MemoryPoolHandleE"
+_ASSIGN = "_ZN4seal10CiphertextaSERKS0_"
+T = TypeVar("T")
+
+
+def default_threads() -> int:
+    """Cores this process may run on (its CPU affinity where the platform reports one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class NativeRotations:
+    """Rotations of SEAL ciphertexts that release the GIL (see the module docstring).
+
+    ``rotate(ct, step)`` returns a new ciphertext, ``ct`` rotated left by ``step`` slots with the
+    Galois key of that step; ``ok`` says whether the native path was validated, ``reason`` why
+    not.
+    """
+
+    def __init__(self, context: Any, evaluator: Any, galois_keys: Any, probe: Any,
+                 probe_step: int):
+        self.ok = False
+        self.reason = ""
+        self._context = context
+        self._evaluator = evaluator
+        self._keys = galois_keys
+        self._ring = int(context.first_context_data().parms().poly_modulus_degree())
+        self._parms: set[tuple[int, ...]] = set()
+        data = context.first_context_data()
+        while data is not None:
+            self._parms.add(tuple(data.parms_id()))
+            data = data.next_context_data()
+        self._has_key: dict[int, bool] = {}
+        try:
+            self._bind()
+            self._validate(probe, probe_step)
+            self.ok = True
+        except _Unavailable as exc:
+            self.reason = str(exc)
+
+    def _bind(self) -> None:
+        if sys.byteorder != "little" or platform.system() != "Linux" or \
+                platform.machine() not in ("x86_64", "AMD64", "aarch64"):
+            raise _Unavailable(f"no native rotations on {platform.system()} "
+                               f"{platform.machine()}")
+        module = sys.modules.get(seal.Ciphertext.__module__)
+        path = getattr(module, "__file__", None)
+        if not path:
+            raise _Unavailable("the SEAL extension module's file is unknown")
+        try:
+            lib = ctypes.CDLL(path)
+            rotate = getattr(lib, _ROTATE)
+            assign = getattr(lib, _ASSIGN)
+        except (OSError, AttributeError) as exc:
+            raise _Unavailable(f"SEAL's symbols are not exported: {exc}") from None
+        rotate.restype = None
+        rotate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                           ctypes.c_void_p]
+        assign.restype = ctypes.c_void_p
+        assign.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._rotate_fn, self._assign_fn = rotate, assign
+        self._ev = _cxx_address(self._evaluator)
+        self._gk = _cxx_address(self._keys)
+        if not self._ev or not self._gk:
+            raise _Unavailable("the binding's object layout is not the expected one")
+
+    def _validate(self, probe: Any, step: int) -> None:
+        from he.backend import save_object
+        holder = seal.Ciphertext()
+        words = (ctypes.c_uint64 * 2).from_address(_cxx_address(holder) + _DYN_OFFSET)
+        other = (ctypes.c_uint64 * 2).from_address(_cxx_address(seal.Ciphertext()) + _DYN_OFFSET)
+        if not words[0] or not words[1] or words[0] != other[0]:
+            raise _Unavailable("a ciphertext's memory pool handle is not where it was expected")
+        if not self.accepts(probe, step):
+            raise _Unavailable("the probe ciphertext or its Galois key is not usable")
+        for s in (step, -step):
+            if not self._key(s):
+                continue
+            expect = seal.Ciphertext()
+            self._evaluator.rotate_vector(probe, s, self._keys, expect)
+            if save_object(self._native(probe, s)) != save_object(expect):
+                raise _Unavailable("a native rotation differs from tenseal.sealapi's")
+
+    def _key(self, step: int) -> bool:
+        half = self._ring // 2
+        s = int(step) % half
+        if s not in self._has_key:
+            elt = pow(3, s, 2 * self._ring)
+            self._has_key[s] = bool(s) and bool(self._keys.has_key(elt))
+        return self._has_key[s]
+
+    def accepts(self, ct: Any, step: int) -> bool:
+        """True when SEAL would rotate ``ct`` by ``step`` without raising: two polynomials in
+        NTT form at a level of this context, not transparent, and a Galois key for the step."""
+        return ct.size() == 2 and ct.is_ntt_form() and tuple(ct.parms_id()) in self._parms \
+            and not ct.is_transparent() and self._key(step)
+
+    def _native(self, ct: Any, step: int) -> Any:
+        out = seal.Ciphertext()
+        self._assign_fn(_cxx_address(out), _cxx_address(ct))
+        holder = seal.Ciphertext()
+        self._rotate_fn(self._ev, _cxx_address(out), int(step), self._gk,
+                        _cxx_address(holder) + _DYN_OFFSET)
+        return out
+
+    def rotate(self, ct: Any, step: int) -> Any:
+        """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the
+        caller has checked :meth:`accepts`."""
+        return self._native(ct, step)
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class Pool:
+    """A thread pool of ``threads`` workers (one: everything runs in the caller's thread)."""
+
+    def __init__(self, threads: int):
+        self.threads = max(1, int(threads))
+        self._ex = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+
+    def map(self, fn: Callable[..., T], items: Iterable[Any]) -> list[T]:
+        items = list(items)
+        if self._ex is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._ex.map(fn, items))
+
+    def starmap(self, fn: Callable[..., T], args: Sequence[tuple[Any, ...]]) -> list[T]:
+        return self.map(lambda a: fn(*a), args)

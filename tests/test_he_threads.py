@@ -1,0 +1,94 @@
+"""Threaded vector servers: SEAL's rotations called without the GIL (:mod:`he.native`) give the
+same ciphertexts as ``tenseal.sealapi``'s, on real SEAL contexts, and are refused where SEAL would
+raise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tenseal.sealapi as seal
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.backend import save_object
+from he.native import NativeRotations
+
+
+def _token_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(3)
+    model = nn.Sequential(pn.MuLayer(8, hidden=16, norm="batch"),
+                          pn.MuLayer(8, hidden=16, norm="batch"), nn.Flatten(), nn.Linear(32, 3))
+    x = torch.randn(64, 4, 8)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval(), x
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, x = _token_model()
+    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2)
+    client = he.Client(prog)
+    return model, x, prog, client, client.public_context()
+
+
+def test_threaded_server_gives_the_same_ciphertext_as_one_thread(setup):
+    model, x, prog, client, ctx = setup
+    one = he.Server(prog, ctx, threads=1)
+    two = he.Server(prog, ctx, threads=2)
+    assert one.engine.native is None
+    assert two.engine.native is not None, two.threads_note
+    ct = client.encrypt(x[:1])
+    out_one, out_two = one.run(ct), two.run(ct)
+    assert out_one.to_bytes() == out_two.to_bytes()
+    y = client.decrypt(out_two)
+    with torch.no_grad():
+        ref = model(x[:1]).double().numpy()
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
+
+
+def test_prediction_assumes_the_server_threads_it_was_compiled_for(setup):
+    model, x, prog, _, _ = setup
+    serial = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=1)
+    assert prog.plan.predicted["server_threads"] == 2
+    assert serial.plan.predicted["server_threads"] == 1
+    if prog.plan.cost()["rotations"] > 0:
+        assert prog.plan.predicted["seconds_per_ciphertext"] < \
+            serial.plan.predicted["seconds_per_ciphertext"]
+    assert "on 2 server threads" in str(prog)
+
+
+def test_native_rotation_refuses_what_seal_would_raise_on(setup):
+    _, x, prog, client, ctx = setup
+    server = he.Server(prog, ctx, threads=2)
+    native = server.engine.native
+    assert isinstance(native, NativeRotations) and native.ok
+    eng = server.engine
+    ct = server._encrypt_constant(0.25)
+    step = prog.plan.galois_steps()[0]
+    assert native.accepts(ct, step)
+    assert save_object(native.rotate(ct, step)) == save_object(eng.rotate(ct, step))
+    # a product before relinearisation has three polynomials: SEAL refuses to rotate it
+    big = seal.Ciphertext()
+    eng.evaluator.multiply(ct, ct, big)
+    assert big.size() == 3 and not native.accepts(big, step)
+    # no Galois key for this step
+    missing = next(s for s in range(1, eng.slots) if s not in prog.plan.galois_steps())
+    assert not native.accepts(ct, missing)
+    # the engine falls back to SEAL's own call, which raises a Python exception
+    eng.key_steps = None
+    with pytest.raises(Exception):
+        eng.rotate(big, step)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_bad_thread_counts_are_refused(setup, threads):
+    _, x, prog, _, ctx = setup
+    with pytest.raises(he.HEError, match="threads"):
+        he.Server(prog, ctx, threads=threads)
+    model, _, _, _, _ = setup
+    with pytest.raises(he.HEError, match="server_threads"):
+        he.compile(model, x[:1], calibration=x, server_threads=threads)
