@@ -356,3 +356,31 @@ def test_a_map_read_only_by_maps_is_fused_into_each_and_saves_its_level():
     with torch.no_grad():
         ref = model(x).double().numpy()
     assert np.allclose(program.simulate(x.numpy().astype(np.float64)), ref, atol=1e-5)
+
+
+def test_wide_maps_over_a_large_patch_embedding_compose_with_it():
+    """7x7 patches embedded in 64 channels, read by maps to 128: each output's bound on the
+    pixels it reads (64 channels x 49 pixels) is far above the local limit, but all channels read
+    the same 49 pixels, so the maps compose with the embedding and read the input directly."""
+    torch.manual_seed(0)
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = pn.PatchEmbed(28, 7, 1, 64)
+            self.pos = nn.Parameter(0.1 * torch.randn(1, 4, 4, 64))
+            self.mu = pn.MuLayer(64, hidden=128)
+            self.head = nn.Linear(64, 3)
+
+        def forward(self, x):
+            t = self.embed(x) + self.pos
+            return self.head((t + self.mu(t)).mean((1, 2)))
+
+    model = Tokens().eval()
+    x = torch.randn(4, 1, 28, 28)
+    cert = pn.certify(model, x[:1])
+    assert cert.depth == 1 and cert.levels == 3
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.allclose(pn.trace(model, x[:1]).simulate(x.numpy().astype(np.float64)), ref,
+                       atol=1e-5)

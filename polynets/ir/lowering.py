@@ -55,8 +55,10 @@ PACKING_KINDS = ("vector", "batch")
 MAX_INTEGER_FACTOR = 2 ** 20
 #: A map of the input whose outputs each read at most this many input elements is *local*.
 LOCAL_ROW_NNZ = 64
-#: Products whose bounded work exceeds this are not tried as local maps (too large to be).
+#: Local products are formed in row blocks of at most this bounded work (sum of the row bounds)
 _LOCAL_PRODUCT_WORK = 4_000_000
+#: Products whose bounded work exceeds this are not tried as local maps
+_LOCAL_TOTAL_WORK = 64 * _LOCAL_PRODUCT_WORK
 #: Programs whose largest value has more elements are not lowered exactly by ``pn.certify``
 #: (too large for any CKKS packing; the level count is then the per-node upper bound).
 EXACT_LOWERING_LIMIT = 2 ** 16
@@ -303,15 +305,8 @@ class _Lowering(Interpreter):
         if s.kind != "affine" or len(s.inputs) != 1 or steps[s.inputs[0]].kind != "input" \
                 or is_identity(m):
             return f
-        # each output reads at most `bound` inputs; skip products too large to be local
-        inner = np.diff(s.terms[0].tocsr().indptr)
-        bound = abs(m).astype(bool).astype(np.int64) @ inner
-        if int(bound.max(initial=0)) > LOCAL_ROW_NNZ and int(bound.sum()) > \
-                _LOCAL_PRODUCT_WORK:
-            return f
-        composed = (m @ s.terms[0]).tocsr()
-        composed.eliminate_zeros()
-        if _max_row_nnz(composed) > LOCAL_ROW_NNZ:
+        composed = _local_product(m.tocsr(), s.terms[0].tocsr())
+        if composed is None:
             return f
         bias = None if s.bias is None else m @ s.bias
         if f.bias is not None:
@@ -372,6 +367,37 @@ class _Lowering(Interpreter):
             j = self.materialise(value)
             return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
         return value
+
+
+def _local_product(m: sp.csr_matrix, inner: sp.csr_matrix) -> sp.csr_matrix | None:
+    """``m @ inner`` when every row of it reads at most :data:`LOCAL_ROW_NNZ` columns, else None.
+
+    Each output row reads at most ``bound`` inputs (the rows of ``inner`` it sums); a map of
+    many channels over a patch embedding bounds that loosely (64 channels of 49 pixels each:
+    3,136) while the product is local (every channel reads the same 49 pixels). The product is
+    formed in blocks of rows of bounded work, so a map that is not local is found, and given
+    up, after one block.
+    """
+    bound = abs(m).astype(bool).astype(np.int64) @ np.diff(inner.indptr)
+    if int(bound.max(initial=0)) <= LOCAL_ROW_NNZ:
+        blocks = [(0, m.shape[0])]
+    else:
+        if int(bound.sum()) > _LOCAL_TOTAL_WORK:
+            return None
+        ends = np.searchsorted(np.cumsum(bound), np.arange(1, int(bound.sum()) //
+                                                           _LOCAL_PRODUCT_WORK + 1)
+                               * _LOCAL_PRODUCT_WORK)
+        cuts = np.unique(np.concatenate([[0], np.minimum(ends + 1, m.shape[0]),
+                                         [m.shape[0]]]))
+        blocks = list(zip(cuts[:-1], cuts[1:]))
+    parts = []
+    for lo, hi in blocks:
+        part = (m[lo:hi] @ inner).tocsr()
+        part.eliminate_zeros()
+        if _max_row_nnz(part) > LOCAL_ROW_NNZ:
+            return None
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
 def _drop_unread(steps: list[Step], out: int) -> Lowered:
