@@ -25,7 +25,7 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
-from he.native import NativeRotations, Pool, default_threads
+from he.native import NativeEvaluator, Pool, default_threads
 from he.params import CKKSParams, seal_security_level
 from he.plan import rotation_path
 
@@ -156,23 +156,26 @@ class Engine:
         self.galois_keys: Any = None
         #: rotation steps the Galois keys cover when they are a key basis; None: every step
         self.key_steps: frozenset[int] | None = None
-        #: rotations without the GIL (:mod:`he.native`), once :meth:`use_threads` validated them
-        self.native: NativeRotations | None = None
+        #: rotations and plaintext products without the GIL (:mod:`he.native`), once
+        #: :meth:`use_threads` validated them
+        self.native: NativeEvaluator | None = None
         #: threads that rotate one ciphertext group's values at once
         self.pool = Pool(1)
 
     def use_threads(self, threads: int | None, probe: Any, probe_step: int) -> str:
-        """Rotate on ``threads`` threads (None: every core this process may use) where SEAL can
-        be called without the GIL (:mod:`he.native`, validated on ``probe`` rotated by
-        ``probe_step``); returns why not where it cannot, else ``""``."""
+        """Rotate and multiply by plaintexts on ``threads`` threads (None: every core this
+        process may use) where SEAL can be called without the GIL (:mod:`he.native`, validated
+        on ``probe``, a top-level ciphertext, rotated by ``probe_step``); returns why not where
+        it cannot, else ``""``."""
         n = default_threads() if threads is None else int(threads)
         if n < 1:
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         if n == 1 or self.galois_keys is None:
             self.native, self.pool = None, Pool(1)
             return ""
-        native = NativeRotations(self.context, self.evaluator, self.galois_keys, probe,
-                                 probe_step)
+        plain = self.encode_vector(np.linspace(-1.0, 1.0, self.slots), 0, self.plain_scales[0])
+        native = NativeEvaluator(self.context, self.evaluator, self.galois_keys, probe,
+                                 probe_step, plain)
         if not native.ok:
             self.native, self.pool = None, Pool(1)
             return native.reason
@@ -259,6 +262,9 @@ class Engine:
 
     def mul_plain(self, ct: Any, pt: Any) -> Any:
         """``ct * pt`` without rescale (plaintext encoded at scale S[level(ct)])."""
+        native = self.native
+        if native is not None and native.accepts_product(ct, pt):
+            return native.multiply_plain(ct, pt)
         out = seal.Ciphertext()
         self.evaluator.multiply_plain(ct, pt, out)
         return out
@@ -334,7 +340,7 @@ class Engine:
         gives."""
         native = self.native
         for s in rotation_path(step, self.slots, self.key_steps):
-            if native is not None and native.accepts(ct, s):
+            if native is not None and native.accepts_rotation(ct, s):
                 ct = native.rotate(ct, s)
                 continue
             out = seal.Ciphertext()

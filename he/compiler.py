@@ -127,9 +127,9 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
 
-#: op_counts entries that are not primitives: plaintexts held, and the rotations among
-#: ``rotate`` that run on the server's threads
-_NOT_PRIMITIVES = ("plaintexts", "babies", "giants")
+#: op_counts entries that are not primitives: plaintexts held, and the work among the
+#: primitives that the server spreads over its threads
+_NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "planes")
 
 
 def _threads(options: dict[str, Any]) -> int:
@@ -140,20 +140,21 @@ def _threads(options: dict[str, Any]) -> int:
 
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int) -> float:
     """Seconds of one vector step whose baby-step rotations, then giant steps (each its
-    plaintext products and sum, then its rotation) are spread over ``threads`` threads: each
-    phase takes as many rounds as its tasks fill (:func:`he.runtime._affine`); the plaintext
-    products hold Python's GIL, so a phase is never shorter than they are."""
+    plaintext products, their sum and its rotation), or whose input planes' products, are spread
+    over ``threads`` threads (:func:`he.runtime._affine`, :func:`he.runtime.run_vector`): each
+    phase takes as many rounds as its tasks fill."""
     serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
-    babies, giants = c.get("babies", 0), c.get("giants", 0)
-    if threads <= 1 or babies + giants == 0:
+    babies, giants, planes = c.get("babies", 0), c.get("giants", 0), c.get("planes", 0)
+    if threads <= 1 or babies + giants + planes == 0:
         return serial
-    rot = price({"rotate": 1})
-    products = price({"mul_plain": c["mul_plain"], "add": c["mul_plain"]})
-    babies_par = math.ceil(babies / threads) * rot
+    rot, mul = price({"rotate": 1}), price({"mul_plain": 1, "add": 1})
+    if planes:
+        return serial - planes * mul + math.ceil(planes / threads) * mul
+    products = c["mul_plain"] * mul
     n_giant = max(giants, 1)
-    giants_par = max(math.ceil(n_giant / threads) * (rot * giants + products) / n_giant,
-                     products)
-    return serial - rot * (babies + giants) - products + babies_par + giants_par
+    parallel = (math.ceil(babies / threads) * rot
+                + math.ceil(n_giant / threads) * (rot * giants + products) / n_giant)
+    return serial - rot * (babies + giants) - products + parallel
 
 
 def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,

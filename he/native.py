@@ -1,26 +1,29 @@
-"""SEAL's rotations called without Python's global interpreter lock, so one sample's rotations
-use every core.
+"""SEAL's rotations and plaintext products called without Python's global interpreter lock, so
+one sample's maps use every core.
 
 ``tenseal.sealapi`` holds the GIL through every call, so threads that rotate take as long as one.
 The extension module that defines ``tenseal.sealapi``'s classes also exports SEAL's own C++
-symbols, and a :mod:`ctypes` call releases the GIL. :class:`NativeRotations` rotates by calling
-``seal::Evaluator::rotate_internal`` on a copy made by ``seal::Ciphertext::operator=``, on the
-very objects ``tenseal.sealapi`` created (their C++ addresses follow the binding's object layout,
+symbols, and a :mod:`ctypes` call releases the GIL. :class:`NativeEvaluator` rotates by calling
+``seal::Evaluator::rotate_internal``, and multiplies by a plaintext with
+``seal::Evaluator::multiply_plain_inplace``, on a copy made by ``seal::Ciphertext::operator=``,
+on the very objects ``tenseal.sealapi`` created (their C++ addresses follow the binding's object layout,
 as in :mod:`he.fused`). SEAL takes its memory pool handle by value, which the Itanium C++ ABI
 passes by address: the handle of a fresh, empty ciphertext is lent, and SEAL takes it over (or
 copies it), so the pool's reference count stays balanced either way.
 
-A C++ exception cannot cross :mod:`ctypes`, so every call first checks what SEAL would refuse: a
-ciphertext of two polynomials in NTT form, at a level of this context, not transparent, and a
-Galois key for the step. Before the first use, rotations of a probe ciphertext are compared
-byte for byte with ``tenseal.sealapi``'s; a missing symbol, another platform or any mismatch
-leaves :attr:`NativeRotations.ok` false with the reason, and the runtime keeps
-``tenseal.sealapi``'s rotations (one core).
+A C++ exception cannot cross :mod:`ctypes`, so every call first checks what SEAL would refuse
+(:meth:`NativeEvaluator.accepts_rotation`, :meth:`NativeEvaluator.accepts_product`) and leaves
+anything else to ``tenseal.sealapi``, whose errors are Python exceptions. Before the first use,
+rotations and a product of a probe ciphertext are compared byte for byte with
+``tenseal.sealapi``'s; a missing symbol, another platform or any mismatch leaves
+:attr:`NativeEvaluator.ok` false with the reason, and the runtime keeps ``tenseal.sealapi``
+(one core).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import platform
 import sys
@@ -31,10 +34,12 @@ import tenseal.sealapi as seal
 
 from he.fused import _DYN_OFFSET, _cxx_address
 
-__all__ = ["NativeRotations", "Pool", "default_threads"]
+__all__ = ["NativeEvaluator", "Pool", "default_threads"]
 
 _ROTATE = "_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10GaloisKeysENS_16MemoryPoolHandleE"
 _ASSIGN = "_ZN4seal10CiphertextaSERKS0_"
+_MUL_PLAIN = ("_ZNK4seal9Evaluator22multiply_plain_inplaceERNS_10CiphertextERKNS_9PlaintextENS_16"
+              "MemoryPoolHandleE")
 T = TypeVar("T")
 
 
@@ -46,31 +51,34 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class NativeRotations:
-    """Rotations of SEAL ciphertexts that release the GIL (see the module docstring).
+class NativeEvaluator:
+    """Rotations and plaintext products of SEAL ciphertexts that release the GIL (see the module
+    docstring).
 
     ``rotate(ct, step)`` returns a new ciphertext, ``ct`` rotated left by ``step`` slots with the
-    Galois key of that step; ``ok`` says whether the native path was validated, ``reason`` why
-    not.
+    Galois key of that step; ``multiply_plain(ct, pt)`` a new ciphertext ``ct * pt``. ``ok``
+    says whether the native path was validated, ``reason`` why not. ``probe_plain``: a nonzero
+    plaintext at the probe's level and scale, for the product's validation.
     """
 
     def __init__(self, context: Any, evaluator: Any, galois_keys: Any, probe: Any,
-                 probe_step: int):
+                 probe_step: int, probe_plain: Any):
         self.ok = False
         self.reason = ""
         self._context = context
         self._evaluator = evaluator
         self._keys = galois_keys
         self._ring = int(context.first_context_data().parms().poly_modulus_degree())
-        self._parms: set[tuple[int, ...]] = set()
+        #: bits of the modulus at every level (SEAL's bound on a product's scale)
+        self._parms: dict[tuple[int, ...], int] = {}
         data = context.first_context_data()
         while data is not None:
-            self._parms.add(tuple(data.parms_id()))
+            self._parms[tuple(data.parms_id())] = int(data.total_coeff_modulus_bit_count())
             data = data.next_context_data()
         self._has_key: dict[int, bool] = {}
         try:
             self._bind()
-            self._validate(probe, probe_step)
+            self._validate(probe, probe_step, probe_plain)
             self.ok = True
         except _Unavailable as exc:
             self.reason = str(exc)
@@ -88,6 +96,7 @@ class NativeRotations:
             lib = ctypes.CDLL(path)
             rotate = getattr(lib, _ROTATE)
             assign = getattr(lib, _ASSIGN)
+            mul_plain = getattr(lib, _MUL_PLAIN)
         except (OSError, AttributeError) as exc:
             raise _Unavailable(f"SEAL's symbols are not exported: {exc}") from None
         rotate.restype = None
@@ -95,28 +104,34 @@ class NativeRotations:
                            ctypes.c_void_p]
         assign.restype = ctypes.c_void_p
         assign.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self._rotate_fn, self._assign_fn = rotate, assign
+        mul_plain.restype = None
+        mul_plain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._rotate_fn, self._assign_fn, self._mul_plain_fn = rotate, assign, mul_plain
         self._ev = _cxx_address(self._evaluator)
         self._gk = _cxx_address(self._keys)
         if not self._ev or not self._gk:
             raise _Unavailable("the binding's object layout is not the expected one")
 
-    def _validate(self, probe: Any, step: int) -> None:
+    def _validate(self, probe: Any, step: int, plain: Any) -> None:
         from he.backend import save_object
         holder = seal.Ciphertext()
         words = (ctypes.c_uint64 * 2).from_address(_cxx_address(holder) + _DYN_OFFSET)
         other = (ctypes.c_uint64 * 2).from_address(_cxx_address(seal.Ciphertext()) + _DYN_OFFSET)
         if not words[0] or not words[1] or words[0] != other[0]:
             raise _Unavailable("a ciphertext's memory pool handle is not where it was expected")
-        if not self.accepts(probe, step):
-            raise _Unavailable("the probe ciphertext or its Galois key is not usable")
+        if not self.accepts_rotation(probe, step) or not self.accepts_product(probe, plain):
+            raise _Unavailable("the probe ciphertext, plaintext or Galois key is not usable")
         for s in (step, -step):
             if not self._key(s):
                 continue
             expect = seal.Ciphertext()
             self._evaluator.rotate_vector(probe, s, self._keys, expect)
-            if save_object(self._native(probe, s)) != save_object(expect):
+            if save_object(self.rotate(probe, s)) != save_object(expect):
                 raise _Unavailable("a native rotation differs from tenseal.sealapi's")
+        expect = seal.Ciphertext()
+        self._evaluator.multiply_plain(probe, plain, expect)
+        if save_object(self.multiply_plain(probe, plain)) != save_object(expect):
+            raise _Unavailable("a native plaintext product differs from tenseal.sealapi's")
 
     def _key(self, step: int) -> bool:
         half = self._ring // 2
@@ -126,24 +141,46 @@ class NativeRotations:
             self._has_key[s] = bool(s) and bool(self._keys.has_key(elt))
         return self._has_key[s]
 
-    def accepts(self, ct: Any, step: int) -> bool:
+    def accepts_rotation(self, ct: Any, step: int) -> bool:
         """True when SEAL would rotate ``ct`` by ``step`` without raising: two polynomials in
         NTT form at a level of this context, not transparent, and a Galois key for the step."""
         return ct.size() == 2 and ct.is_ntt_form() and tuple(ct.parms_id()) in self._parms \
             and not ct.is_transparent() and self._key(step)
 
-    def _native(self, ct: Any, step: int) -> Any:
+    def accepts_product(self, ct: Any, pt: Any) -> bool:
+        """True when SEAL would multiply ``ct`` by ``pt`` without raising: both in NTT form at
+        the same level of this context, the product's scale within that level's modulus, and
+        neither transparent nor zero (a transparent result)."""
+        bits = self._parms.get(tuple(ct.parms_id()))
+        if bits is None or not ct.is_ntt_form() or not pt.is_ntt_form() \
+                or list(pt.parms_id()) != list(ct.parms_id()):
+            return False
+        scale = float(ct.scale) * float(pt.scale)
+        return 0.0 < scale and math.log2(scale) < bits - 1 and not ct.is_transparent() \
+            and not pt.is_zero()
+
+    def _copy(self, ct: Any) -> Any:
         out = seal.Ciphertext()
         self._assign_fn(_cxx_address(out), _cxx_address(ct))
+        return out
+
+    def rotate(self, ct: Any, step: int) -> Any:
+        """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the
+        caller has checked :meth:`accepts_rotation`."""
+        out = self._copy(ct)
         holder = seal.Ciphertext()
         self._rotate_fn(self._ev, _cxx_address(out), int(step), self._gk,
                         _cxx_address(holder) + _DYN_OFFSET)
         return out
 
-    def rotate(self, ct: Any, step: int) -> Any:
-        """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the
-        caller has checked :meth:`accepts`."""
-        return self._native(ct, step)
+    def multiply_plain(self, ct: Any, pt: Any) -> Any:
+        """``ct * pt`` without rescale, without the GIL; the caller has checked
+        :meth:`accepts_product`."""
+        out = self._copy(ct)
+        holder = seal.Ciphertext()
+        self._mul_plain_fn(self._ev, _cxx_address(out), _cxx_address(pt),
+                           _cxx_address(holder) + _DYN_OFFSET)
+        return out
 
 
 class _Unavailable(Exception):

@@ -13,7 +13,7 @@ from torch import nn
 import he
 import polynets as pn
 from he.backend import save_object
-from he.native import NativeRotations
+from he.native import NativeEvaluator
 
 
 def _token_model() -> tuple[nn.Module, torch.Tensor]:
@@ -65,23 +65,45 @@ def test_native_rotation_refuses_what_seal_would_raise_on(setup):
     _, x, prog, client, ctx = setup
     server = he.Server(prog, ctx, threads=2)
     native = server.engine.native
-    assert isinstance(native, NativeRotations) and native.ok
+    assert isinstance(native, NativeEvaluator) and native.ok
     eng = server.engine
     ct = server._encrypt_constant(0.25)
     step = prog.plan.galois_steps()[0]
-    assert native.accepts(ct, step)
+    assert native.accepts_rotation(ct, step)
     assert save_object(native.rotate(ct, step)) == save_object(eng.rotate(ct, step))
     # a product before relinearisation has three polynomials: SEAL refuses to rotate it
     big = seal.Ciphertext()
     eng.evaluator.multiply(ct, ct, big)
-    assert big.size() == 3 and not native.accepts(big, step)
+    assert big.size() == 3 and not native.accepts_rotation(big, step)
     # no Galois key for this step
     missing = next(s for s in range(1, eng.slots) if s not in prog.plan.galois_steps())
-    assert not native.accepts(ct, missing)
+    assert not native.accepts_rotation(ct, missing)
     # the engine falls back to SEAL's own call, which raises a Python exception
     eng.key_steps = None
     with pytest.raises(Exception):
         eng.rotate(big, step)
+    # plaintext products: the same bytes as SEAL's; a zero plaintext (a transparent result), a
+    # plaintext of another level and a product whose scale leaves the modulus are SEAL's
+    pt = eng.encode_vector(np.linspace(-1, 1, eng.slots), 0, eng.plain_scales[0])
+    assert native.accepts_product(ct, pt)
+    expect = seal.Ciphertext()
+    eng.evaluator.multiply_plain(ct, pt, expect)
+    assert save_object(native.multiply_plain(ct, pt)) == save_object(expect)
+    assert not native.accepts_product(ct, eng.encode_vector(np.zeros(eng.slots), 0, 2.0 ** 20))
+    assert not native.accepts_product(ct, eng.encode_vector(np.ones(eng.slots), 1,
+                                                            eng.plain_scales[1]))
+    c = ct
+    for _ in range(40):             # products without rescale until SEAL's scale bound
+        ok = native.accepts_product(c, pt)
+        out = seal.Ciphertext()
+        try:
+            eng.evaluator.multiply_plain(c, pt, out)
+        except Exception:
+            assert not ok
+            break
+        c = out
+    else:
+        pytest.fail("SEAL never refused the growing scale")
 
 
 @pytest.mark.parametrize("threads", [0, -1, 1.5, True])
