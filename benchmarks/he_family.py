@@ -6,7 +6,9 @@ asks how the compiler does on models it was not developed on. Each is a polynomi
 written the way a user would (patch sizes 2, 4 and 7, widths 32-64, one to three Mu-Layers,
 flattened or mean-pooled heads, hidden expansion, ``nn.Conv2d`` patchify on a ``(B, N, C)``
 sequence, image rows as tokens, token-mixing Mu-Layers, Poly-Blocks with spatial shift, a
-one-block ``pn.MONet``, the polynomial mixers ``pn.PoM`` and ``pn.PADRe``), trained briefly on
+one-block ``pn.MONet``, the polynomial mixers ``pn.PoM`` and ``pn.PADRe``, Mu-Layers stacked in an
+``nn.Sequential`` without residuals, widening or not, and a ViT-like model of 7x7 patches with a
+position embedding), trained briefly on
 the same images (the timings do not depend on accuracy, the parameters do through the
 calibrated ranges), then compiled with ``he.compile(model, x, calibration=x_train)`` and nothing
 else: ``precision_bits=16``, vector packing, latency objective. ``--precision-bits argmax``
@@ -154,6 +156,44 @@ class MixerBlockTokens(nn.Module):
         return self.head(t.flatten(1, -2).mean(1))
 
 
+class StackedMuLayers(nn.Module):
+    """``pn.PatchEmbed``, then Mu-Layers stacked in an ``nn.Sequential`` with no residual (each
+    Mu-Layer keeps its own ``+ AX`` shortcut), optionally widening ``dims[i] -> dims[i + 1]``,
+    a flattened or mean-pooled head."""
+
+    def __init__(self, dims: tuple[int, ...] = (16, 16, 16, 16), hidden: int | None = 32,
+                 pool: str = "flatten"):
+        super().__init__()
+        self.embed = pn.PatchEmbed(28, 4, 1, dims[0])
+        self.mus = nn.Sequential(*(pn.MuLayer(a, b, hidden=hidden, norm="batch")
+                                   for a, b in zip(dims[:-1], dims[1:])))
+        self.pool = pool
+        self.head = nn.Linear(dims[-1] * (49 if pool == "flatten" else 1), 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.mus(self.embed(x))
+        return self.head(t.flatten(1) if self.pool == "flatten" else t.mean((1, 2)))
+
+
+class PositionalTokens(nn.Module):
+    """ViT-like: 7x7 patches embedded in ``dim`` channels plus a learned position embedding,
+    residual Mu-Layers of hidden width ``hidden``, mean pooling."""
+
+    def __init__(self, dim: int = 64, hidden: int = 128, depth: int = 2):
+        super().__init__()
+        self.embed = pn.PatchEmbed(28, 7, 1, dim)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, 4, 4, dim))
+        self.mus = nn.ModuleList(pn.MuLayer(dim, hidden=hidden, norm="batch")
+                                 for _ in range(depth))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x) + self.pos
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.mean((1, 2)))
+
+
 #: name -> constructor
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "p4_d32_mean": lambda: PatchTokens(pool="mean"),
@@ -172,6 +212,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "padre": lambda: MixerBlockTokens("padre"),
     "monet1": lambda: pn.MONet(img_size=28, in_chans=1, num_classes=10, patch_size=4,
                                embed_dim=32, depth=1, merges=0, norm="batch"),
+    "stack_x3": lambda: StackedMuLayers(),
+    "stack_widen": lambda: StackedMuLayers((16, 32, 64), hidden=None, pool="mean"),
+    "p7_pos_d64": lambda: PositionalTokens(),
 }
 
 

@@ -188,16 +188,23 @@ class _Unavailable(Exception):
 
 
 class Pool:
-    """A thread pool of ``threads`` workers (one: everything runs in the caller's thread)."""
+    """A thread pool of ``threads`` workers (one: everything runs in the caller's thread).
+
+    A process forked from one whose pool had started its threads inherits none of them, so a
+    pool used in another process than its creator's starts a pool of its own there.
+    """
 
     def __init__(self, threads: int):
         self.threads = max(1, int(threads))
-        self._ex = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._ex: ThreadPoolExecutor | None = None
+        self._pid = -1
 
     def map(self, fn: Callable[..., T], items: Iterable[Any]) -> list[T]:
         items = list(items)
-        if self._ex is None or len(items) < 2:
+        if self.threads == 1 or len(items) < 2:
             return [fn(x) for x in items]
+        if self._ex is None or self._pid != os.getpid():
+            self._ex, self._pid = ThreadPoolExecutor(self.threads), os.getpid()
         return list(self._ex.map(fn, items))
 
     def starmap(self, fn: Callable[..., T], args: Sequence[tuple[Any, ...]]) -> list[T]:

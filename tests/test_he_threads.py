@@ -114,3 +114,14 @@ def test_bad_thread_counts_are_refused(setup, threads):
     model, _, _, _, _ = setup
     with pytest.raises(he.HEError, match="server_threads"):
         he.compile(model, x[:1], calibration=x, server_threads=threads)
+
+
+def test_a_threaded_server_forked_into_worker_processes_finishes_and_agrees(setup):
+    """Worker processes forked after the server's threads started inherit none of them: each
+    starts its own, and the results are those of one process."""
+    _, x, prog, client, ctx = setup
+    server = he.Server(prog, ctx, threads=2)
+    ct = client.encrypt(x[:3 * prog.plan.interleave])
+    one = server.run(ct)                    # starts the pool's threads in this process
+    two = server.run(ct, workers=2)
+    assert np.array_equal(client.decrypt(one), client.decrypt(two))
