@@ -127,9 +127,9 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
 
-#: op_counts entries that are not primitives: plaintexts held, and the work among the
-#: primitives that the server spreads over its threads
-_NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "planes")
+#: op_counts entries that are not primitives: plaintexts held, and the rotations among
+#: ``rotate`` that the server spreads over its threads
+_NOT_PRIMITIVES = ("plaintexts", "babies", "giants")
 
 
 def _threads(options: dict[str, Any]) -> int:
@@ -138,23 +138,19 @@ def _threads(options: dict[str, Any]) -> int:
     return int(options.get("server_threads", 1))
 
 
-def _threaded_seconds(c: dict[str, int], price: Any, threads: int) -> float:
-    """Seconds of one vector step whose baby-step rotations, then giant steps (each its
-    plaintext products, their sum and its rotation), or whose input planes' products, are spread
-    over ``threads`` threads (:func:`he.runtime._affine`, :func:`he.runtime.run_vector`): each
-    phase takes as many rounds as its tasks fill."""
+def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
+    """Seconds of one vector step whose baby-step rotations, then giant-step rotations, are
+    spread over ``threads`` threads (:func:`he.runtime._affine`): each phase takes as many
+    rounds as its rotations fill, a round as long as one rotation divided by ``efficiency``
+    (rotations running at once share the memory). Plaintext products and additions stream
+    through memory, so they are priced as if run one after the other whatever the threads."""
     serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
-    babies, giants, planes = c.get("babies", 0), c.get("giants", 0), c.get("planes", 0)
-    if threads <= 1 or babies + giants + planes == 0:
+    babies, giants = c.get("babies", 0), c.get("giants", 0)
+    if threads <= 1 or babies + giants == 0:
         return serial
-    rot, mul = price({"rotate": 1}), price({"mul_plain": 1, "add": 1})
-    if planes:
-        return serial - planes * mul + math.ceil(planes / threads) * mul
-    products = c["mul_plain"] * mul
-    n_giant = max(giants, 1)
-    parallel = (math.ceil(babies / threads) * rot
-                + math.ceil(n_giant / threads) * (rot * giants + products) / n_giant)
-    return serial - rot * (babies + giants) - products + parallel
+    rot = price({"rotate": 1})
+    rounds = sum(min(n, math.ceil(n / threads) / efficiency) for n in (babies, giants))
+    return serial - rot * (babies + giants - rounds)
 
 
 def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
@@ -166,7 +162,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     for st, c in zip(plan.steps, counts):
         lin = max((plan.steps[j].level for j in st.inputs), default=0)
         seconds += _threaded_seconds(
-            c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads)
+            c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
+            costs.parallel_efficiency(ring))
         plaintexts.append((c["plaintexts"], lin))
     total = {k: sum(c.get(k, 0) for c in counts) for k in counts[0] if k not in
              _NOT_PRIMITIVES[1:]} if counts else {}

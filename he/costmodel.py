@@ -50,6 +50,10 @@ WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
 DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9,
                       "alloc": 2e-9}
 _SHIPPED = Path(__file__).with_name("cost_table.json")
+#: Speed-up per thread of rotations run on several threads at once (:mod:`he.native`), where a
+#: table does not say: two cores of a 2-core x86-64 machine rotate 1.7x as fast as one. Plaintext
+#: products and additions stream through memory and gain nothing.
+DEFAULT_PARALLEL_EFFICIENCY = 0.85
 
 
 @dataclass
@@ -59,6 +63,8 @@ class CostModel:
     table: dict[int, dict[str, list[tuple[int, float]]]]
     source: str = ""
     words: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WORD_COSTS))
+    #: per ring, speed-up per thread of rotations on several threads at once (1: perfect)
+    parallel: dict[int, float] = field(default_factory=dict)
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -100,6 +106,7 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words),
+                "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
                           for r, ops in self.table.items()}}
 
@@ -119,7 +126,17 @@ class CostModel:
             if k not in WORD_PRIMITIVES or not float(v) > 0:
                 raise ValueError(f"cost table: bad word cost {k!r}: {v!r}")
             words[k] = float(v)
-        return cls(table, str(d.get("source", "")), words)
+        parallel = {int(r): float(e) for r, e in dict(d.get("parallel_efficiency", {})).items()}
+        if not all(0.0 < e <= 1.0 for e in parallel.values()):
+            raise ValueError(f"cost table: parallel efficiencies {parallel} not all in (0, 1]")
+        return cls(table, str(d.get("source", "")), words, parallel)
+
+    def parallel_efficiency(self, ring: int) -> float:
+        """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
+        (the nearest measured ring's; :data:`DEFAULT_PARALLEL_EFFICIENCY` where none was)."""
+        if not self.parallel:
+            return DEFAULT_PARALLEL_EFFICIENCY
+        return self.parallel[min(self.parallel, key=lambda r: abs(np.log2(r) - np.log2(ring)))]
 
 
 def cache_path() -> Path:
@@ -139,10 +156,53 @@ def _time(fn: Any, reps: int) -> float:
 
 
 def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = False) -> CostModel:
-    """Time SEAL's primitives on this machine at several limb counts per ring."""
+    """Time SEAL's primitives on this machine at several limb counts per ring, and how much
+    faster rotations run on all its cores at once."""
+    rings = list(rings)
     table = {ring: _measure_ring(ring, progress) for ring in rings}
+    parallel = {ring: _parallel_efficiency(ring) for ring in rings}
+    if progress:
+        print("  rotations on every core at once, speed-up per thread: " + ", ".join(
+            f"N={ring} {e:.2f}" for ring, e in parallel.items()))
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
-                            f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}")
+                            f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
+                     parallel=parallel)
+
+
+def _parallel_efficiency(ring: int) -> float:
+    """Speed-up per thread of native rotations (:mod:`he.native`) on every core of this process
+    at once, against one thread (1: perfect; the default where there is one core or no native
+    path)."""
+    import tenseal.sealapi as seal
+
+    from he.native import NativeEvaluator, Pool, default_threads
+
+    threads = default_threads()
+    if threads < 2:
+        return DEFAULT_PARALLEL_EFFICIENCY
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(ring)
+    # two data primes: small ciphertexts, where a rotation's fixed costs weigh most
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40, 28, 40]))
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    gk = seal.GaloisKeys()
+    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+    encoder, ev = seal.CKKSEncoder(ctx), seal.Evaluator(ctx)
+    pt = seal.Plaintext()
+    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 28, pt)
+    ct = seal.Ciphertext()
+    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    native = NativeEvaluator(ctx, ev, gk, ct, 1, pt)
+    if not native.ok:
+        return DEFAULT_PARALLEL_EFFICIENCY
+    tasks = list(range(4 * threads))
+    one, many = Pool(1), Pool(threads)
+    serial = _time(lambda: one.map(lambda _: native.rotate(ct, 1), tasks), 1)
+    parallel = _time(lambda: many.map(lambda _: native.rotate(ct, 1), tasks), 1)
+    return float(min(1.0, max(0.1, serial / (threads * parallel))))
 
 
 def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]]]:

@@ -632,9 +632,7 @@ class VectorPlan:
         maps that read it, giant steps shared by a step's terms of one input period, one
         rescale per step, folds shared by the step's terms; a rotation composed from a key basis
         counts each key switching it takes. ``babies`` and ``giants`` (where a step has maps)
-        count the rotations among ``rotate`` that the runtime spreads over its threads, with the
-        plaintext products of the giant steps; ``planes`` the products of an input-planes step,
-        spread likewise."""
+        count the rotations among ``rotate`` that the runtime spreads over its threads."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
@@ -662,7 +660,6 @@ class VectorPlan:
             elif s.matvecs:
                 c["add"] += len(s.matvecs) - 1
             if s.kind == "planes":
-                c["planes"] = len(s.planes)
                 c["mul_plain"] += len(s.planes)
                 c["plaintexts"] += len(s.planes)
                 c["add"] += len(s.planes) + len(s.plane_folds)

@@ -507,10 +507,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             vals[si] = inputs[0]
             continue
         if st.kind == "planes":
-            planes = [(c, ("p", si, j)) for j, c in enumerate(st.plane_cts)
-                      if ("p", si, j) in kern.store]
-            acc = _accumulate(eng, eng.pool.map(
-                lambda cp: eng.mul_plain(inputs[cp[0]], kern.store[cp[1]]), planes))
+            acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
+                                    for j, c in enumerate(st.plane_cts)
+                                    if ("p", si, j) in kern.store))
             out = eng.to_level(_fold(eng, acc, st.plane_folds, kern.interleave), st.level)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)

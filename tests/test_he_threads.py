@@ -125,3 +125,40 @@ def test_a_threaded_server_forked_into_worker_processes_finishes_and_agrees(setu
     one = server.run(ct)                    # starts the pool's threads in this process
     two = server.run(ct, workers=2)
     assert np.array_equal(client.decrypt(one), client.decrypt(two))
+
+
+def test_cost_tables_carry_the_parallel_efficiency_of_each_ring():
+    from he.costmodel import DEFAULT_PARALLEL_EFFICIENCY, CostModel, default_model
+
+    d = default_model().to_dict()
+    d["parallel_efficiency"] = {"8192": 0.5, "32768": 0.9}
+    model = CostModel.from_dict(d)
+    assert model.parallel_efficiency(8192) == 0.5
+    assert model.parallel_efficiency(16384) in (0.5, 0.9)
+    assert model.parallel_efficiency(32768) == 0.9
+    assert CostModel.from_dict(model.to_dict()).parallel == model.parallel
+    d.pop("parallel_efficiency")
+    assert CostModel.from_dict(d).parallel_efficiency(8192) == DEFAULT_PARALLEL_EFFICIENCY
+    d["parallel_efficiency"] = {"8192": 1.5}
+    with pytest.raises(ValueError, match="parallel"):
+        CostModel.from_dict(d)
+
+
+@pytest.mark.parametrize("babies,giants", [(0, 0), (1, 1), (3, 7), (8, 8), (16, 3)])
+def test_threads_shorten_a_step_by_its_rotation_rounds_and_never_lengthen_it(babies, giants):
+    from he.compiler import _threaded_seconds
+
+    c = {"rotate": babies + giants + 4, "mul_plain": 20, "add": 24, "rescale": 1,
+         "plaintexts": 20, "babies": babies, "giants": giants}
+    prices = {"rotate": 1.0, "mul_plain": 0.1, "add": 0.01, "rescale": 0.3}
+
+    def price(counts):
+        return sum(n * prices[op] for op, n in counts.items())
+
+    serial = _threaded_seconds(c, price, 1, 0.9)
+    assert serial == pytest.approx(price({k: v for k, v in c.items()
+                                          if k in prices}))
+    two = _threaded_seconds(c, price, 2, 0.9)
+    assert two <= serial
+    rounds = sum(min(n, -(-n // 2) / 0.9) for n in (babies, giants))
+    assert serial - two == pytest.approx(babies + giants - rounds)
