@@ -22,6 +22,7 @@ from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError)
 from he.parallel import fork_map, memory_workers, resolve_workers
+from he.native import default_threads
 from he.runtime import VectorKernels, available_memory, run_batch, run_vector
 from polynets.errors import check_int
 
@@ -371,10 +372,11 @@ class Server:
     bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
     ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
     beyond it are encoded at each use (default: half the memory available). ``threads``: in
-    vector packing, threads that rotate one sample's values at once (default: every core this
-    process may use; SEAL is then called without Python's GIL, see :mod:`he.native`, and
-    ``threads_note`` says why not where that is unavailable); results are the same whatever
-    the number.
+    vector packing, threads that rotate one sample's values at once (default: those the
+    compiler chose, ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no
+    more cores than this process may use; SEAL is then called without Python's GIL, see
+    :mod:`he.native`, and ``threads_note`` says why not where that is unavailable); results are
+    the same whatever the number.
     """
 
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
@@ -401,6 +403,9 @@ class Server:
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
         if self.kernels is not None and program.plan.galois_steps():
+            if threads is None:
+                # the compiler's choice, on no more cores than this process may use
+                threads = min(int(program.options.get("server_threads", 1)), default_threads())
             self.threads_note = self.engine.use_threads(
                 threads, self._encrypt_constant(1.0), program.plan.galois_steps()[0])
 

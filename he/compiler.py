@@ -138,6 +138,26 @@ def _threads(options: dict[str, Any]) -> int:
     return int(options.get("server_threads", 1))
 
 
+#: Threads serve a vector plan only where the cost model predicts them this much faster than one
+#: (the Python work between SEAL calls, which threads contend for, is not priced)
+MIN_THREAD_GAIN = 1.1
+
+
+def _server_threads(plan: VectorPlan, params: CKKSParams, costs: CostModel, threads: int,
+                    predicted: dict[str, Any]) -> tuple[int, str]:
+    """The server threads a vector plan runs on, and why: ``threads`` where the cost model
+    predicts them at least :data:`MIN_THREAD_GAIN` times as fast as one thread, else one."""
+    if threads <= 1:
+        return 1, "one server thread (as asked)"
+    one = _predict_vector(plan, params, costs, 1)["seconds_per_ciphertext"]
+    gain = one / max(predicted["seconds_per_ciphertext"], 1e-12)
+    if gain < MIN_THREAD_GAIN:
+        return 1, (f"one server thread: {threads} would be predicted only {gain:.2f}x as fast "
+                   f"(below {MIN_THREAD_GAIN}x; small plans' time is in folds, products and "
+                   f"Python work between SEAL calls)")
+    return threads, f"{threads} server threads, predicted {gain:.2f}x as fast as one"
+
+
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
     """Seconds of one vector step whose baby-step rotations, then giant-step rotations, are
     spread over ``threads`` threads (:func:`he.runtime._affine`): each phase takes as many
@@ -523,8 +543,12 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
             best = (score, trial, per_ct, predicted)
     assert best is not None
     score, plan, per_ct, predicted = best
+    threads, threads_why = _server_threads(plan, params, costs, _threads(options), predicted)
+    if threads != _threads(options):
+        predicted = _predict_vector(plan, params, costs, threads)
     changed = sum(o is not None for o in orders)
-    opts = {**options, "layouts": [None if o is None else list(o) for o in orders],
+    opts = {**options, "server_threads": threads, "threads_why": threads_why,
+            "layouts": [None if o is None else list(o) for o in orders],
             "planes_per_ct": {str(i): v for i, v in per_ct.items()},
             "interleave": plan.interleave, "stacked": [list(p) for p in plan.stacked],
             "predicted": predicted,
@@ -533,7 +557,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                     f"maps stacked; widest value {plan.widest} slots, room for {most} samples "
                     f"per ciphertext; {plan.interleave} chosen for {objective} "
                     f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client encryption "
-                    f"included)")}
+                    f"included); {threads_why}")}
     return plan, opts
 
 
@@ -848,8 +872,11 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
         security: classical security in bits, 128, 192 or 256 (SEAL's modulus budgets; higher
             levels hold fewer levels per ring, so may need a larger ring).
-        server_threads: threads a vector-packed server rotates on (``he.Server(threads=)``),
-            which the predicted times assume (default: the cores of this machine).
+        server_threads: threads a vector-packed server may rotate on (default: the cores of
+            this machine); the compiler keeps them where the cost model predicts them at least
+            :data:`MIN_THREAD_GAIN` times as fast as one, else one thread
+            (``prog.options["server_threads"]``, why in ``["threads_why"]``), and
+            ``he.Server`` runs on that many unless told otherwise.
         memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
             predicted server memory exceeds it is chosen only when none fits, and a vector plan
             whose Galois keys (one per distinct rotation) would exceed it composes its rotations

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import tenseal.sealapi as seal
 
-from he.fused import _DYN_OFFSET, _cxx_address
+from he.fused import _DYN_OFFSET, RawAccess, _cxx_address
 
 __all__ = ["NativeEvaluator", "Pool", "default_threads"]
 
@@ -114,10 +114,16 @@ class NativeEvaluator:
 
     def _validate(self, probe: Any, step: int, plain: Any) -> None:
         from he.backend import save_object
-        holder = seal.Ciphertext()
-        words = (ctypes.c_uint64 * 2).from_address(_cxx_address(holder) + _DYN_OFFSET)
-        other = (ctypes.c_uint64 * 2).from_address(_cxx_address(seal.Ciphertext()) + _DYN_OFFSET)
-        if not words[0] or not words[1] or words[0] != other[0]:
+        # the binding's object layout, checked against SEAL's own accessors before any address
+        # is handed to SEAL
+        raw = RawAccess(probe, list(probe.parms_id()))
+        if not raw.ok:
+            raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
+                               f"{raw.reason}")
+        holders = (seal.Ciphertext(), seal.Ciphertext())
+        words = [(ctypes.c_uint64 * 2).from_address(_cxx_address(h) + _DYN_OFFSET)
+                 for h in holders]
+        if not words[0][0] or not words[0][1] or words[0][0] != words[1][0]:
             raise _Unavailable("a ciphertext's memory pool handle is not where it was expected")
         if not self.accepts_rotation(probe, step) or not self.accepts_product(probe, plain):
             raise _Unavailable("the probe ciphertext, plaintext or Galois key is not usable")
