@@ -214,7 +214,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_output(args.output)
     prog = _program(args.program)
-    server = he.Server(prog, _read(args.context, "public context"))
+    server = he.Server(prog, _read(args.context, "public context"), threads=args.threads)
+    if server.threads_note:
+        print(f"one server thread: {server.threads_note}")
     out = server.run(_read(args.ciphertext, "ciphertext"), progress=True, workers=args.workers)
     atomic_write_bytes(args.output, out.to_bytes())
     print(f"evaluated {len(out)} samples -> {args.output}")
@@ -320,6 +322,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="result ciphertext file to write")
     p.add_argument("--workers", type=int, default=1,
                    help="processes that evaluate independent groups/samples (0: one per core)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="vector packing: threads that rotate one sample's values at once "
+                        "(default: the compiler's choice, on no more cores than this machine's)")
     p.set_defaults(func=cmd_run)
 
     p = subparsers.add_parser("decrypt", help="client: decrypt a result, print predictions",

@@ -217,6 +217,8 @@ def _fails_cleanly(argv, capsys, message):
     (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/secret.ctx", "-o", "{r}/o.ct"], "secret key"),
     (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/keys"], "is a directory"),
     (["run", "{r}/m.he", "{r}/y.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct"], "input ciphertext"),
+    (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct",
+      "--threads", "0"], "threads must be a positive int"),
     (["decrypt", "{r}/m.he", "/dev/zero", "--keys", "{r}/keys"], "not a regular file"),
     (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/nokeys"], "no keys"),
     (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/keys", "-o", "{r}/file/y.npy"], "is a file"),
