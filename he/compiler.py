@@ -298,6 +298,9 @@ class CompiledProgram:
         self.packing = packing
         self.calibration = [float(c) for c in calibration]
         self.options = dict(options)
+        threads = self.options.get("server_threads", 1)
+        if type(threads) is not int or threads < 1:
+            raise ValueError(f"server_threads must be a positive int, got {threads!r}")
         self.certificate = certificate
         self.degree, self.depth = _degree_depth if _degree_depth is not None else \
             program_degree_depth(program)

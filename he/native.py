@@ -28,7 +28,7 @@ import os
 import platform
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import tenseal.sealapi as seal
 
@@ -36,7 +36,8 @@ from he.fused import _DYN_OFFSET, RawAccess, _cxx_address
 
 __all__ = ["NativeEvaluator", "Pool", "default_threads"]
 
-_ROTATE = "_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10GaloisKeysENS_16MemoryPoolHandleE"
+_ROTATE = ("_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10GaloisKeysENS_16"
+           "MemoryPoolHandleE")
 _ASSIGN = "_ZN4seal10CiphertextaSERKS0_"
 _MUL_PLAIN = ("_ZNK4seal9Evaluator22multiply_plain_inplaceERNS_10CiphertextERKNS_9PlaintextENS_16"
               "MemoryPoolHandleE")
@@ -212,6 +213,3 @@ class Pool:
         if self._ex is None or self._pid != os.getpid():
             self._ex, self._pid = ThreadPoolExecutor(self.threads), os.getpid()
         return list(self._ex.map(fn, items))
-
-    def starmap(self, fn: Callable[..., T], args: Sequence[tuple[Any, ...]]) -> list[T]:
-        return self.map(lambda a: fn(*a), args)

@@ -172,3 +172,12 @@ def test_threads_shorten_a_step_by_its_rotation_rounds_and_never_lengthen_it(bab
     assert two <= serial
     rounds = sum(min(n, -(-n // 2) / 0.9) for n in (babies, giants))
     assert serial - two == pytest.approx(babies + giants - rounds)
+
+
+@pytest.mark.parametrize("bad", [0, -3, "many", 1.5, True, None])
+def test_a_program_file_with_a_bad_thread_count_is_refused(setup, bad):
+    _, _, prog, _, _ = setup
+    other = he.CompiledProgram.from_bytes(prog.to_bytes())
+    other.options["server_threads"] = bad
+    with pytest.raises(he.SerializationError):
+        he.CompiledProgram.from_bytes(other.to_bytes())
