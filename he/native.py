@@ -34,7 +34,11 @@ import tenseal.sealapi as seal
 
 from he.fused import _DYN_OFFSET, RawAccess, _cxx_address
 
-__all__ = ["NativeEvaluator", "Pool", "default_threads"]
+__all__ = ["NativeEvaluator", "Pool", "default_threads", "NATIVE_PLATFORMS"]
+
+#: (system, machine) pairs where SEAL's symbols are called natively: the Itanium C++ ABI
+#: (non-trivial arguments passed by address) and the binding's layout as validated here
+NATIVE_PLATFORMS = (("Linux", "x86_64"), ("Linux", "aarch64"))
 
 _ROTATE = ("_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10GaloisKeysENS_16"
            "MemoryPoolHandleE")
@@ -85,8 +89,8 @@ class NativeEvaluator:
             self.reason = str(exc)
 
     def _bind(self) -> None:
-        if sys.byteorder != "little" or platform.system() != "Linux" or \
-                platform.machine() not in ("x86_64", "AMD64", "aarch64"):
+        if sys.byteorder != "little" or \
+                (platform.system(), platform.machine()) not in NATIVE_PLATFORMS:
             raise _Unavailable(f"no native rotations on {platform.system()} "
                                f"{platform.machine()}")
         module = sys.modules.get(seal.Ciphertext.__module__)
