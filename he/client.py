@@ -405,7 +405,7 @@ class Server:
         if self.kernels is not None and program.plan.galois_steps():
             if threads is None:
                 # the compiler's choice, on no more cores than this process may use
-                threads = min(int(program.options.get("server_threads", 1)), default_threads())
+                threads = min(program.server_threads, default_threads())
             self.threads_note = self.engine.use_threads(
                 threads, self._encrypt_constant(1.0), program.plan.galois_steps()[0])
 

@@ -144,18 +144,19 @@ MIN_THREAD_GAIN = 1.1
 
 
 def _server_threads(plan: VectorPlan, params: CKKSParams, costs: CostModel, threads: int,
-                    predicted: dict[str, Any]) -> tuple[int, str]:
-    """The server threads a vector plan runs on, and why: ``threads`` where the cost model
-    predicts them at least :data:`MIN_THREAD_GAIN` times as fast as one thread, else one."""
+                    predicted: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
+    """The server threads a vector plan runs on, why, and the prediction on them: ``threads``
+    (``predicted`` is on them) where the cost model predicts them at least
+    :data:`MIN_THREAD_GAIN` times as fast as one thread, else one."""
     if threads <= 1:
-        return 1, "one server thread (as asked)"
-    one = _predict_vector(plan, params, costs, 1)["seconds_per_ciphertext"]
-    gain = one / max(predicted["seconds_per_ciphertext"], 1e-12)
+        return 1, "one server thread (as asked)", predicted
+    serial = _predict_vector(plan, params, costs, 1)
+    gain = serial["seconds_per_ciphertext"] / max(predicted["seconds_per_ciphertext"], 1e-12)
     if gain < MIN_THREAD_GAIN:
         return 1, (f"one server thread: {threads} would be predicted only {gain:.2f}x as fast "
                    f"(below {MIN_THREAD_GAIN}x; small plans' time is in folds, products and "
-                   f"Python work between SEAL calls)")
-    return threads, f"{threads} server threads, predicted {gain:.2f}x as fast as one"
+                   f"Python work between SEAL calls)"), serial
+    return threads, f"{threads} server threads, predicted {gain:.2f}x as fast as one", predicted
 
 
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
@@ -185,8 +186,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
             costs.parallel_efficiency(ring))
         plaintexts.append((c["plaintexts"], lin))
-    total = {k: sum(c.get(k, 0) for c in counts) for k in counts[0] if k not in
-             _NOT_PRIMITIVES[1:]} if counts else {}
+    total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
@@ -383,6 +383,12 @@ class CompiledProgram:
         """Float64 run of the same program: ``(B, *input_shape) -> (B, *output_shape)``."""
         return self.program.simulate(x)
 
+    @property
+    def server_threads(self) -> int:
+        """Threads the compiler chose for a vector-packed server (``options["server_threads"]``;
+        one for programs saved before the option)."""
+        return _threads(self.options)
+
     def summary(self) -> str:
         lines = [f"compiled program {self.fingerprint} ({self.packing} packing, degree "
                  f"{self.degree}, multiplicative depth {self.depth}, {len(self.program)} ops, "
@@ -546,9 +552,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
             best = (score, trial, per_ct, predicted)
     assert best is not None
     score, plan, per_ct, predicted = best
-    threads, threads_why = _server_threads(plan, params, costs, _threads(options), predicted)
-    if threads != _threads(options):
-        predicted = _predict_vector(plan, params, costs, threads)
+    threads, threads_why, predicted = _server_threads(plan, params, costs, _threads(options),
+                                                      predicted)
     changed = sum(o is not None for o in orders)
     opts = {**options, "server_threads": threads, "threads_why": threads_why,
             "layouts": [None if o is None else list(o) for o in orders],

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import tenseal.sealapi as seal
 
-from he.fused import _DYN_OFFSET, RawAccess, _cxx_address
+from he.fused import _DYN_OFFSET, _cxx_address, raw_access
 
 __all__ = ["NativeEvaluator", "Pool", "default_threads", "NATIVE_PLATFORMS"]
 
@@ -121,7 +121,7 @@ class NativeEvaluator:
         from he.backend import save_object
         # the binding's object layout, checked against SEAL's own accessors before any address
         # is handed to SEAL
-        raw = RawAccess(probe, list(probe.parms_id()))
+        raw = raw_access(probe)
         if not raw.ok:
             raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
                                f"{raw.reason}")
