@@ -126,6 +126,36 @@ def test_certify_levels_equal_the_compilers_on_random_programs(stack, seed):
     assert batch.params.levels == lowered.depth_levels("batch") <= cert.levels
 
 
+def test_certify_counts_exactly_through_large_linear_intermediates():
+    """A depthwise 11x11 token mixing gathers 121 patches per token (a value of ~570k elements,
+    larger than any packing holds) but composes into the maps around it: ``pn.certify`` counts
+    the compiler's levels, not the per-node upper bound."""
+    from polynets.ir.certify import levels_exact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(pn.PatchEmbed(28, 4, 1, 32), pn.PADRe(32, degree=3), nn.Flatten(),
+                          nn.Linear(49 * 32, 10)).eval()
+    x = torch.rand(1, 1, 28, 28)
+    cert = pn.certify(model, x)
+    assert max(n.numel for n in cert.program.nodes) > 2 ** 16
+    assert levels_exact(cert.program) and cert.levels_exact
+    assert cert.levels == lower(cert.program).depth_levels("vector") == 6
+    assert "upper bound" not in str(cert)
+
+
+def test_certify_gives_an_upper_bound_where_a_product_is_too_large_to_pack():
+    from polynets.ir.certify import levels_exact
+
+    class Wide(nn.Module):
+        def forward(self, x):
+            return (x * x).sum(-1, keepdim=True)
+
+    x = torch.rand(1, 2 ** 16 + 1)
+    cert = pn.certify(Wide(), x)
+    assert not levels_exact(cert.program) and not cert.levels_exact
+    assert "upper bound" in str(cert)
+
+
 # ----------------------------------------------------------------------------- layouts
 def test_slot_maps_are_injective_and_pad_inner_axes_to_powers_of_two():
     shape = (1, 7, 5, 3)

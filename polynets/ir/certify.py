@@ -23,7 +23,12 @@ from polynets.ir.program import Interpreter, Node, PolyProgram
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
     from torch import nn
 
-__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels", "levels_exact"]
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels", "levels_exact",
+           "EXACT_LOWERING_TOTAL"]
+
+#: All values of a program together (elements of one sample) beyond which ``pn.certify`` does
+#: not lower it exactly: the sparse maps the lowering composes grow with them.
+EXACT_LOWERING_TOTAL = 64 * EXACT_LOWERING_LIMIT
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,8 @@ class NodeInfo:
 def analyse(program: PolyProgram) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
     carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
-    lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program whose
-    largest value exceeds :data:`~polynets.ir.lowering.EXACT_LOWERING_LIMIT` elements (too large
-    for any packing), the upper bound that counts every linear map and every non-integer
+    lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program with
+    values too large for any packing (:func:`levels_exact`), the upper bound that counts every linear map and every non-integer
     constant multiplication (:func:`levels_exact` tells which)."""
     infos = _Analysis().run(program)
     if levels_exact(program):
@@ -73,8 +77,20 @@ class _Analysis(Interpreter):
 
 
 def levels_exact(program: PolyProgram) -> bool:
-    """Whether :func:`analyse` counts levels on the exact lowering (small enough programs)."""
-    return max(node.numel for node in program.nodes) <= EXACT_LOWERING_LIMIT
+    """Whether :func:`analyse` counts levels on the exact lowering: every value a CKKS packing
+    must hold -- the input, the output, every ciphertext product and its operands -- has at
+    most :data:`~polynets.ir.lowering.EXACT_LOWERING_LIMIT` elements, and all values together
+    at most :data:`EXACT_LOWERING_TOTAL`. Linear intermediates larger than the limit (the
+    patches a convolution gathers, say) are composed into the maps around them, as the compiler
+    does, so they do not make the count an upper bound."""
+    nodes = program.nodes
+    held = {program.output} | {i for i, n in enumerate(nodes) if n.op == "input"}
+    for i, n in enumerate(nodes):
+        if n.op == "mul":
+            held.add(i)
+            held.update(n.inputs)
+    return max(nodes[i].numel for i in held) <= EXACT_LOWERING_LIMIT and \
+        sum(n.numel for n in nodes) <= EXACT_LOWERING_TOTAL
 
 
 def lowered_levels(lowered: Lowered, packing: str = "vector") -> tuple[int, int]:

@@ -59,8 +59,10 @@ LOCAL_ROW_NNZ = 64
 _LOCAL_PRODUCT_WORK = 4_000_000
 #: Products whose bounded work exceeds this are not tried as local maps
 _LOCAL_TOTAL_WORK = 64 * _LOCAL_PRODUCT_WORK
-#: Programs whose largest value has more elements are not lowered exactly by ``pn.certify``
-#: (too large for any CKKS packing; the level count is then the per-node upper bound).
+#: Programs with a value a packing must hold (input, output, a ciphertext product or its
+#: operands) of more elements are not lowered exactly by ``pn.certify`` (too large for any CKKS
+#: packing; the level count is then the per-node upper bound, see
+#: :func:`polynets.ir.certify.levels_exact`).
 EXACT_LOWERING_LIMIT = 2 ** 16
 
 
