@@ -254,10 +254,13 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "working_memory_bytes": held + PLAIN_CACHE_BYTES}
 
 
-def _stored_lowering(program: PolyProgram, split: Any) -> Lowered:
-    """The lowered program a stored plan runs on: the program's own, or its values split over
-    several ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
-    lowered = lower(program)
+def _stored_lowering(program: PolyProgram, split: Any, keep: Any = ()) -> Lowered:
+    """The lowered program a stored plan runs on: the program's own (with the nodes ``keep``
+    kept apart, see :func:`polynets.ir.lowering.lower`), or its values split over several
+    ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
+    if not isinstance(keep, (list, tuple)) or any(type(k) is not int for k in keep):
+        raise ValueError(f"kept_apart must be a list of node indices, got {keep!r}")
+    lowered = lower(program, keep)
     if split is None:
         return lowered
     sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
@@ -305,7 +308,7 @@ class CompiledProgram:
         self.degree, self.depth = _degree_depth if _degree_depth is not None else \
             program_degree_depth(program)
         self.lowered = _lowered if _lowered is not None else _stored_lowering(
-            program, self.options.get("split"))
+            program, self.options.get("split"), self.options.get("kept_apart", []))
         self.plan: VectorPlan | BatchPlan
         if _plan is not None:
             self.plan = _plan
@@ -925,20 +928,64 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         options["precision"] = precision_why
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
-    lowered = lower(program)
-    # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
-    msq = step_values_msq(lowered, np.asarray(calib, dtype=np.float64)[:_NOISE_SAMPLES])
     kinds = PACKINGS if packing == "auto" else (packing,)
     found: list[CompiledProgram] = []
     error: TooDeepError | None = None
+    lowerings = _candidate_lowerings(program, np.asarray(calib, dtype=np.float64))
     for kind in kinds:
-        try:
-            found.append(_compile_packing(program, lowered, kind, cert, maxabs, msq, options,
-                                          rings, costs, precision_bits, scale_bits,
-                                          samples_per_ciphertext, memory_budget))
-        except TooDeepError as exc:
-            error = exc
+        tried: list[CompiledProgram] = []
+        for keep, lowered, msq in lowerings:
+            opts = {**options, "kept_apart": list(keep)} if keep else options
+            try:
+                tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq, opts,
+                                              rings, costs, precision_bits, scale_bits,
+                                              samples_per_ciphertext, memory_budget))
+            except TooDeepError as exc:
+                if not keep:
+                    error = exc
+        if tried:
+            found.append(_keep_or_compose(tried, objective, batch_size, memory_budget))
     if not found:
         assert error is not None
         raise error
     return _choose(found, packing, objective, batch_size, memory_budget)
+
+
+def _candidate_lowerings(program: PolyProgram, calib: np.ndarray
+                         ) -> list[tuple[tuple[int, ...], Lowered, list[np.ndarray]]]:
+    """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler prices:
+    every linear map composed (the fewest levels), and where some compositions made a map much
+    denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`), those kept apart
+    (a level more on their paths, maybe far fewer operations)."""
+    x = calib[:_NOISE_SAMPLES]
+    lowered = lower(program)
+    # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
+    out = [((), lowered, step_values_msq(lowered, x))]
+    if lowered.dense_joins:
+        apart = lower(program, lowered.dense_joins)
+        out.append((lowered.dense_joins, apart, step_values_msq(apart, x)))
+    return out
+
+
+def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size: int | None,
+                     memory_budget: int | None) -> "CompiledProgram":
+    """The cheaper for ``objective`` (server within ``memory_budget`` first) of one packing's
+    programs compiled from every candidate lowering, its ``why`` saying what the other cost."""
+    if len(tried) == 1:
+        return tried[0]
+    budget = available_memory() if memory_budget is None else int(memory_budget)
+    ranked = sorted(tried, key=lambda p: _rank(p, objective, batch_size, budget))
+    best, other = ranked[0], ranked[1]
+    joins = best.options.get("kept_apart") or other.options.get("kept_apart")
+    kept = bool(best.options.get("kept_apart"))
+    why = (f"; {len(joins)} linear map(s) (program nodes {joins}) "
+           + ("kept apart from the maps that read them" if kept else "composed into their readers")
+           + f": {best.params.levels} levels, predicted "
+           f"{_rank(best, objective, batch_size, budget)[1]:.3g} s against "
+           f"{_rank(other, objective, batch_size, budget)[1]:.3g} s "
+           + ("composed" if kept else "kept apart") + f" ({other.params.levels} levels)")
+    opts = {**best.options, "why": str(best.options.get("why", "")) + why}
+    return CompiledProgram(best.program, best.params, best.packing, best.calibration, opts,
+                           best.certificate, _lowered=best.lowered,
+                           _plan=best.plan if best.packing == "vector" else None,
+                           _degree_depth=(best.degree, best.depth))

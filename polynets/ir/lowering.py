@@ -38,7 +38,7 @@ and the CKKS compiler:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -47,7 +47,7 @@ from polynets.ir.program import Interpreter, Node, PolyProgram
 
 __all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is_free",
            "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
-           "PACKING_KINDS", "MAX_INTEGER_FACTOR"]
+           "PACKING_KINDS", "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
 PACKING_KINDS = ("vector", "batch")
@@ -59,6 +59,9 @@ LOCAL_ROW_NNZ = 64
 _LOCAL_PRODUCT_WORK = 4_000_000
 #: Products whose bounded work exceeds this are not tried as local maps
 _LOCAL_TOTAL_WORK = 64 * _LOCAL_PRODUCT_WORK
+#: A linear map composed with the pending map of its input is a *dense join* when the composed
+#: map has more than this many times the nonzeros of the two apart (:attr:`Lowered.dense_joins`)
+DENSE_JOIN_FACTOR = 4
 #: Programs with a value a packing must hold (input, output, a ciphertext product or its
 #: operands) of more elements are not lowered exactly by ``pn.certify`` (too large for any CKKS
 #: packing; the level count is then the per-node upper bound, see
@@ -108,10 +111,17 @@ class Step:
 
 @dataclass
 class Lowered:
-    """Steps of a program in evaluation order, and which one is the output."""
+    """Steps of a program in evaluation order, and which one is the output.
+
+    ``dense_joins``: program nodes (linear values) whose composition into the map that reads
+    them made that map much denser than the two apart (:data:`DENSE_JOIN_FACTOR`): lowering
+    again with them kept apart (``lower(program, keep=dense_joins)``) costs a level each on
+    their paths and may cost fewer operations, which a compiler can price.
+    """
 
     steps: list[Step]
     output: int
+    dense_joins: tuple[int, ...] = ()
 
     def levels(self, packing: str = "vector") -> list[int]:
         return step_levels(self.steps, packing)
@@ -205,6 +215,8 @@ class _Aff:
     terms: dict[int, sp.csr_matrix]
     bias: np.ndarray | None
     shape: tuple[int, ...]
+    #: ``(node, fan-in)`` of the linear maps composed into it since its inputs were materialised
+    linears: tuple[tuple[int, int], ...] = ()
 
     @property
     def n(self) -> int:
@@ -234,22 +246,23 @@ def _bias_along(shape: tuple[int, ...], axis: int, bias: np.ndarray) -> np.ndarr
 def _compose(a: sp.csr_matrix, x: _Aff, shape: tuple[int, ...]) -> _Aff:
     terms = {k: (a @ m).tocsr() for k, m in x.terms.items()}
     bias = None if x.bias is None else a @ x.bias
-    return _Aff(terms, bias, shape)
+    return _Aff(terms, bias, shape, x.linears)
 
 
 def _sum(shape: tuple[int, ...], *affs: _Aff) -> _Aff:
     terms: dict[int, sp.csr_matrix] = {}
     bias = None
+    linears = tuple(sorted({lin for f in affs for lin in f.linears}))
     for f in affs:
         for k, m in f.terms.items():
             terms[k] = (terms[k] + m).tocsr() if k in terms else m
         if f.bias is not None:
             bias = f.bias.copy() if bias is None else bias + f.bias
-    return _Aff(terms, bias, shape)
+    return _Aff(terms, bias, shape, linears)
 
 
 def _with_bias(f: _Aff, b: np.ndarray) -> _Aff:
-    return _Aff(dict(f.terms), b.copy() if f.bias is None else f.bias + b, f.shape)
+    return _Aff(dict(f.terms), b.copy() if f.bias is None else f.bias + b, f.shape, f.linears)
 
 
 def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
@@ -266,22 +279,32 @@ def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
     return _sum(tuple(node.shape), *parts)
 
 
-def lower(program: PolyProgram) -> Lowered:
-    """Lower ``program`` to steps (see the module docstring); float64, exact composition."""
-    lowering = _Lowering(program)
+def lower(program: PolyProgram, keep: Collection[int] = ()) -> Lowered:
+    """Lower ``program`` to steps (see the module docstring); float64, exact composition.
+    ``keep``: program nodes materialised as steps of their own instead of composed into their
+    readers (each costs its paths one level; see :attr:`Lowered.dense_joins`)."""
+    keep = frozenset(int(k) for k in keep)
+    bad = sorted(k for k in keep if not 0 <= k < len(program.nodes))
+    if bad:
+        raise ValueError(f"keep names nodes {bad} outside the program's {len(program.nodes)}")
+    lowering = _Lowering(program, keep)
     values = lowering.run(program)
     out = lowering.materialise(values[program.output])
-    return _drop_unread(lowering.steps, out)
+    low = _drop_unread(lowering.steps, out)
+    low.dense_joins = tuple(sorted(lowering.dense_joins))
+    return low
 
 
 class _Lowering(Interpreter):
     """The CKKS-step back end: a node's value is an affine function (:class:`_Aff`) of the
     steps materialised so far; products, and values read by several nodes, become steps."""
 
-    def __init__(self, program: PolyProgram):
+    def __init__(self, program: PolyProgram, keep: frozenset[int] = frozenset()):
         self.program = program
         self.steps: list[Step] = []
         self.users = program.consumers()
+        self.keep = keep
+        self.dense_joins: set[int] = set()
 
     def add_step(self, step: Step) -> _Aff:
         self.steps.append(step)
@@ -295,8 +318,23 @@ class _Lowering(Interpreter):
             if is_identity(m) and self.steps[src].n == f.n:
                 return src
         f = self._through_local_input_map(f)
+        self._note_dense_join(f)
         self.add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
         return len(self.steps) - 1
+
+    def _note_dense_join(self, f: _Aff) -> None:
+        """Record the linear maps composed into ``f`` but the last (:attr:`Lowered.dense_joins`)
+        when ``f``'s rows read more than :data:`DENSE_JOIN_FACTOR` times the inputs that any
+        of its maps' rows read: composing them multiplied the work. Those whose values are
+        wider than ``f`` are not (keeping them would hold more values, not fewer)."""
+        if len(f.linears) < 2:
+            return
+        fan_in = int(sum(np.diff(m.tocsr().indptr) for m in f.terms.values()).max(initial=0))
+        if fan_in <= DENSE_JOIN_FACTOR * max(k for _, k in f.linears):
+            return
+        last = max(node for node, _ in f.linears)
+        self.dense_joins.update(node for node, _ in f.linears
+                                if node != last and self.program.nodes[node].numel <= f.n)
 
     def _through_local_input_map(self, f: _Aff) -> _Aff:
         steps = self.steps
@@ -313,7 +351,7 @@ class _Lowering(Interpreter):
         bias = None if s.bias is None else m @ s.bias
         if f.bias is not None:
             bias = f.bias if bias is None else bias + f.bias
-        return _Aff({s.inputs[0]: composed}, bias, f.shape)
+        return _Aff({s.inputs[0]: composed}, bias, f.shape, f.linears)
 
     def _operand(self, j: int, f: _Aff, shape: tuple[int, ...]) -> _Aff:
         """Node ``j``'s value ``f`` broadcast to ``shape``."""
@@ -326,7 +364,9 @@ class _Lowering(Interpreter):
     def linear(self, i: int, node: Node, x: _Aff) -> _Aff:
         a, shape = node.attrs, tuple(node.shape)
         src_shape = tuple(self.program.nodes[node.inputs[0]].shape)
-        val = _compose(_linear_matrix(src_shape, a["axis"], a["weight"]), x, shape)
+        own = _linear_matrix(src_shape, a["axis"], a["weight"])
+        val = _compose(own, x, shape)
+        val.linears = val.linears + ((i, _max_row_nnz(own)),)
         if a.get("bias") is not None:
             val = _with_bias(val, _bias_along(shape, a["axis"],
                                               np.asarray(a["bias"], dtype=np.float64)))
@@ -364,8 +404,9 @@ class _Lowering(Interpreter):
         return self.add_step(Step("mul", (xa, xb), shape))
 
     def finish(self, i: int, node: Node, value: _Aff) -> _Aff:
-        """A value read by several nodes is materialised once, as its own step."""
-        if len(self.users[i]) > 1:
+        """A value read by several nodes is materialised once, as its own step (and one the
+        caller keeps apart, see :func:`lower`)."""
+        if len(self.users[i]) > 1 or i in self.keep:
             j = self.materialise(value)
             return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
         return value
