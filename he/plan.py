@@ -45,7 +45,7 @@ __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map"
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
            "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms",
-           "padded_layouts_fit"]
+           "padded_layouts_fit", "input_patches", "value_orders"]
 
 Order = tuple[int, ...] | None
 
@@ -106,7 +106,8 @@ def layout_shapes(lowered: Lowered) -> list[tuple[int, ...]]:
     the program that refines it by splitting axes (a patch embedding's ``(49, 32)`` tokens are
     the Mu-Layer's ``(7, 7, 32)`` grid). Row-major element order is the same under the split, so
     a value and its refinement can share a layout, which no order of the coarser shape's own
-    axes reaches (channel-major over a 7 x 7 grid pads each row, not the 49 tokens)."""
+    axes reaches (channel-major over a 7 x 7 grid pads each row, not the 49 tokens). The input
+    is laid out by its patch refinement where it has one (:func:`input_patches`)."""
     shapes = [tuple(int(n) for n in st.shape) for st in lowered.steps]
     distinct = sorted(set(shapes), key=lambda t: -sum(n > 1 for n in t))
     out = []
@@ -114,7 +115,102 @@ def layout_shapes(lowered: Lowered) -> list[tuple[int, ...]]:
         size, sp_ = int(np.prod(sh, dtype=np.int64)), _suffix_products(sh)
         out.append(next((t for t in distinct if int(np.prod(t, dtype=np.int64)) == size
                          and sp_ <= _suffix_products(t)), sh))
+    patches = input_patches(lowered)
+    if patches is not None:
+        out[0] = patches[0]
     return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+#: Most splits of the input's axes tried for its patch refinement
+_PATCH_SPLITS = 4096
+
+
+def input_patches(lowered: Lowered) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
+    """The input's *patch refinement* and its two layouts, where the maps that read the input
+    read it by patches: every input element is read by the outputs of one patch, the same
+    outputs for every element of a patch (a patch embedding, a convolution whose stride is its
+    kernel, a per-token map of a token sequence).
+
+    The refinement splits each axis of the input's shape into an outer part (which patch) and
+    an inner part (where in the patch), e.g. ``(3, 32, 32)`` with 8 x 8 patches into
+    ``(3, 4, 8, 4, 8)``; the layouts put the inner parts outside the outer ones (features
+    outermost, patches innermost: every output of a patch then reads its inputs at offsets that
+    are multiples of the patch stride, as a channel map repeated over tokens does) or the
+    reverse. The client encrypts the input in either at no cost, so the search prices them with
+    the others. None where the input is read otherwise (or by the client's planes only)."""
+    memo = lowered.__dict__.get("_input_patches", _UNSET)
+    if memo is _UNSET:
+        memo = lowered.__dict__["_input_patches"] = _input_patches(lowered)
+    return memo
+
+
+_UNSET = object()
+
+
+def _input_patches(lowered: Lowered) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
+    steps = lowered.steps
+    readers = [st for st in steps if st.kind == "affine" and 0 in st.inputs]
+    shape = tuple(int(n) for n in steps[0].shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    if not readers or n < 4:
+        return None
+    keys: np.ndarray | None = None
+    for st in readers:
+        m = sp.csc_matrix(st.terms[st.inputs.index(0)])
+        if np.any(np.diff(m.indptr) == 0):
+            return None                 # an input element no map reads: not by patches
+        rows = np.split(m.indices, m.indptr[1:-1])
+        _, part = np.unique(np.array([hashlib.blake2b(np.sort(r).tobytes(), digest_size=8)
+                                      .hexdigest() for r in rows]), return_inverse=True)
+        # an element of a patch is read by the same outputs as its patch's others, and by no
+        # output another patch's elements have
+        if keys is not None and not _same_partition(keys, part):
+            return None
+        keys = part
+    assert keys is not None
+    groups = int(keys.max()) + 1
+    if groups < 2 or groups == n:
+        return None
+    idx = np.indices(shape, dtype=np.int64).reshape(len(shape), -1)
+    axes = [a for a, s in enumerate(shape) if s > 1]
+    combos = itertools.islice(itertools.product(*[_divisors(shape[a]) for a in axes]),
+                              _PATCH_SPLITS)
+    for inner in combos:
+        label = np.zeros(n, dtype=np.int64)
+        for a, p in zip(axes, inner):
+            label = label * (shape[a] // p) + idx[a] // p
+        if int(label.max()) + 1 != groups or not _same_partition(label, keys):
+            continue
+        factor = dict(zip(axes, inner))
+        refined: list[int] = []
+        outer_axes: list[int] = []
+        inner_axes: list[int] = []
+        for a, size in enumerate(shape):
+            p = factor.get(a, 1)
+            if size == 1:
+                refined.append(1)
+                continue
+            # index o * p + r of the axis is (o, r) of the split: row-major order unchanged
+            if size // p > 1:
+                outer_axes.append(len(refined))
+                refined.append(size // p)
+            if p > 1:
+                inner_axes.append(len(refined))
+                refined.append(p)
+        if not inner_axes or not outer_axes:
+            return None
+        return tuple(refined), [tuple(inner_axes + outer_axes), tuple(outer_axes + inner_axes)]
+    return None
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two labellings of the same elements group them alike."""
+    pairs = np.unique(np.stack([a, b]), axis=1).shape[1]
+    return pairs == np.unique(a).size == np.unique(b).size
 
 
 def candidate_orders(shape: Sequence[int], max_axes: int = 3) -> list[Order]:
@@ -802,7 +898,8 @@ class _LayoutSearch:
         self.cands: dict[int, list[Order]] = {}
         for g in gids:
             kinds = {self.shapes[i] for i in members[g]}
-            opts = candidate_orders(next(iter(kinds))) if len(kinds) == 1 else [None]
+            opts = value_orders(lowered, self.shapes, members[g][0]) if len(kinds) == 1 \
+                else [None]
             self.cands[g] = [o for o in opts
                              if next_pow2(_width(self.shapes[members[g][0]], o)) <= slots]
         self.affected = {g: sorted({i for i, s in enumerate(steps) if s.kind == "affine" and
@@ -929,10 +1026,46 @@ def _checked_orders(lowered: Lowered, orders: Sequence[Order] | None) -> list[Or
     for i, g in enumerate(layout_groups(lowered)):
         if orders[i] != orders[g]:
             raise ValueError(f"steps {i} and {g} must share a layout")
-    for si, (sh, o) in enumerate(zip(layout_shapes(lowered), orders)):
-        if o is not None and o not in candidate_orders(sh):
+    shapes = layout_shapes(lowered)
+    for si, (sh, o) in enumerate(zip(shapes, orders)):
+        if o is not None and o not in value_orders(lowered, shapes, si):
             raise ValueError(f"step {si}: layout {o} is not an order of the axes of {sh}")
     return orders
+
+
+def value_orders(lowered: Lowered, shapes: Sequence[tuple[int, ...]], si: int) -> list[Order]:
+    """Layouts a value may take: :func:`candidate_orders` of its layout shape, and for the
+    input (and values of its shape multiplied with it) the two of its patch refinement
+    (:func:`input_patches`)."""
+    opts = candidate_orders(shapes[si])
+    patches = input_patches(lowered)
+    if patches is not None and shapes[si] == shapes[0] and \
+            layout_groups(lowered)[si] == layout_groups(lowered)[0]:
+        # the input's own axis orders, each axis as the run of its refined parts
+        coarse = tuple(int(n) for n in lowered.steps[0].shape)
+        parts = _split_axes(coarse, shapes[0])
+        for o in candidate_orders(coarse):
+            if o is not None and o[0] >= 0:
+                fine = tuple(r for a in o for r in parts[a] if shapes[0][r] > 1)
+                if fine not in opts:
+                    opts.append(fine)
+        opts += [o for o in patches[1] if o not in opts]
+    return opts
+
+
+def _split_axes(coarse: Sequence[int], fine: Sequence[int]) -> list[list[int]]:
+    """The axes of ``fine`` (a refinement of ``coarse`` by splitting axes) each axis of
+    ``coarse`` is split into."""
+    out: list[list[int]] = []
+    r = 0
+    for size in coarse:
+        run, acc = [], 1
+        while acc < size or (size == 1 and not run):
+            run.append(r)
+            acc *= int(fine[r])
+            r += 1
+        out.append(run)
+    return out
 
 
 def _affine_terms(lowered: Lowered, si: int, partner: int | None, maps: list[np.ndarray],

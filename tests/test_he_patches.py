@@ -1,0 +1,111 @@
+"""The input laid out by patches: the client encrypts a patch embedding's input with every
+patch's elements at a common stride, so the embedding is a map repeated over patches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.costmodel import PRIMITIVES, default_model
+from he.plan import build_vector_plan, input_patches, layout_shapes, search_layouts
+from polynets.ir.lowering import lower, step_levels
+
+
+class ColorPatches(nn.Module):
+    """3-channel images, ``patch x patch`` patches (3 * 64 inputs each: not a local map), one
+    Mu-Layer, mean-pooled head."""
+
+    def __init__(self, img: int = 16, patch: int = 8, dim: int = 8):
+        super().__init__()
+        self.embed = pn.PatchEmbed(img, patch, 3, dim)
+        self.mu = pn.MuLayer(dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        t = t + self.mu(t)
+        return self.head(t.flatten(1, 2).mean(1))
+
+
+def _lowered(model: nn.Module, shape: tuple[int, ...]):
+    torch.manual_seed(0)
+    return lower(pn.trace(model.eval(), torch.rand(1, *shape)))
+
+
+def test_a_patch_embeddings_input_is_refined_by_its_patches():
+    low = _lowered(ColorPatches(img=32, patch=8), (3, 32, 32))
+    refined, orders = input_patches(low)
+    assert refined == (1, 3, 4, 8, 4, 8)        # (channel, patch row, row in patch, ...)
+    # features (channel, row and column in the patch) outermost, or the patches outermost
+    assert orders == [(1, 3, 5, 2, 4), (2, 4, 1, 3, 5)]
+    assert layout_shapes(low)[0] == refined
+
+
+def test_inputs_read_across_patches_are_not_refined():
+    """A convolution whose windows overlap reads an element from several patches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=1), nn.Flatten(), nn.Linear(4 * 36, 2))
+    assert input_patches(_lowered(model, (3, 8, 8))) is None
+
+
+def test_a_token_sequence_is_refined_by_its_tokens():
+    model = nn.Sequential(nn.Linear(8, 16), pn.MuLayer(16), nn.Flatten(), nn.Linear(16 * 12, 2))
+    refined, orders = input_patches(_lowered(model, (12, 8)))
+    assert refined == (1, 12, 8) and orders == [(2, 1), (1, 2)]
+
+
+def test_the_search_prices_the_patch_layout_and_it_is_cheaper_here():
+    low = _lowered(ColorPatches(img=32, patch=8, dim=16), (3, 32, 32))
+    costs = default_model()
+    slots = 4096
+
+    def price(counts, level):
+        return costs.price({k: v for k, v in counts.items() if k in PRIMITIVES}, 8192, 4)
+
+    orders, _ = search_layouts(low, slots, price)
+    assert orders[0] in input_patches(low)[1]
+    row_major = [None if i == 0 else o for i, o in enumerate(orders)]
+    chosen = build_vector_plan(low, slots, orders, interleave=1, price=price)
+    plain = build_vector_plan(low, slots, row_major, interleave=1, price=price)
+    levels = step_levels(low.steps, "vector")
+
+    def modelled(plan):
+        return sum(price(c, levels[si]) for si, c in enumerate(plan.op_counts()))
+
+    assert modelled(chosen) < modelled(plain)
+    assert chosen.cost()["rotations"] < plain.cost()["rotations"]
+
+
+def test_a_program_with_its_input_laid_out_by_patches_decrypts_to_the_model_output(tmp_path):
+    torch.manual_seed(0)
+    model = ColorPatches(img=16, patch=8, dim=8).eval()
+    x = torch.rand(32, 3, 16, 16)
+    prog = he.compile(model, x[:1], calibration=x)
+    assert prog.plan.orders[0] in input_patches(prog.lowered)[1]
+    path = tmp_path / "p.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.plan.orders[0] == prog.plan.orders[0]
+    client = he.Client(loaded)
+    server = he.Server(loaded, client.public_context())
+    out = client.decrypt(server.run(client.encrypt(x[:2])))
+    want = prog.simulate(x[:2].numpy())
+    assert np.max(np.abs(out - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x[:2]).double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_stored_input_layout_outside_its_candidates_is_refused():
+    torch.manual_seed(0)
+    model = ColorPatches(img=16, patch=8, dim=8).eval()
+    x = torch.rand(8, 3, 16, 16)
+    prog = he.compile(model, x[:1], calibration=x)
+    bad = [list(o) if o is not None else None for o in prog.plan.orders]
+    bad[0] = [2, 1, 3, 4, 5]
+    with pytest.raises(ValueError, match="not an order"):
+        he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                           {**prog.options, "layouts": bad})
