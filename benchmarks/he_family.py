@@ -7,8 +7,9 @@ written the way a user would (patch sizes 2, 4 and 7, widths 32-64, one to three
 flattened or mean-pooled heads, hidden expansion, ``nn.Conv2d`` patchify on a ``(B, N, C)``
 sequence, image rows as tokens, token-mixing Mu-Layers, Poly-Blocks with spatial shift, a
 one-block ``pn.MONet``, the polynomial mixers ``pn.PoM`` and ``pn.PADRe``, Mu-Layers stacked in an
-``nn.Sequential`` without residuals, widening or not, and a ViT-like model of 7x7 patches with a
-position embedding), trained briefly on
+``nn.Sequential`` without residuals, widening or not, a ViT-like model of 7x7 patches with a
+position embedding, 14x14 patches (too wide for the client's input planes) with a hidden
+expansion, and a degree-3 PADRe with its 11x11 token mixing), trained briefly on
 the same images (the timings do not depend on accuracy, the parameters do through the
 calibrated ranges), then compiled with ``he.compile(model, x, calibration=x_train)`` and nothing
 else: ``precision_bits=16``, vector packing, latency objective. ``--precision-bits argmax``
@@ -140,13 +141,14 @@ class MixerBlockTokens(nn.Module):
     """A polynomial token mixer (``pn.PoM`` on the token sequence, or ``pn.PADRe`` on the grid)
     in a residual block after a BatchNorm'd patch embedding, mean pooling."""
 
-    def __init__(self, mixer: str = "pom", dim: int = 32, patch: int = 4):
+    def __init__(self, mixer: str = "pom", dim: int = 32, patch: int = 4, degree: int = 2,
+                 kernel_size: int = 3):
         super().__init__()
         self.embed = pn.PatchEmbed(28, patch, 1, dim)
         self.norm = pn.layers.ChannelsLastBatchNorm(dim)
         self.sequence = mixer == "pom"
-        self.mix = pn.PoM(dim, degree=2) if self.sequence else pn.PADRe(dim, degree=2,
-                                                                           kernel_size=3)
+        self.mix = pn.PoM(dim, degree=degree) if self.sequence else \
+            pn.PADRe(dim, degree=degree, kernel_size=kernel_size)
         self.head = nn.Linear(dim, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +217,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "stack_x3": lambda: StackedMuLayers(),
     "stack_widen": lambda: StackedMuLayers((16, 32, 64), hidden=None, pool="mean"),
     "p7_pos_d64": lambda: PositionalTokens(),
+    "p14_h128": lambda: PatchTokens(patch=14, dim=64, hidden=128),
+    "padre3_k11": lambda: MixerBlockTokens("padre", degree=3, kernel_size=11),
 }
 
 
