@@ -59,8 +59,8 @@ LOCAL_ROW_NNZ = 64
 _LOCAL_PRODUCT_WORK = 4_000_000
 #: Products whose bounded work exceeds this are not tried as local maps
 _LOCAL_TOTAL_WORK = 64 * _LOCAL_PRODUCT_WORK
-#: A linear map composed with the pending map of its input is a *dense join* when the composed
-#: map has more than this many times the nonzeros of the two apart (:attr:`Lowered.dense_joins`)
+#: Linear maps composed into one are *dense joins* when the composed map's rows read more than
+#: this many times the inputs any of its maps' rows read (:attr:`Lowered.dense_joins`)
 DENSE_JOIN_FACTOR = 4
 #: Programs with a value a packing must hold (input, output, a ciphertext product or its
 #: operands) of more elements are not lowered exactly by ``pn.certify`` (too large for any CKKS
@@ -114,7 +114,8 @@ class Lowered:
     """Steps of a program in evaluation order, and which one is the output.
 
     ``dense_joins``: program nodes (linear values) whose composition into the map that reads
-    them made that map much denser than the two apart (:data:`DENSE_JOIN_FACTOR`): lowering
+    them made that map's rows read far more inputs than any of its maps' (more than
+    :data:`DENSE_JOIN_FACTOR` times): lowering
     again with them kept apart (``lower(program, keep=dense_joins)``) costs a level each on
     their paths and may cost fewer operations, which a compiler can price.
     """
