@@ -24,9 +24,10 @@ from he.native import default_threads
 from he.errors import NotEncryptableError, SerializationError, TooDeepError
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
-from he.plan import (BatchPlan, VectorPlan, batch_counts, build_vector_plan, choose_fanin,
-                     choose_plane_packing, key_basis, next_pow2, padded_layouts_fit,
-                     rotation_path, search_layouts, widest_period)
+from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
+                     choose_fanin, choose_plane_packing, key_basis, next_pow2,
+                     padded_layouts_fit, planes_readers, rotation_path, search_layouts,
+                     widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from polynets._io import atomic_write_bytes, read_bytes_limited
@@ -320,9 +321,14 @@ class CompiledProgram:
                     not isinstance(p, list) or len(p) != 2 or any(type(i) is not int for i in p)
                     for p in stacked):
                 raise ValueError("stacked must be a list of [step, step] pairs")
+            max_planes = self.options.get("max_planes", MAX_PLANES)
+            if type(max_planes) is not int or not 0 <= max_planes <= MAX_PLANES:
+                raise ValueError(f"max_planes must be an int in [0, {MAX_PLANES}], got "
+                                 f"{max_planes!r}")
             self.plan = build_vector_plan(
                 self.lowered, params.slots,
                 None if orders is None else [None if o is None else tuple(o) for o in orders],
+                max_planes=max_planes,
                 interleave=self.options.get("interleave"),
                 output_shape=tuple(program.output_shape),
                 max_input_ciphertexts=int(self.options["max_input_ciphertexts"]),
@@ -537,24 +543,38 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         return costs.price({k: v for k, v in counts.items() if k != "plaintexts"}, ring,
                            params.limbs(level))
 
-    orders, _ = search_layouts(lowered, slots, price)
     objective = options["objective"]
-    most = slots // widest_period(lowered, orders)
-    tries = [samples] if samples is not None else [most >> i for i in range(most.bit_length())][:8]
-    best: tuple[float, Any, Any, Any] | None = None
-    for k in tries:
-        per_ct = choose_plane_packing(lowered, orders, slots // k,
-                                      lambda counts: costs.price(counts, ring, params.limbs(0)))
-        trial = build_vector_plan(lowered, slots, orders, interleave=k,
-                                  output_shape=tuple(program.output_shape),
-                                  max_input_ciphertexts=int(options["max_input_ciphertexts"]),
-                                  planes_per_ct=per_ct, price=price)
-        predicted = _predict_vector(trial, params, costs, _threads(options))
-        score = _objective_cost(predicted, objective, options.get("batch_size"))
-        if best is None or score < best[0]:
-            best = (score, trial, per_ct, predicted)
+    # the first maps from the client's input planes (no rotation; an input ciphertext per few
+    # planes), or from the input itself (one ciphertext; the maps rotate it)
+    plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
+    best: tuple[float, Any, Any, Any, Any, int] | None = None
+    scores: dict[int, float] = {}
+    for max_planes in plane_options:
+        orders, _ = search_layouts(lowered, slots, price, max_planes=max_planes)
+        most = slots // widest_period(lowered, orders)
+        tries = [samples] if samples is not None else \
+            [most >> i for i in range(most.bit_length())][:8]
+        for k in tries:
+            per_ct = choose_plane_packing(
+                lowered, orders, slots // k,
+                lambda counts: costs.price(counts, ring, params.limbs(0)), max_planes=max_planes)
+            trial = build_vector_plan(lowered, slots, orders, interleave=k,
+                                      output_shape=tuple(program.output_shape),
+                                      max_planes=max_planes,
+                                      max_input_ciphertexts=int(options["max_input_ciphertexts"]),
+                                      planes_per_ct=per_ct, price=price)
+            predicted = _predict_vector(trial, params, costs, _threads(options))
+            score = _objective_cost(predicted, objective, options.get("batch_size"))
+            scores[max_planes] = min(score, scores.get(max_planes, score))
+            if best is None or score < best[0]:
+                best = (score, trial, per_ct, predicted, orders, max_planes)
     assert best is not None
-    score, plan, per_ct, predicted = best
+    score, plan, per_ct, predicted, orders, max_planes = best
+    most = slots // widest_period(lowered, orders)
+    planes_why = ""
+    if len(scores) > 1:
+        planes_why = (f"; the first maps from the client's input planes: {scores[MAX_PLANES]:.3g}"
+                      f" s, from one input ciphertext: {scores[0]:.3g} s")
     threads, threads_why, predicted = _server_threads(plan, params, costs, _threads(options),
                                                       predicted)
     changed = sum(o is not None for o in orders)
@@ -568,7 +588,9 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                     f"maps stacked; widest value {plan.widest} slots, room for {most} samples "
                     f"per ciphertext; {plan.interleave} chosen for {objective} "
                     f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client encryption "
-                    f"included); {threads_why}")}
+                    f"included){planes_why}; {threads_why}")}
+    if max_planes != MAX_PLANES:
+        opts["max_planes"] = max_planes
     return plan, opts
 
 

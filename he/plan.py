@@ -45,9 +45,13 @@ __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map"
            "candidate_orders", "layout_groups", "search_layouts", "build_vector_plan",
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
            "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms",
-           "padded_layouts_fit", "input_patches", "value_orders"]
+           "padded_layouts_fit", "input_patches", "value_orders", "planes_readers",
+           "MAX_PLANES"]
 
 Order = tuple[int, ...] | None
+
+#: Most inputs per output of a first map the client's input planes replace (one plane per input)
+MAX_PLANES = 64
 
 
 def next_pow2(n: int) -> int:
@@ -828,7 +832,7 @@ def layout_groups(lowered: Lowered) -> list[int]:
     return [find(i) for i in range(len(lowered.steps))]
 
 
-def _planes_readers(lowered: Lowered, max_planes: int) -> list[int]:
+def planes_readers(lowered: Lowered, max_planes: int) -> list[int]:
     """Steps the client's input planes can replace: one-term affine maps of the input whose
     outputs each read at most ``max_planes`` inputs (convolutions, patch embeddings and what
     the lowering composed with them)."""
@@ -855,7 +859,7 @@ def _term_is_identity(m: sp.csr_matrix, out_map: np.ndarray, in_map: np.ndarray)
 
 
 def search_layouts(lowered: Lowered, slots: int, price: Callable[[dict[str, int], int], float],
-                   *, max_planes: int = 64, sweeps: int = 2) -> tuple[list[Order], float]:
+                   *, max_planes: int = MAX_PLANES, sweeps: int = 2) -> tuple[list[Order], float]:
     """Layouts (one per step) minimising the modelled time of all affine steps.
 
     ``price(counts, level)`` gives seconds for primitive counts at a level. Coordinate descent
@@ -894,7 +898,7 @@ class _LayoutSearch:
         self.group = group = layout_groups(lowered)
         gids = sorted(set(group))
         members = {g: [i for i in range(len(steps)) if group[i] == g] for g in gids}
-        self.planes = set(_planes_readers(lowered, max_planes))
+        self.planes = set(planes_readers(lowered, max_planes))
         self.cands: dict[int, list[Order]] = {}
         for g in gids:
             kinds = {self.shapes[i] for i in members[g]}
@@ -990,13 +994,13 @@ def widest_period(lowered: Lowered, orders: Sequence[Order]) -> int:
 
 def choose_plane_packing(lowered: Lowered, orders: Sequence[Order], vslots: int,
                          price: Callable[[dict[str, int]], float], *,
-                         max_planes: int = 64) -> dict[int, int]:
+                         max_planes: int = MAX_PLANES) -> dict[int, int]:
     """Planes per input ciphertext for every planes step: ``per_ct`` planes in one ciphertext
     cost the client ``ceil(k / per_ct)`` encryptions and the server ``log2(per_ct)`` folds;
     ``price(counts)`` prices both (primitives ``encrypt``, ``mul_plain``, ``rotate``, ``add``)."""
     out = {}
     shapes = layout_shapes(lowered)
-    for si in _planes_readers(lowered, max_planes):
+    for si in planes_readers(lowered, max_planes):
         st = lowered.steps[si]
         k = int(np.diff(st.terms[0].tocsr().indptr).max())
         p_out = next_pow2(_width(shapes[si], orders[si]))
@@ -1269,7 +1273,7 @@ def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray
 
 def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | None = None, *,
                       interleave: int | None = None, output_shape: tuple[int, ...] = (),
-                      max_planes: int = 64, max_input_ciphertexts: int = 8,
+                      max_planes: int = MAX_PLANES, max_input_ciphertexts: int = 8,
                       planes_per_ct: dict[int, int] | None = None,
                       price: Callable[[dict[str, int], int], float] | None = None,
                       stacked: Sequence[Sequence[int]] | None = None) -> VectorPlan:
@@ -1288,7 +1292,7 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     maps = [slot_map(sh, o) for sh, o in zip(layout_shapes(lowered), orders)]
     widths = [int(m.max()) + 1 if m.size else 1 for m in maps]
     periods = [next_pow2(w) for w in widths]
-    planes_at = _planes_readers(lowered, max_planes)
+    planes_at = planes_readers(lowered, max_planes)
     widest = max(periods)
     if widest > slots:
         raise ValueError(f"a value needs {widest} slots, more than the {slots} available")

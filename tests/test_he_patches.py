@@ -109,3 +109,66 @@ def test_a_stored_input_layout_outside_its_candidates_is_refused():
     with pytest.raises(ValueError, match="not an order"):
         he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
                            {**prog.options, "layouts": bad})
+
+
+class SmallTokens(nn.Module):
+    """2x2 patches of an 8x8 image, one Mu-Layer, mean pool: its first maps read 4 pixels per
+    output, so the client's input planes can replace them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = pn.PatchEmbed(8, 2, 1, 8)
+        self.mu = pn.MuLayer(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        t = t + self.mu(t)
+        return self.head(t.flatten(1, 2).mean(1))
+
+
+def _small() -> tuple[he.CompiledProgram, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = SmallTokens().eval()
+    x = torch.rand(32, 1, 8, 8)
+    return he.compile(model, x[:1], calibration=x), model, x
+
+
+def test_the_compiler_prices_input_planes_against_one_input_ciphertext():
+    import re
+
+    prog, _, _ = _small()
+    found = re.search(r"input planes: ([0-9.e+-]+) s, from one input ciphertext: ([0-9.e+-]+) s",
+                      prog.plan.why)
+    assert found, prog.plan.why
+    planes, single = (float(v) for v in found.groups())
+    chosen = prog.plan.predicted["round_trip_seconds"]
+    assert chosen == pytest.approx(min(planes, single), rel=2e-3)
+    no_planes = prog.options.get("max_planes") == 0
+    assert no_planes == (single < planes)
+    assert (prog.plan.cost()["input_ciphertexts"] == 1) or not no_planes
+
+
+def test_a_program_whose_first_maps_read_one_input_ciphertext_decrypts_and_round_trips(tmp_path):
+    prog, model, x = _small()
+    assert prog.options.get("max_planes") == 0, prog.plan.why    # the cheaper one here
+    assert not any(s.kind == "planes" for s in prog.plan.steps)
+    path = tmp_path / "p.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.options["max_planes"] == 0 and loaded.plan.op_counts() == prog.plan.op_counts()
+    client = he.Client(loaded)
+    server = he.Server(loaded, client.public_context())
+    out = client.decrypt(server.run(client.encrypt(x[:3])))
+    want = prog.simulate(x[:3].numpy())
+    assert np.max(np.abs(out - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x[:3]).double().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, 65, 2.0, "0"])
+def test_a_stored_max_planes_out_of_range_is_refused(bad):
+    prog, _, _ = _small()
+    with pytest.raises(ValueError, match="max_planes"):
+        he.CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                           {**prog.options, "max_planes": bad})
