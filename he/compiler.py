@@ -877,6 +877,15 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             server_threads: int | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
+    The compiler prices its candidates with ``cost_model`` and keeps the cheapest for
+    ``objective``: the packing (``packing="auto"``), the ring and any split of values wider
+    than its slots, a chain of one prime per level or a wide one, every value's layout (the
+    input's among them, laid out by its patches where the maps reading it read it so), the
+    baby/giant split of every map, whether local first maps read the client's input planes or
+    rotate one input ciphertext, the samples per ciphertext, and whether linear maps whose
+    composition would multiply the work are kept apart at a level each. ``prog.plan.why`` and
+    ``prog.params.why`` say what was chosen against what.
+
     Args:
         model: an ``nn.Module`` (traced and certified on ``example_input``) or a PolyProgram.
         example_input: a batch ``(B, *sample)``; also the calibration data by default.
