@@ -145,7 +145,8 @@ def input_patches(lowered: Lowered) -> tuple[tuple[int, ...], list[tuple[int, ..
     outermost, patches innermost: every output of a patch then reads its inputs at offsets that
     are multiples of the patch stride, as a channel map repeated over tokens does) or the
     reverse. The client encrypts the input in either at no cost, so the search prices them with
-    the others. None where the input is read otherwise (or by the client's planes only)."""
+    the others (where the client's input planes replace those maps, the input's own layout is
+    not used). None where the input is read otherwise."""
     memo = lowered.__dict__.get("_input_patches", _UNSET)
     if memo is _UNSET:
         memo = lowered.__dict__["_input_patches"] = _input_patches(lowered)
