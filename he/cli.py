@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from he.errors import InputShapeError, SecretKeyError, SerializationError
+from he.errors import InputShapeError, NotEncryptableError, SecretKeyError, SerializationError
 from polynets._io import (MAX_FILE_BYTES, atomic_write_bytes, load_npy_bytes,
                           loads_json_strict, read_bytes_limited)
 from polynets.errors import CheckpointError, ConfigError, WriteError
@@ -130,6 +130,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import he
 
     _check_output(args.output)
+    if args.bandwidth is not None and not (math.isfinite(args.bandwidth) and args.bandwidth > 0):
+        raise NotEncryptableError(f"bandwidth must be a positive number of Mbit/s, got "
+                                  f"{args.bandwidth}")
     model = _load_model(args.model, args.model_args)
     calib = _load_array(args.calibration, "calibration data") if args.calibration else None
     if args.input_shape:
@@ -145,7 +148,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                       objective=args.objective, batch_size=args.batch_size,
                       precision_bits=args.precision_bits, security=args.security,
                       memory_budget=None if args.memory_budget is None
-                      else max(1, int(args.memory_budget * 2 ** 30)))
+                      else max(1, int(args.memory_budget * 2 ** 30)),
+                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e6 / 8)
     prog.save(args.output)
     print(prog.summary())
     print(f"wrote {args.output}")
@@ -300,6 +304,9 @@ def register(subparsers: Any) -> None:
                    help="classical security level in bits (default 128)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="server memory allowed, GiB (--packing auto avoids plans beyond it)")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="MBIT/S",
+                   help="link between client and server, Mbit/s: the objective then counts "
+                        "the ciphertexts' time on it (default: not counted)")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
 

@@ -175,6 +175,21 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     return serial - rot * (babies + giants - rounds)
 
 
+#: Serialised size of a ciphertext over the bits its residues need (SEAL's zstd leaves part of
+#: each word's unused high bits; measured 1.05-1.15 at N=8192 and 16384)
+_WIRE_OVERHEAD = 1.12
+
+
+def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> int:
+    """Bytes ``ciphertexts`` ciphertexts of ``polys`` polynomials at ``level`` take serialised:
+    each residue in about the bytes its prime's bits need (SEAL compresses the words' unused
+    high bits, :data:`_WIRE_OVERHEAD`). A client's fresh encryption is one polynomial and a
+    seed (the other is regenerated from it); a server's result is two."""
+    bits = sum(params.coeff_mod_bit_sizes[:params.limbs(level)])
+    return int(int(ciphertexts) * int(polys) * params.poly_modulus_degree * bits / 8
+               * _WIRE_OVERHEAD)
+
+
 def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
                     threads: int = 1) -> dict[str, Any]:
     counts = plan.op_counts()
@@ -196,6 +211,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
+            "upload_bytes": wire_bytes(params, 0, len(plan.input_layout), 1),
+            "download_bytes": wire_bytes(params, plan.steps[plan.output].level, 1, 2),
             "server_threads": threads,
             "server_memory_bytes": _server_memory(params, plaintexts, len(plan.galois_steps()),
                                                   len(plan.steps))}
@@ -250,6 +267,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
             "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
+            "upload_bytes": wire_bytes(params, 0, int(live[0].sum()), 1),
+            "download_bytes": wire_bytes(params, levels[lowered.output],
+                                         int(live[lowered.output].sum()), 2),
             "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES,
             # what evaluating one group adds to a server whose keys are loaded
             "working_memory_bytes": held + PLAIN_CACHE_BYTES}
@@ -425,7 +445,10 @@ class CompiledProgram:
             lines.append(f"  predicted: {p['seconds_per_ciphertext']:.3g} s per ciphertext{on} "
                          f"({p['samples_per_ciphertext']} samples), "
                          f"{p['seconds_per_sample'] * 1e3:.3g} ms per sample, server memory "
-                         f"{p['server_memory_bytes'] / 2 ** 20:.0f} MiB")
+                         f"{p['server_memory_bytes'] / 2 ** 20:.0f} MiB"
+                         + (f", {p['upload_bytes'] / 2 ** 20:.3g} MiB up and "
+                            f"{p['download_bytes'] / 2 ** 20:.3g} MiB down per request"
+                            if "upload_bytes" in p else ""))
         if self.plan.why:
             lines.append(f"  why: {self.plan.why}")
         return "\n".join(lines)
@@ -517,15 +540,21 @@ def _calibration_data(program: PolyProgram, example_input: Any, calibration: Any
     return np.asarray(data, dtype=np.float64)
 
 
-def _objective_cost(predicted: dict[str, Any], objective: str, batch_size: int | None) -> float:
+def _objective_cost(predicted: dict[str, Any], objective: str, batch_size: int | None,
+                    bandwidth: float | None = None) -> float:
     """Predicted seconds the objective minimises: one round trip (latency), or per sample when
-    requests of ``batch_size`` samples (default: full ciphertexts) are sent (throughput)."""
+    requests of ``batch_size`` samples (default: full ciphertexts) are sent (throughput). With
+    a ``bandwidth`` (bytes per second between client and server), a round trip also moves its
+    ciphertexts, and a stream of requests goes no faster than the link carries them."""
+    wire = 0.0
+    if bandwidth:
+        wire = (predicted.get("upload_bytes", 0) + predicted.get("download_bytes", 0)) / bandwidth
+    compute = float(predicted["round_trip_seconds"])
     if objective == "latency":
-        return float(predicted["round_trip_seconds"])
-    if batch_size is None:
-        return float(predicted["seconds_per_sample"])
-    groups = math.ceil(batch_size / predicted["samples_per_ciphertext"])
-    return groups * float(predicted["round_trip_seconds"]) / batch_size
+        return compute + wire
+    groups = 1 if batch_size is None else math.ceil(batch_size / predicted["samples_per_ciphertext"])
+    samples = predicted["samples_per_ciphertext"] if batch_size is None else batch_size
+    return groups * max(compute, wire) / samples
 
 
 def _dense_widest(lowered: Lowered) -> int:
@@ -564,7 +593,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                                       max_input_ciphertexts=int(options["max_input_ciphertexts"]),
                                       planes_per_ct=per_ct, price=price)
             predicted = _predict_vector(trial, params, costs, _threads(options))
-            score = _objective_cost(predicted, objective, options.get("batch_size"))
+            score = _objective_cost(predicted, objective, options.get("batch_size"),
+                                    options.get("bandwidth"))
             scores[max_planes] = min(score, scores.get(max_planes, score))
             if best is None or score < best[0]:
                 best = (score, trial, per_ct, predicted, orders, max_planes)
@@ -610,7 +640,8 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
     """The vector plan at ``params`` and, where the program allows a wide chain of the same
     ring that keeps the precision, the one the cost model predicts cheaper for the objective."""
     plan, opts = _vector_choice(program, lowered, params, costs, options, samples)
-    best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size")),
+    best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size"),
+                            options.get("bandwidth")),
             params, plan, opts)
     for phase in wide_phases(lowered):
         wide = wide_variant(params, phase, lambda p: _vector_gain(lowered, msq, p), err_target)
@@ -619,7 +650,7 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
         build_context(wide)
         w_plan, w_opts = _vector_choice(program, lowered, wide, costs, options, samples)
         score = _objective_cost(w_opts["predicted"], options["objective"],
-                                options.get("batch_size"))
+                                options.get("batch_size"), options.get("bandwidth"))
         if score < best[0]:
             w_opts["why"] += (f"; wide chain chosen: predicted {score:.3g} s against "
                               f"{best[0]:.3g} s with one prime per level")
@@ -839,7 +870,8 @@ def _rank(prog: "CompiledProgram", objective: str, batch_size: int | None, budge
     """Sort key of candidate programs: those whose server fits ``budget`` bytes first (a plan
     over it is chosen only when none fits), then the predicted cost for ``objective``."""
     over = float(prog.plan.predicted.get("server_memory_bytes", 0)) > budget
-    return over, _objective_cost(prog.plan.predicted, objective, batch_size)
+    return over, _objective_cost(prog.plan.predicted, objective, batch_size,
+                                 prog.options.get("bandwidth"))
 
 
 def _choose(found: list["CompiledProgram"], packing: str, objective: str,
@@ -874,7 +906,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             max_input_ciphertexts: int = 8, samples_per_ciphertext: int | None = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
             memory_budget: int | None = None, security: int = 128,
-            server_threads: int | None = None) -> CompiledProgram:
+            server_threads: int | None = None,
+            bandwidth: float | None = None) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     The compiler prices its candidates with ``cost_model`` and keeps the cheapest for
@@ -919,6 +952,11 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             :data:`MIN_THREAD_GAIN` times as fast as one, else one thread
             (``prog.options["server_threads"]``, why in ``["threads_why"]``), and
             ``he.Server`` runs on that many unless told otherwise.
+        bandwidth: bytes per second between client and server; where given, the objective
+            counts the time the ciphertexts take on the link (``prog.plan.predicted`` has
+            ``"upload_bytes"`` and ``"download_bytes"`` per request either way): a slow link
+            favours fewer input ciphertexts and, for throughput, as many samples per byte as
+            the plan allows (default: not counted).
         memory_budget: bytes the server may use; with ``packing="auto"`` a packing whose
             predicted server memory exceeds it is chosen only when none fits, and a vector plan
             whose Galois keys (one per distinct rotation) would exceed it composes its rotations
@@ -949,6 +987,11 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             maxabs[program.output])
     if server_threads is not None:
         check_int(server_threads, "server_threads", error=NotEncryptableError)
+    if bandwidth is not None and (isinstance(bandwidth, bool) or
+                                  not isinstance(bandwidth, (int, float)) or
+                                  not math.isfinite(bandwidth) or bandwidth <= 0):
+        raise NotEncryptableError(f"bandwidth must be a positive number of bytes per second, "
+                                  f"got {bandwidth!r}")
     options = {"precision_bits": int(precision_bits),
                "max_input_ciphertexts": int(max_input_ciphertexts), "objective": objective,
                "batch_size": None if batch_size is None else int(batch_size),
@@ -957,6 +1000,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                else int(server_threads)}
     if precision_why:
         options["precision"] = precision_why
+    if bandwidth is not None:
+        options["bandwidth"] = float(bandwidth)
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     kinds = PACKINGS if packing == "auto" else (packing,)

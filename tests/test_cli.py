@@ -234,6 +234,8 @@ def _fails_cleanly(argv, capsys, message):
      "expected (B, 1, 8, 8)"),
     (["compile", "monet", "-o", "{r}/z.he", "--calibration", "{r}/scalar.npy"], "expected a batch"),
     (["compile", "monet", "-o", "{r}", "--input-shape", "1,8,8"], "is a directory"),
+    (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--bandwidth", "-5"],
+     "bandwidth must be a positive"),
     (["he-costs", "-o", "{r}"], "is a directory"),
 ])
 def test_misused_encrypted_inference_commands_fail_with_one_line(he_files, capsys, argv, message):

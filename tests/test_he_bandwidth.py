@@ -1,0 +1,70 @@
+"""The link between client and server: predicted request sizes, and a slow link priced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+
+
+class Tokens(nn.Module):
+    """4x4 patches of MNIST-sized images, two Mu-Layers: its first maps can read the client's
+    input planes (several input ciphertexts) or rotate one input ciphertext."""
+
+    def __init__(self, dim: int = 48):
+        super().__init__()
+        self.embed = pn.PatchEmbed(28, 4, 1, dim)
+        self.mus = nn.ModuleList(pn.MuLayer(dim) for _ in range(2))
+        self.head = nn.Linear(dim * 49, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.flatten(1))
+
+
+def _data():
+    torch.manual_seed(0)
+    return Tokens().eval(), torch.rand(64, 1, 28, 28)
+
+
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_predicted_request_sizes_match_the_serialised_ciphertexts(packing):
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), Square(), nn.Linear(4, 3)).eval()
+    x = torch.rand(16, 6)
+    prog = he.compile(model, x[:1], calibration=x, packing=packing)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x[:2])
+    up = len(ct.to_bytes())
+    down = len(server.run(ct).to_bytes())
+    predicted = prog.plan.predicted
+    assert predicted["upload_bytes"] == pytest.approx(up, rel=0.25)
+    assert predicted["download_bytes"] == pytest.approx(down, rel=0.25)
+
+
+def test_a_slow_link_makes_the_compiler_send_fewer_input_ciphertexts():
+    model, x = _data()
+    fast = he.compile(model, x[:1], calibration=x)
+    slow = he.compile(model, x[:1], calibration=x, bandwidth=1e6)     # 8 Mbit/s
+    assert fast.plan.cost()["input_ciphertexts"] > 1    # the planes win on compute alone
+    assert slow.plan.cost()["input_ciphertexts"] == 1
+    assert slow.plan.predicted["upload_bytes"] < fast.plan.predicted["upload_bytes"]
+    assert slow.options["bandwidth"] == 1e6 and "bandwidth" not in fast.options
+    assert "MiB up" in slow.summary()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "fast", True])
+def test_a_bandwidth_that_is_not_a_positive_rate_is_refused(bad):
+    model, x = _data()
+    with pytest.raises(he.NotEncryptableError, match="bandwidth"):
+        he.compile(model, x[:1], calibration=x, bandwidth=bad)
