@@ -38,7 +38,11 @@ Recipe of :class:`EquationDiscovery.fit`:
    predicted from their own fitted starts), which needs no noise level and does not lean on
    BIC's asymptotics when a small term is near the noise (``selection`` = ``"bic+cv"``; ``"bic"``
    and ``"cv"`` use one rule alone).
-6. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
+6. **Parsimony among equals** (:meth:`EquationDiscovery._simplify`): a term of the chosen model
+   is swapped for a monomial of lower degree when the data cannot tell the two apart (BIC within
+   ``PARSIMONY_BIC`` of the choice): under noise a higher-degree stand-in (``y*z`` for ``y`` where
+   ``z`` varies little) otherwise wins or loses by the noise draw.
+7. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
    again and again up to whole trajectories, while a likelihood-ratio test finds the longer
    windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
    under noise; a chaotic trajectory stops the doubling where it no longer fits. On exact data
@@ -113,6 +117,15 @@ SWAP_EVIDENCE = 6.0
 """BIC decrease a local swap must achieve over the candidate it starts from to be kept: a Bayes
 factor of about 20, "strong" evidence on Kass and Raftery's scale. Under a collinear library
 (e.g. ``S + E + I + R = 1``) near-equivalent representations differ by less, by chance."""
+
+PARSIMONY_BIC = 2.0
+"""A support whose BIC is above the chosen one's by at most this is as well supported by the data
+("not worth more than a bare mention" on Kass and Raftery's scale: a Bayes factor below e);
+:meth:`EquationDiscovery._simplify` then prefers it when its monomials are of lower degree."""
+
+SIMPLIFY_REFITS = 3
+"""Most proposals :meth:`EquationDiscovery._simplify` refits per round (in the order of
+:func:`lower_degree_swaps`); its rounds are at most ``STEPWISE_ROUNDS``."""
 
 SWAP_EXTRA = 2
 """Supports up to this many terms larger than the current one are searched per equation by
@@ -222,6 +235,38 @@ def fit_criterion(res: ShootingResult) -> float:
     return information_criterion(res, res.n_params)
 
 
+def equation_quadratic(S: np.ndarray, g: np.ndarray, c0: np.ndarray, active: np.ndarray,
+                       i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Equation ``i``'s part of the Gauss-Newton model of a trajectory fit as a least-squares
+    problem: with the other equations' active coefficients minimised out,
+    ``RSS(c_i) = ||G c_i - beta||^2 + const`` over its ``p`` (scaled) library coefficients.
+    ``S``, ``g`` from :func:`~symbolic.shooting.local_quadratic`, ``c0`` (p * dim,) the scaled
+    coefficients it was taken at, ``active`` (p, dim). Returns ``G`` (r, p), ``beta`` (r,)."""
+    p, dim = active.shape
+    flat = active.reshape(-1)
+    eq = np.arange(p) * dim + i
+    others = np.nonzero(flat & (np.arange(flat.size) % dim != i))[0]
+    Sii, gi = S[np.ix_(eq, eq)], g[eq]
+    if len(others):
+        Soi = S[np.ix_(others, eq)]
+        proj = np.linalg.lstsq(S[np.ix_(others, others)],
+                               np.hstack([Soi, g[others, None]]), rcond=1e-12)[0]
+        Sii = Sii - Soi.T @ proj[:, :-1]
+        gi = gi - Soi.T @ proj[:, -1]
+    # RSS(c) = c^T Sii c - 2 b^T c + const = ||G c - beta||^2 + const
+    b = Sii @ c0[eq] - gi
+    vals, vecs = np.linalg.eigh(0.5 * (Sii + Sii.T))
+    keep = vals > 1e-10 * max(float(vals.max()), 1e-300)
+    G = np.sqrt(vals[keep])[:, None] * vecs[:, keep].T
+    beta = (vecs[:, keep].T @ b) / np.sqrt(vals[keep])
+    return G, beta
+
+
+def model_rss(G: np.ndarray, beta: np.ndarray, cols: np.ndarray) -> float:
+    """Residual of :func:`equation_quadratic`'s least squares on the columns ``cols``."""
+    return float(np.sum((G @ support_lstsq(G, beta, cols) - beta) ** 2))
+
+
 def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
                 active: np.ndarray, penalty: float, extra: int = SWAP_EXTRA
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -229,47 +274,58 @@ def local_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray
 
     ``S``, ``g``, ``norm`` from :func:`~symbolic.shooting.local_quadratic` at coefficients
     ``coef`` of support ``active`` (p, dim). For each equation the other equations' active
-    coefficients are minimised out, the quadratic is written as a least-squares problem and its
-    best support of every size up to ``extra`` more terms than now is found
-    (:func:`~symbolic.weak.subset_path`); the size minimising ``RSS + penalty * terms`` (RSS of
-    the quadratic model) is kept when that beats the current support. Returns the proposed
-    support (p, dim) and its Gauss-Newton coefficients (the current ones where unchanged)."""
+    coefficients are minimised out (:func:`equation_quadratic`) and its best support of every
+    size up to ``extra`` more terms than now is found (:func:`~symbolic.weak.subset_path`); the
+    size minimising ``RSS + penalty * terms`` (RSS of the quadratic model) is kept when that
+    beats the current support. Returns the proposed support (p, dim) and its Gauss-Newton
+    coefficients (the current ones where unchanged)."""
     p, dim = active.shape
-    flat = active.reshape(-1)
     c0 = coef.reshape(-1) * norm
     proposal, new = active.copy(), coef.copy()
     for i in range(dim):
-        eq = np.arange(p) * dim + i
-        others = np.nonzero(flat & (np.arange(flat.size) % dim != i))[0]
-        Sii, gi = S[np.ix_(eq, eq)], g[eq]
-        if len(others):
-            Soi = S[np.ix_(others, eq)]
-            proj = np.linalg.lstsq(S[np.ix_(others, others)],
-                                   np.hstack([Soi, g[others, None]]), rcond=1e-12)[0]
-            Sii = Sii - Soi.T @ proj[:, :-1]
-            gi = gi - Soi.T @ proj[:, -1]
-        # RSS(c) = c^T Sii c - 2 b^T c + const = ||G c - beta||^2 + const
-        b = Sii @ c0[eq] - gi
-        vals, vecs = np.linalg.eigh(0.5 * (Sii + Sii.T))
-        keep = vals > 1e-10 * max(float(vals.max()), 1e-300)
-        G = np.sqrt(vals[keep])[:, None] * vecs[:, keep].T
-        beta = (vecs[:, keep].T @ b) / np.sqrt(vals[keep])
+        G, beta = equation_quadratic(S, g, c0, active, i)
         current = np.nonzero(active[:, i])[0]
-
-        def rss(cols: np.ndarray) -> float:
-            return float(np.sum((G @ support_lstsq(G, beta, cols) - beta) ** 2))
-
-        best_cols, best = current, rss(current) + penalty * len(current)
+        best_cols, best = current, model_rss(G, beta, current) + penalty * len(current)
         for support, _ in subset_path(G, beta, max_terms=min(p, len(current) + extra)):
             cols = np.nonzero(support)[0]
-            value = rss(cols) + penalty * len(cols)
+            value = model_rss(G, beta, cols) + penalty * len(cols)
             if value < best - 1e-9 * abs(best):
                 best_cols, best = cols, value
         if not np.array_equal(best_cols, current):
             proposal[:, i] = False
             proposal[best_cols, i] = True
-            new[:, i] = support_lstsq(G, beta, best_cols) / norm[eq]
+            new[:, i] = support_lstsq(G, beta, best_cols) / norm[np.arange(p) * dim + i]
     return proposal, new
+
+
+def lower_degree_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
+                       active: np.ndarray, degrees: np.ndarray, tolerance: float
+                       ) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """Supports one term simpler than ``active`` that fit about as well, under the local
+    Gauss-Newton model of a trajectory fit (as :func:`local_swaps`).
+
+    Every active term of every equation is replaced in turn by each inactive monomial of lower
+    total degree (``degrees`` (p,)); a swap whose model RSS exceeds the current one by at most
+    ``tolerance`` is returned as ``(RSS increase, support (p, dim), Gauss-Newton coefficients
+    (p, dim))``, largest degree drop first, then smallest increase."""
+    p, dim = active.shape
+    c0 = coef.reshape(-1) * norm
+    out: list[tuple[int, float, np.ndarray, np.ndarray]] = []
+    for i in range(dim):
+        G, beta = equation_quadratic(S, g, c0, active, i)
+        current = np.nonzero(active[:, i])[0]
+        base = model_rss(G, beta, current)
+        for k in current:
+            for j in np.nonzero(~active[:, i] & (degrees < degrees[k]))[0]:
+                cols = np.sort(np.append(current[current != k], j))
+                increase = model_rss(G, beta, cols) - base
+                if increase <= tolerance:
+                    support, new = active.copy(), coef.copy()
+                    support[k, i], support[j, i] = False, True
+                    new[:, i] = support_lstsq(G, beta, cols) / norm[np.arange(p) * dim + i]
+                    out.append((int(degrees[j] - degrees[k]), increase, support, new))
+    out.sort(key=lambda item: (item[0], item[1]))
+    return [(increase, support, new) for _, increase, support, new in out]
 
 
 class EquationDiscovery(BaseEstimator):
@@ -311,8 +367,8 @@ class EquationDiscovery(BaseEstimator):
     Fitted attributes: ``coef_`` (p, dim) over the monomials ``library_`` (p, dim exponents),
     ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
     exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
-    ``"lstsq"`` the dense integral-form least squares, ``"weak"``, or ``"stepwise"`` a local
-    swap, see :meth:`_stepwise`), ``candidates_`` one record per start (terms, RSS,
+    ``"lstsq"`` the dense integral-form least squares, ``"weak"``, ``"stepwise"`` a local
+    swap, see :meth:`_stepwise`, or ``"simpler"`` a lower-degree swap, see :meth:`_simplify`), ``candidates_`` one record per start (terms, RSS,
     criterion, held-out error ``cv`` where computed, window, converged, or the error),
     ``rounds_`` the terms and residual per elimination round of the chosen model, ``result_`` its
     :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
@@ -527,6 +583,9 @@ class EquationDiscovery(BaseEstimator):
         timings["stepwise"] = time.perf_counter() - began
         fitted = [c for c in candidates if "result" in c]
         best = self._select(fitted)
+        began = time.perf_counter()
+        best = self._simplify(best, candidates, noise)
+        timings["simplify"] = time.perf_counter() - began
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
         self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
@@ -707,6 +766,66 @@ class EquationDiscovery(BaseEstimator):
                       result=moved, active=kept, rounds=rounds, support=kept.tobytes())
         candidates.append(record)
         return record
+
+    def _simplify(self, best: dict, candidates: list[dict], noise: float | None) -> dict:
+        """Among supports the data cannot tell from the chosen one, the one of simplest terms.
+
+        Under noise a term can have a stand-in of higher degree that fits as well (``y*z`` for
+        ``y`` where ``z`` varies little, ``x**2`` for a constant where it only matters near
+        ``z = 0``), and which one BIC ranks first is decided by the noise draw. From the chosen
+        candidate, each single swap of an active term for an inactive monomial of lower total
+        degree that the Gauss-Newton model of the fit (:func:`lower_degree_swaps`) predicts to
+        raise the BIC by at most ``PARSIMONY_BIC`` is refit and eliminated (:meth:`_eliminate`);
+        the first whose BIC (on the configured windows, converged) is within ``PARSIMONY_BIC``
+        of the chosen candidate's replaces it (start ``"simpler"``, also recorded in
+        ``candidates``), and the search repeats from there, at most ``STEPWISE_ROUNDS`` times. The bound is to the chosen candidate, so repeated swaps cannot
+        drift away from what the data support. Nothing is done on exact data (``SWAP_MIN_RMS``)
+        or for a candidate on shorter windows."""
+        res, active = best["result"], best["active"]
+        if res.window != self.window or \
+                math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS:
+            return best
+        bound = fit_criterion(res) + PARSIMONY_BIC
+        degrees = self.library_.sum(axis=1)
+        rtol = self._search_rtol
+        tried: set[bytes] = {active.tobytes()}
+        for _ in range(STEPWISE_ROUNDS):
+            try:
+                S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
+                                             rtol=rtol, atol=self.atol * rtol / self.rtol,
+                                             budget=self._budget())
+            except (FitError, np.linalg.LinAlgError):
+                break
+            tolerance = PARSIMONY_BIC * res.rss / max(res.n_residuals, 1)
+            proposals = [(support, coef) for _, support, coef in
+                         lower_degree_swaps(S, g, norm, res.coef, active, degrees, tolerance)
+                         if support.tobytes() not in tried][:SIMPLIFY_REFITS]
+            found = None
+            for support, coef in proposals:
+                tried.add(support.tobytes())
+                began = time.perf_counter()
+                try:
+                    moved = self._refit(coef, support, res.x0, res.window,
+                                        max_iter=WARM_EVALUATIONS)
+                    moved, kept, rounds = self._eliminate(moved, support, noise)
+                except (FitError, PolynetsError, np.linalg.LinAlgError):
+                    continue
+                if moved.window != self.window or not moved.converged or \
+                        fit_criterion(moved) > bound:
+                    continue
+                found = {"start": "simpler", "start_terms": int(support.sum()),
+                         "start_converged": True, "seconds": time.perf_counter() - began,
+                         "terms": int(kept.sum()), "rss": moved.rss, "window": moved.window,
+                         "converged": moved.converged, "criterion": fit_criterion(moved),
+                         "result": moved, "active": kept, "rounds": rounds,
+                         "support": kept.tobytes()}
+                candidates.append(found)
+                break
+            if found is None:
+                break
+            best, res, active = found, found["result"], found["active"]
+            tried.add(active.tobytes())
+        return best
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
