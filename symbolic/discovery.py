@@ -778,9 +778,10 @@ class EquationDiscovery(BaseEstimator):
         raise the BIC by at most ``PARSIMONY_BIC`` is refit and eliminated (:meth:`_eliminate`);
         the first whose BIC (on the configured windows, converged) is within ``PARSIMONY_BIC``
         of the chosen candidate's replaces it (start ``"simpler"``, also recorded in
-        ``candidates``), and the search repeats from there, at most ``STEPWISE_ROUNDS`` times. The bound is to the chosen candidate, so repeated swaps cannot
-        drift away from what the data support. Nothing is done on exact data (``SWAP_MIN_RMS``)
-        or for a candidate on shorter windows."""
+        ``candidates``), and the search repeats from there, at most ``STEPWISE_ROUNDS`` times.
+        The bound is to the chosen candidate, so repeated swaps cannot drift away from what the
+        data support. Nothing is done on exact data (``SWAP_MIN_RMS``) or for a candidate on
+        shorter windows."""
         res, active = best["result"], best["active"]
         if res.window != self.window or \
                 math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS:
