@@ -368,8 +368,9 @@ class EquationDiscovery(BaseEstimator):
     ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
     exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
     ``"lstsq"`` the dense integral-form least squares, ``"weak"``, ``"stepwise"`` a local
-    swap, see :meth:`_stepwise`, or ``"simpler"`` a lower-degree swap, see :meth:`_simplify`), ``candidates_`` one record per start (terms, RSS,
-    criterion, held-out error ``cv`` where computed, window, converged, or the error),
+    swap, see :meth:`_stepwise`, or ``"simpler"`` a lower-degree swap, see :meth:`_simplify`),
+    ``candidates_`` one record per start (terms, RSS, criterion, held-out error ``cv`` where
+    computed, window, converged, or the error),
     ``rounds_`` the terms and residual per elimination round of the chosen model, ``result_`` its
     :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
     ``x0_`` the fitted window starts, ``fit_window_`` the final window length, ``timings_``
