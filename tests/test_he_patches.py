@@ -86,17 +86,25 @@ def test_a_program_with_its_input_laid_out_by_patches_decrypts_to_the_model_outp
     x = torch.rand(32, 3, 16, 16)
     prog = he.compile(model, x[:1], calibration=x)
     assert prog.plan.orders[0] in input_patches(prog.lowered)[1]
+    loaded = _stored_and_run(prog, model, x[:2], tmp_path)
+    assert loaded.plan.orders[0] == prog.plan.orders[0]
+
+
+def _stored_and_run(prog: he.CompiledProgram, model: nn.Module, x: torch.Tensor,
+                    tmp_path) -> he.CompiledProgram:
+    """``prog`` saved and loaded; the loaded one's decryption of ``x`` is within the promise of
+    the simulation, which is the model's output. Returns the loaded program."""
     path = tmp_path / "p.he"
     prog.save(path)
     loaded = he.load_program(path)
-    assert loaded.plan.orders[0] == prog.plan.orders[0]
     client = he.Client(loaded)
     server = he.Server(loaded, client.public_context())
-    out = client.decrypt(server.run(client.encrypt(x[:2])))
-    want = prog.simulate(x[:2].numpy())
+    out = client.decrypt(server.run(client.encrypt(x)))
+    want = prog.simulate(x.numpy())
     assert np.max(np.abs(out - want)) <= prog.params.expected_error
     with torch.no_grad():
-        np.testing.assert_allclose(want, model(x[:2]).double().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(want, model(x).double().numpy(), rtol=1e-5, atol=1e-6)
+    return loaded
 
 
 def test_a_stored_input_layout_outside_its_candidates_is_refused():
@@ -153,17 +161,8 @@ def test_a_program_whose_first_maps_read_one_input_ciphertext_decrypts_and_round
     prog, model, x = _small()
     assert prog.options.get("max_planes") == 0, prog.plan.why    # the cheaper one here
     assert not any(s.kind == "planes" for s in prog.plan.steps)
-    path = tmp_path / "p.he"
-    prog.save(path)
-    loaded = he.load_program(path)
+    loaded = _stored_and_run(prog, model, x[:3], tmp_path)
     assert loaded.options["max_planes"] == 0 and loaded.plan.op_counts() == prog.plan.op_counts()
-    client = he.Client(loaded)
-    server = he.Server(loaded, client.public_context())
-    out = client.decrypt(server.run(client.encrypt(x[:3])))
-    want = prog.simulate(x[:3].numpy())
-    assert np.max(np.abs(out - want)) <= prog.params.expected_error
-    with torch.no_grad():
-        np.testing.assert_allclose(want, model(x[:3]).double().numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [-1, 65, 2.0, "0"])
