@@ -552,8 +552,9 @@ def _objective_cost(predicted: dict[str, Any], objective: str, batch_size: int |
     compute = float(predicted["round_trip_seconds"])
     if objective == "latency":
         return compute + wire
-    groups = 1 if batch_size is None else math.ceil(batch_size / predicted["samples_per_ciphertext"])
-    samples = predicted["samples_per_ciphertext"] if batch_size is None else batch_size
+    per_ct = predicted["samples_per_ciphertext"]
+    groups = 1 if batch_size is None else math.ceil(batch_size / per_ct)
+    samples = per_ct if batch_size is None else batch_size
     return groups * max(compute, wire) / samples
 
 
@@ -823,11 +824,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
         if not compared:
             return chosen
         # rebuilt so that the plan's why and the fingerprint include the comparisons
-        return CompiledProgram(chosen.program, chosen.params, chosen.packing,
-                               chosen.calibration, chosen.options, chosen.certificate,
-                               _lowered=chosen.lowered,
-                               _plan=chosen.plan if chosen.packing == "vector" else None,
-                               _degree_depth=info)
+        return _with_why(chosen, chosen.options["why"])
     if error is not None:
         raise error
     raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
@@ -874,6 +871,16 @@ def _rank(prog: "CompiledProgram", objective: str, batch_size: int | None, budge
                                  prog.options.get("bandwidth"))
 
 
+def _with_why(prog: "CompiledProgram", why: str) -> "CompiledProgram":
+    """``prog`` rebuilt with ``why`` as its plan's reason, so that the fingerprint includes it
+    (the lowering and vector plan are reused)."""
+    return CompiledProgram(prog.program, prog.params, prog.packing, prog.calibration,
+                           {**prog.options, "why": why}, prog.certificate,
+                           _lowered=prog.lowered,
+                           _plan=prog.plan if prog.packing == "vector" else None,
+                           _degree_depth=(prog.degree, prog.depth))
+
+
 def _choose(found: list["CompiledProgram"], packing: str, objective: str,
             batch_size: int | None, memory_budget: int | None) -> "CompiledProgram":
     """The candidate packing with the lowest predicted cost for ``objective`` whose server fits
@@ -889,13 +896,9 @@ def _choose(found: list["CompiledProgram"], packing: str, objective: str,
             f"{p.packing}: {s:.3g} s (N={p.params.poly_modulus_degree}"
             + ("" if f else f", server {m / 2 ** 30:.1f} GiB > budget {budget / 2 ** 30:.1f} GiB")
             + ")" for p, s, f, m in zip(found, scores, fits, memory))
-        why = (f"packing='auto', objective={objective!r}: predicted "
-               f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; " + best.plan.why)
-        best = CompiledProgram(best.program, best.params, best.packing, best.calibration,
-                               {**best.options, "why": why}, best.certificate,
-                               _lowered=best.lowered,
-                               _plan=best.plan if best.packing == "vector" else None,
-                               _degree_depth=(best.degree, best.depth))
+        best = _with_why(best, f"packing='auto', objective={objective!r}: predicted "
+                               f"{_OBJECTIVE_WORDS[objective]} {others} -> {best.packing}; "
+                               + best.plan.why)
     return best
 
 
@@ -1050,18 +1053,12 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     if len(tried) == 1:
         return tried[0]
     budget = available_memory() if memory_budget is None else int(memory_budget)
-    ranked = sorted(tried, key=lambda p: _rank(p, objective, batch_size, budget))
-    best, other = ranked[0], ranked[1]
+    ((_, best_s), best), ((_, other_s), other) = sorted(
+        ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
     joins = best.options.get("kept_apart") or other.options.get("kept_apart")
     kept = bool(best.options.get("kept_apart"))
     why = (f"; {len(joins)} linear map(s) (program nodes {joins}) "
            + ("kept apart from the maps that read them" if kept else "composed into their readers")
-           + f": {best.params.levels} levels, predicted "
-           f"{_rank(best, objective, batch_size, budget)[1]:.3g} s against "
-           f"{_rank(other, objective, batch_size, budget)[1]:.3g} s "
+           + f": {best.params.levels} levels, predicted {best_s:.3g} s against {other_s:.3g} s "
            + ("composed" if kept else "kept apart") + f" ({other.params.levels} levels)")
-    opts = {**best.options, "why": str(best.options.get("why", "")) + why}
-    return CompiledProgram(best.program, best.params, best.packing, best.calibration, opts,
-                           best.certificate, _lowered=best.lowered,
-                           _plan=best.plan if best.packing == "vector" else None,
-                           _degree_depth=(best.degree, best.depth))
+    return _with_why(best, str(best.options.get("why", "")) + why)

@@ -1044,8 +1044,9 @@ def value_orders(lowered: Lowered, shapes: Sequence[tuple[int, ...]], si: int) -
     (:func:`input_patches`)."""
     opts = candidate_orders(shapes[si])
     patches = input_patches(lowered)
+    groups = layout_groups(lowered) if patches is not None and si else None
     if patches is not None and shapes[si] == shapes[0] and \
-            layout_groups(lowered)[si] == layout_groups(lowered)[0]:
+            (groups is None or groups[si] == groups[0]):
         # the input's own axis orders, each axis as the run of its refined parts
         coarse = tuple(int(n) for n in lowered.steps[0].shape)
         parts = _split_axes(coarse, shapes[0])

@@ -45,8 +45,8 @@ def analyse(program: PolyProgram) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
     carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
     lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program with
-    values too large for any packing (:func:`levels_exact`), the upper bound that counts every linear map and every non-integer
-    constant multiplication (:func:`levels_exact` tells which)."""
+    values too large for any packing, the upper bound that counts every linear map and every
+    non-integer constant multiplication (:func:`levels_exact` tells which)."""
     infos = _Analysis().run(program)
     if levels_exact(program):
         out = infos[program.output]
