@@ -17,11 +17,12 @@ from scipy.integrate import solve_ivp
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
-           "HELDOUT_SYSTEMS", "ALL_SYSTEMS", "generate", "score_terms", "lotka_volterra", "van_der_pol", "lorenz",
+           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "ALL_SYSTEMS", "generate", "score_terms", "lotka_volterra", "van_der_pol", "lorenz",
            "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
            "duffing", "rossler", "chen", "hopf", "lorenz_84", "halvorsen", "genesio_tesi",
            "rabinovich_fabrikant", "rucklidge", "arneodo", "nose_hoover", "lu", "liu", "seir",
-           "selkov", "moore_spiegel", "rikitake", "cubic_3d"]
+           "selkov", "moore_spiegel", "rikitake", "cubic_3d", "sprott_b", "chua_cubic",
+           "food_chain", "enzyme", "hindmarsh_rose"]
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,90 @@ HELDOUT_SYSTEMS: dict[str, System] = {s.name: s for s in (
 """A second held-out family, used only to evaluate the method (benchmark
 ``--systems heldout``); no default was chosen on it."""
 
-ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS}
+
+def _sprott_b(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] * x[2], x[0] - x[1], 1.0 - x[0] * x[1]])
+
+
+sprott_b = System(
+    "sprott_b", ("x", "y", "z"), _sprott_b,
+    ({"y*z": 1.0}, {"x": 1.0, "y": -1.0}, {"1": 1.0, "x*y": -1.0}),
+    (0.9377, 0.8797, -0.4395), 50.0, 1000, 2)
+"""Sprott's case B (J. C. Sprott, "Some simple chaotic flows", Phys. Rev. E 50, R647, 1994):
+``x' = yz, y' = x - y, z' = 1 - xy``; started on the attractor (the state at t = 400 from
+(0.05, 0.05, 0.05)); 1000 points on [0, 50]."""
+
+
+def _chua_cubic(x: np.ndarray) -> np.ndarray:
+    alpha, beta = 10.0, 100.0 / 7.0
+    return np.array([alpha * (x[1] - (2.0 * x[0] ** 3 - x[0]) / 7.0), x[0] - x[1] + x[2],
+                     -beta * x[1]])
+
+
+chua_cubic = System(
+    "chua_cubic", ("x", "y", "z"), _chua_cubic,
+    ({"x": 10.0 / 7.0, "y": 10.0, "x**3": -20.0 / 7.0}, {"x": 1.0, "y": -1.0, "z": 1.0},
+     {"y": -100.0 / 7.0}), (1.558, 0.6072, -6.797), 50.0, 1000, 3)
+"""Chua's circuit with the piecewise-linear diode replaced by a cubic, ``f(x) = (2x^3 - x) / 7``
+(alpha = 10, beta = 100/7; the smooth Chua oscillator of A. I. Khibnik, D. Roose and
+L. O. Chua, "On periodic orbits and homoclinic bifurcations in Chua's circuit with a smooth
+nonlinearity", Int. J. Bifurcation Chaos 3, 363, 1993); started on the attractor (the state at
+t = 200 from (0.7, 0, 0)); 1000 points on [0, 50]."""
+
+
+def _food_chain(x: np.ndarray) -> np.ndarray:
+    return np.array([x[0] * (1.0 - x[0]) - x[0] * x[1],
+                     -0.2 * x[1] + x[0] * x[1] - x[1] * x[2],
+                     -0.3 * x[2] + x[1] * x[2]])
+
+
+food_chain = System(
+    "food_chain", ("x", "y", "z"), _food_chain,
+    ({"x": 1.0, "x**2": -1.0, "x*y": -1.0}, {"y": -0.2, "x*y": 1.0, "y*z": -1.0},
+     {"z": -0.3, "y*z": 1.0}), (0.2, 0.6, 0.2), 60.0, 600, 2)
+"""Three-species Lotka-Volterra food chain with a logistic prey (J. D. Murray, *Mathematical
+Biology I*, 3rd ed., Springer 2002, ch. 3): damped oscillations into the coexistence point
+(0.7, 0.3, 0.5); 600 points on [0, 60]."""
+
+
+def _enzyme(x: np.ndarray) -> np.ndarray:
+    k1, k_1, k2 = 2.0, 0.5, 1.0
+    return np.array([-k1 * x[1] * x[0] + k_1 * x[2], -k1 * x[1] * x[0] + (k_1 + k2) * x[2],
+                     k1 * x[1] * x[0] - (k_1 + k2) * x[2]])
+
+
+enzyme = System(
+    "enzyme", ("S", "E", "C"), _enzyme,
+    ({"E*S": -2.0, "C": 0.5}, {"E*S": -2.0, "C": 1.5}, {"E*S": 2.0, "C": -1.5}),
+    (1.0, 0.5, 0.0), 20.0, 400, 2)
+"""Michaelis-Menten mass-action kinetics ``E + S <-> C -> E + P`` (k1 = 2, k-1 = 0.5,
+k2 = 1; L. Michaelis and M. L. Menten 1913, in the mass-action form of G. E. Briggs and
+J. B. S. Haldane 1925): the enzyme is conserved, ``E + C = 0.5``, so ``1``, ``E`` and ``C``
+are collinear on the data; a transient into S = 0; 400 points on [0, 20]."""
+
+
+def _hindmarsh_rose(x: np.ndarray) -> np.ndarray:
+    r, s, xr, current = 0.006, 4.0, -1.6, 3.25
+    return np.array([x[1] - x[0] ** 3 + 3.0 * x[0] ** 2 - x[2] + current,
+                     1.0 - 5.0 * x[0] ** 2 - x[1], r * (s * (x[0] - xr) - x[2])])
+
+
+hindmarsh_rose = System(
+    "hindmarsh_rose", ("x", "y", "z"), _hindmarsh_rose,
+    ({"1": 3.25, "y": 1.0, "z": -1.0, "x**2": 3.0, "x**3": -1.0}, {"1": 1.0, "y": -1.0,
+     "x**2": -5.0}, {"1": 0.0384, "x": 0.024, "z": -0.006}),
+    (-1.6, -10.0, 2.0), 1000.0, 2000, 3)
+"""Hindmarsh-Rose neuron (J. L. Hindmarsh and R. M. Rose, Proc. R. Soc. Lond. B 221, 87, 1984)
+a = 1, b = 3, c = 1, d = 5, r = 0.006, s = 4, x_R = -1.6, I = 3.25 (bursting; a slow third
+state); 2000 points on [0, 1000]."""
+
+CHECK_SYSTEMS: dict[str, System] = {s.name: s for s in (
+    sprott_b, chua_cubic, food_chain, enzyme, hindmarsh_rose)}
+"""A third set of systems outside the others (benchmark ``--systems check``), used only to
+check that a change to the method carries over; nothing was tuned on it."""
+
+ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS,
+                                  **CHECK_SYSTEMS}
 
 
 def score_terms(found: list[dict[str, float]], truth: list[dict[str, float]]) -> dict:
