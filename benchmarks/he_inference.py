@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 import he
 import polynets as pn
+from he import _kernels as he_kernels
 from he.runtime import available_memory
 from polynets.training.data import read_idx
 from polynets.ir.program import atomic_write_bytes
@@ -311,7 +312,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
                workers: int, budget_s: float,
-               costs: he.costmodel.CostModel | None = None) -> dict:
+               costs: he.costmodel.CostModel | None = None,
+               kernel_baseline: bool = True) -> dict:
     """Batch packing: the test images fill the slots of ``workers`` ciphertext groups (repeated
     up to that many samples, so the figure is the amortised cost of full groups); the client
     encrypts and the server evaluates with ``workers`` processes (independent groups run side by
@@ -335,6 +337,18 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     public = client.public_context()
     server = he.Server(prog, public)
     single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1, warm=True)
+    if kernel_baseline and he_kernels.expected():
+        # the same program and request with the fused maps' NumPy loops: the baseline of the
+        # compiled ones (he._kernels), one warm server pass each
+        ct = client.encrypt(x[torch.arange(slots) % len(x)]).to_bytes()
+        os.environ[he_kernels.ENV_DISABLE] = "1"
+        try:
+            t0 = time.perf_counter()
+            server.run(ct).to_bytes()
+            res["numpy_loops_server_s"] = time.perf_counter() - t0
+        finally:
+            del os.environ[he_kernels.ENV_DISABLE]
+        res["compiled_loops_speedup"] = res["numpy_loops_server_s"] / single["warm_server_s"]
     # each worker holds a group's ciphertexts: as many workers as the memory allows
     fit = int(available_memory() // max(1.5 * pred["server_memory_bytes"], 1))
     workers = max(1, min(workers, fit))
@@ -489,6 +503,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f" {t['images_per_s']:.0f} img/s with {t['workers']} processes; next request "
                   f"{one['warm_images_per_s']:.0f} img/s (server alone "
                   f"{one['warm_server_images_per_s']:.0f})")
+            if "compiled_loops_speedup" in t:
+                print(f"   fused maps' compiled loops: server {one['warm_server_s']:.1f} s, "
+                      f"NumPy loops {t['numpy_loops_server_s']:.1f} s in the same run -> "
+                      f"{t['compiled_loops_speedup']:.2f}x")
     print(f"wrote {args.output}")
     return res
 

@@ -672,7 +672,18 @@ def rotation_path(step: int, slots: int, keys: Sequence[int] | None) -> list[int
     return best
 
 
-@dataclass
+def _plan_repr(kind: str, fields: dict[str, Any], predicted: dict[str, Any], why: str) -> str:
+    """One readable line for a plan (its arrays summarised, not printed)."""
+    parts = [f"{k}={v}" for k, v in fields.items()]
+    if predicted:
+        parts.append(f"predicted={predicted.get('seconds_per_ciphertext', float('nan')):.3g} s "
+                     f"per ciphertext")
+    if why:
+        parts.append(f"why={why!r}")
+    return f"{kind}({', '.join(parts)})"
+
+
+@dataclass(repr=False)
 class VectorPlan:
     """Steps of a vector-packed program, the client's input layout and the rotations used.
 
@@ -698,6 +709,12 @@ class VectorPlan:
     @property
     def levels(self) -> int:
         return max(s.level for s in self.steps)
+
+    def __repr__(self) -> str:
+        return _plan_repr("VectorPlan", {
+            "steps": len(self.steps), "levels": self.levels, "slots": self.slots,
+            "interleave": self.interleave, "input_ciphertexts": len(self.input_layout),
+            "rotations": len(self.rotations())}, self.predicted, self.why)
 
     @property
     def virtual_slots(self) -> int:
@@ -788,7 +805,7 @@ class VectorPlan:
                 "input_ciphertexts": len(self.input_layout)}
 
 
-@dataclass
+@dataclass(repr=False)
 class BatchPlan:
     """Batch packing: one sample per slot, one ciphertext per live element of every value.
 
@@ -806,6 +823,12 @@ class BatchPlan:
     def interleave(self) -> int:
         """Samples per ciphertext."""
         return self.slots
+
+    def __repr__(self) -> str:
+        return _plan_repr("BatchPlan", {
+            "steps": len(self.live), "input_ciphertexts": int(self.inputs.size),
+            "live_elements": int(sum(int(np.count_nonzero(v)) for v in self.live)),
+            "slots": self.slots}, self.predicted, self.why)
 
     def rotations(self) -> list[int]:
         return []

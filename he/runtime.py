@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from he.backend import Engine
-from he.fused import FUSED_MIN_FANIN, add_constant, fuse_map, raw_access
+from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor
 
@@ -187,7 +187,6 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
     inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
     template = next(e for e in inputs if eng.level(e) == level)
     outputs = [buffers.like(eng, template) for _ in range(covered.size)]
-    fmap.apply(raw, inputs, outputs, moduli)
     # clear values (constants, padding) and the bias join at the product's scale
     const = np.zeros(covered.size)
     if st.bias is not None:
@@ -196,11 +195,10 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
         if (~c).any():
             clear = np.array([0.0 if is_ct else float(e) for e, is_ct in zip(x, c)])
             const += m.tocsr()[covered] @ clear
+    fmap.apply(raw, inputs, outputs, moduli, [round(v * product) for v in const])
     result: dict[int, Elem] = {}
-    for r, out, v in zip(covered, outputs, const):
+    for r, out in zip(covered, outputs):
         out.scale = product
-        if v != 0.0:
-            add_constant(raw, out, round(v * product), moduli)
         # rescaled into a recycled buffer; the product's serves the next row
         result[int(r)] = buffers.finish(lambda into: eng.to_level(out, level + 1, into=into),
                                         out, buffers.take(eng, level + 1))

@@ -17,6 +17,7 @@ import he
 from he.backend import Engine
 from he.compiler import _predict_batch
 from he.costmodel import CostModel, default_model
+from he import _kernels
 from he.fused import RawAccess, fuse_map, raw_access
 from he.params import CKKSParams
 from he.plan import batch_counts
@@ -73,8 +74,28 @@ def test_probe_rejects_a_wrong_layout(setup):
     assert not bad.ok and "parameters id" in bad.reason
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel(request, monkeypatch):
+    """Each fused-map test runs on both paths: the compiled loops and the NumPy reference."""
+    if request.param == "numpy":
+        monkeypatch.setenv(_kernels.ENV_DISABLE, "1")
+    else:
+        pytest.importorskip("numba")
+        monkeypatch.delenv(_kernels.ENV_DISABLE, raising=False)
+        assert _kernels.kernels() is not None, _kernels.reason()
+    return request.param
+
+
+def test_compiled_loops_are_used_where_numba_is_installed(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv(_kernels.ENV_DISABLE, raising=False)
+    assert _kernels.kernels() is not None and _kernels.reason() == ""
+    monkeypatch.setenv(_kernels.ENV_DISABLE, "1")
+    assert _kernels.kernels() is None and _kernels.ENV_DISABLE in _kernels.reason()
+
+
 @pytest.mark.parametrize("density", [0.3, 1.0])
-def test_fused_map_is_word_identical_to_seals_chain(setup, density):
+def test_fused_map_is_word_identical_to_seals_chain(setup, density, kernel):
     eng, cts, _, _ = setup
     raw = raw_access(cts[0])
     rng = np.random.default_rng(1)
@@ -96,7 +117,36 @@ def test_fused_map_is_word_identical_to_seals_chain(setup, density):
         np.testing.assert_array_equal(raw.view(out), raw.view(acc))
 
 
-def test_lower_level_inputs_are_read_at_the_output_level(setup):
+def test_constants_join_the_first_polynomial(setup, kernel):
+    """A constant (bias) folded into the map equals SEAL's chain plus the constant's plaintext,
+    word for word, on both paths."""
+    eng, cts, values, decryptor = setup
+    raw = raw_access(cts[0])
+    moduli = _moduli(eng, cts[0])
+    scale = eng.scales[0]
+    w = np.random.default_rng(5).normal(size=(3, 8))
+    fmap, covered = fuse_map([sp.csr_matrix(w)], [np.ones(8, bool)], [np.full(8, scale)],
+                             np.arange(3), moduli)
+    consts = [round(v * scale * scale) for v in (0.75, -2.5, 0.0)]
+    outs = _outputs(eng, cts[0], 3)
+    fmap.apply(raw, cts[:8], outs, moduli, consts)
+    for r, out in enumerate(outs):
+        acc = None
+        for c in range(8):
+            term = eng.mul_plain(cts[c], eng.encode_scalar(float(w[r, c]), 0, scale))
+            acc = term if acc is None else eng.add(acc, term)
+        view = raw.view(acc)
+        for limb, q in enumerate(moduli):       # the constant polynomial's NTT form
+            view[limb] = (view[limb] + np.uint64(consts[r] % q)) % np.uint64(q)
+        np.testing.assert_array_equal(raw.view(out), view)
+        out.scale = scale * scale
+        pt = seal.Plaintext()
+        decryptor.decrypt(eng.rescale(out), pt)
+        got = np.array(eng.encoder.decode_double(pt))[:8]
+        np.testing.assert_allclose(got, w[r] @ values[:8] + consts[r] / scale ** 2, atol=1e-3)
+
+
+def test_lower_level_inputs_are_read_at_the_output_level(setup, kernel):
     """An input a level below the step's (one limb more) is switched down by dropping its last
     limb; its weights carry the scale that brings its products to the others'. Word-identical to
     SEAL's mod_switch + multiply_plain, and decrypts to the weighted sum."""
@@ -148,7 +198,7 @@ class TokenNet(nn.Module):
         return self.head(t.flatten(1))
 
 
-def test_batch_packing_with_fused_maps_decrypts_to_the_simulation():
+def test_batch_packing_with_fused_maps_decrypts_to_the_simulation(kernel):
     torch.manual_seed(0)
     model = TokenNet().eval()
     x = torch.randn(5, 1, 8, 8)
