@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE))
 import he  # noqa: E402
 from he import _kernels  # noqa: E402
 from he import fused as he_fused  # noqa: E402
-from he_family import MODELS  # noqa: E402
+from he_family import MODELS, chosen_models  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="skip models whose predicted group takes longer (seconds)")
     ap.add_argument("--output", default=str(HERE / "results" / "he_batch_family.json"))
     args = ap.parse_args(argv)
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise SystemExit(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    names = chosen_models(args.models)
     if _kernels.kernels() is None:
         raise SystemExit(f"the compiled loops are unavailable here: {_kernels.reason()}")
     torch.set_num_threads(2)

@@ -222,6 +222,15 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def chosen_models(spec: str, known: dict[str, Callable[[], nn.Module]] = MODELS) -> list[str]:
+    """The comma-separated model names of ``spec``; unknown names end the script with the list."""
+    names = [n for n in spec.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {sorted(known)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=str(HERE.parents[1] / "shared" / "data" / "mnist"))
@@ -238,10 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "timing SEAL's primitives at the start of the run")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise SystemExit(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    names = chosen_models(args.models)
     out = Path(args.output or HERE / "results" / (
         "he_family.json" if args.precision_bits is None
         else f"he_family_{args.precision_bits}.json"))

@@ -42,7 +42,7 @@ from he.plan import next_pow2  # noqa: E402
 from he.params import RING_DEGREES  # noqa: E402
 from polynets.ir.lowering import lower  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
-from he_family import PatchTokens  # noqa: E402
+from he_family import PatchTokens, chosen_models  # noqa: E402
 from he_inference import (TutorialConvNet, accuracy, baseline, load_mnist,  # noqa: E402
                           ours_vector, train)
 
@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "primitives at the start of the run")
     ap.add_argument("--output", default=str(HERE / "results" / "he_wide_values.json"))
     args = ap.parse_args(argv)
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise SystemExit(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    names = chosen_models(args.models, MODELS)
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_mnist(args.data_dir)
     n = 2 if args.quick else args.n_latency
