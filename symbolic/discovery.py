@@ -27,7 +27,10 @@ Recipe of :class:`EquationDiscovery.fit`:
    fit (one evaluation of the sensitivities to every library coefficient), penalised per term;
    a proposal that differs is refit and eliminated, and kept as a candidate. This finds true
    supports that elimination lost to correlated stand-in terms (several spurious terms together
-   replacing a true one), where no single term is significant on its own.
+   replacing a true one), where no single term is significant on its own. When no such proposal
+   is found, pairs of swaps across all equations are scored in the same model
+   (:func:`pair_swaps`, two stand-ins that only fit when replaced together) and the best few
+   refit, kept on the same evidence.
 5. **Selection** among the candidates: the Bayesian information criterion of the trajectory
    fit, ``N ln(RSS / N) + k ln N`` (the residual variance floored at the integration accuracy,
    so on exact data the sparsest exact model wins; ``k`` counts the terms and the fitted window
@@ -41,7 +44,9 @@ Recipe of :class:`EquationDiscovery.fit`:
 6. **Parsimony among equals** (:meth:`EquationDiscovery._simplify`): a term of the chosen model
    is swapped for a monomial of lower degree when the data cannot tell the two apart (BIC within
    ``PARSIMONY_BIC`` of the choice): under noise a higher-degree stand-in (``y*z`` for ``y`` where
-   ``z`` varies little) otherwise wins or loses by the noise draw.
+   ``z`` varies little) otherwise wins or loses by the noise draw. When no single swap is
+   accepted, pairs of swaps of lower total degree are tried the same way (a stand-in that gives
+   way only with a companion term, as under a conservation law).
 7. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
    again and again up to whole trajectories, while a likelihood-ratio test finds the longer
    windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
@@ -65,7 +70,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import sympy
@@ -130,6 +135,13 @@ SIMPLIFY_REFITS = 3
 SWAP_EXTRA = 2
 """Supports up to this many terms larger than the current one are searched per equation by
 :func:`local_swaps`."""
+
+PAIR_LIMIT = 20_000
+"""Most pairs of single swaps :func:`pair_swaps` evaluates (beyond, the pairs among the single
+swaps the Gauss-Newton model ranks best)."""
+
+PAIR_REFITS = 3
+"""Most pair-swap proposals :meth:`EquationDiscovery._stepwise` refits per round."""
 
 SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
@@ -326,6 +338,101 @@ def lower_degree_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.
                     out.append((int(degrees[j] - degrees[k]), increase, support, new))
     out.sort(key=lambda item: (item[0], item[1]))
     return [(increase, support, new) for _, increase, support, new in out]
+
+
+def pair_swaps(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
+               active: np.ndarray, *, degrees: np.ndarray | None = None,
+               tolerance: float = 0.0, limit: int = PAIR_LIMIT
+               ) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """Supports two terms away from ``active`` (two active terms out, two inactive ones in, each
+    in the same equation as the term it replaces), all equations' coefficients refit together
+    under the Gauss-Newton model of a trajectory fit.
+
+    :func:`local_swaps` changes one equation at a time with the others' supports fixed, and
+    :func:`lower_degree_swaps` one term at a time. When a combination of states is (nearly)
+    conserved, or two equations share a stand-in, a wrong term is compensated by another, in its
+    own equation or in another one: replacing either alone fits worse, both together as well or
+    better, and only a joint move finds it. ``S``, ``g``, ``norm`` from
+    :func:`~symbolic.shooting.local_quadratic` at coefficients ``coef`` of support ``active``
+    (p, dim). Every single swap (an active term for an inactive monomial of its equation) is
+    scored by the model, and every pair of them is evaluated, or, past ``limit`` pairs, the pairs
+    among the single swaps that fit best.
+
+    Without ``degrees``: the pairs predicted to lower the residual, largest decrease first.
+    With ``degrees`` (p,) the monomials' total degrees: the pairs whose new terms are each of at
+    most the degree of the term they replace and together of lower degree, predicted to raise
+    the residual by at most ``tolerance``, largest degree drop first, then smallest increase.
+    Returns ``(predicted RSS decrease, support (p, dim), Gauss-Newton coefficients (p, dim))``.
+    """
+    p, dim = active.shape
+    flat = active.reshape(-1)
+    c0 = coef.reshape(-1) * norm
+    b = S @ c0 - g                    # RSS(c) = const + c^T S c - 2 b^T c, c scaled
+    on = np.nonzero(flat)[0]
+    if len(on) < 2:
+        return []
+
+    def gain(supports: np.ndarray) -> np.ndarray:
+        """``b_A^T S_AA^+ b_A`` per support (rows of flat indices): the RSS is const minus it."""
+        SA = S[supports[:, :, None], supports[:, None, :]]
+        bA = b[supports]
+        return np.einsum("na,na->n", bA, _batch_solve(SA, bA))
+
+    base = float(gain(on[None])[0])
+    eq, deg = np.arange(flat.size) % dim, None
+    if degrees is not None:
+        deg = np.repeat(np.asarray(degrees), dim)          # flat index k * dim + i
+    singles = [(a, j) for a in range(len(on))
+               for j in np.nonzero(~flat & (eq == eq[on[a]]))[0]
+               if deg is None or deg[j] <= deg[on[a]]]
+    if not singles:
+        return []
+    swapped = np.repeat(on[None], len(singles), axis=0)
+    for n, (a, j) in enumerate(singles):
+        swapped[n, a] = j
+    order = np.argsort(-gain(swapped), kind="stable")
+    keep = len(order)
+    while keep * (keep - 1) // 2 > limit:
+        keep -= 1
+    chosen = [singles[n] for n in order[:keep]]
+    pairs = [(u, v) for u in range(len(chosen)) for v in range(u + 1, len(chosen))
+             if chosen[u][0] != chosen[v][0] and chosen[u][1] != chosen[v][1]]
+    drop = np.zeros(len(pairs), dtype=np.int64)
+    if deg is not None:
+        drop = np.array([deg[on[chosen[u][0]]] + deg[on[chosen[v][0]]] - deg[chosen[u][1]]
+                         - deg[chosen[v][1]] for u, v in pairs], dtype=np.int64)
+        pairs = [pair for pair, d in zip(pairs, drop) if d > 0]
+        drop = drop[drop > 0]
+    if not pairs:
+        return []
+    supports = np.repeat(on[None], len(pairs), axis=0)
+    for n, (u, v) in enumerate(pairs):
+        supports[n, chosen[u][0]] = chosen[u][1]
+        supports[n, chosen[v][0]] = chosen[v][1]
+    gains = gain(supports) - base
+    floor = 1e-9 * max(abs(base), 1e-300)
+    ok = gains >= -tolerance if deg is not None else gains > floor
+    out, seen = [], set()
+    for n in np.lexsort((-gains, -drop)):
+        cols = np.sort(supports[n])
+        if not ok[n] or cols.tobytes() in seen:
+            continue
+        seen.add(cols.tobytes())
+        support = np.zeros(flat.size, dtype=bool)
+        support[cols] = True
+        scaled = np.zeros(flat.size)
+        scaled[cols] = np.linalg.lstsq(S[np.ix_(cols, cols)], b[cols], rcond=None)[0]
+        out.append((float(gains[n]), support.reshape(p, dim), (scaled / norm).reshape(p, dim)))
+    return out
+
+
+def _batch_solve(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``A[n]^+ b[n]`` for a stack of small symmetric positive semi-definite systems (a
+    singular one, e.g. under an exact conservation law, by its pseudo-inverse)."""
+    try:
+        return np.linalg.solve(A, b[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        return np.einsum("nij,nj->ni", np.linalg.pinv(A, hermitian=True), b)
 
 
 class EquationDiscovery(BaseEstimator):
@@ -721,6 +828,8 @@ class EquationDiscovery(BaseEstimator):
         for _ in range(STEPWISE_ROUNDS):
             found = self._step(best, candidates, noise, tried)
             if found is None or found["support"] in seen:
+                found = self._pair_step(best, candidates, noise, tried)
+            if found is None or found["support"] in seen:
                 break
             seen.add(found["support"])
             best = found
@@ -744,7 +853,40 @@ class EquationDiscovery(BaseEstimator):
         if np.array_equal(proposal, active) or proposal.tobytes() in tried:
             return None
         tried.add(proposal.tobytes())
-        record: dict = {"start": "stepwise", "start_terms": int(proposal.sum())}
+        return self._move("stepwise", proposal, coef, res, candidates, noise)
+
+    def _pair_step(self, best: dict, candidates: list[dict], noise: float | None,
+                   tried: set[bytes]) -> dict | None:
+        """A round of pair swaps from ``best`` (when :meth:`_step` finds nothing): the
+        ``PAIR_REFITS`` supports two terms away that the Gauss-Newton model predicts to fit best
+        (:func:`pair_swaps`; not in ``tried``) are refit and eliminated in turn; the first whose
+        BIC is lower than ``best``'s by ``SWAP_EVIDENCE`` is returned (start ``"pair"``, also
+        appended to ``candidates``), else None."""
+        res, active = best["result"], best["active"]
+        rtol = self._search_rtol
+        try:
+            S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
+                                         rtol=rtol, atol=self.atol * rtol / self.rtol,
+                                         budget=self._budget())
+            proposals = pair_swaps(S, g, norm, res.coef, active)
+        except (FitError, np.linalg.LinAlgError):
+            return None
+        proposals = [(support, coef) for _, support, coef in proposals
+                     if support.tobytes() not in tried][:PAIR_REFITS]
+        for support, coef in proposals:
+            tried.add(support.tobytes())
+            found = self._move("pair", support, coef, res, candidates, noise)
+            if found is not None:
+                return found
+        return None
+
+    def _move(self, label: str, proposal: np.ndarray, coef: np.ndarray, res: ShootingResult,
+              candidates: list[dict], noise: float | None) -> dict | None:
+        """Refit ``proposal`` warm from ``coef`` (from ``res``'s coefficients if that blows up)
+        and eliminate; the record (appended to ``candidates``) when its BIC is lower than
+        ``res``'s by ``SWAP_EVIDENCE`` on the same windows, else None (a failed refit is
+        recorded with its error)."""
+        record: dict = {"start": label, "start_terms": int(proposal.sum())}
         began = time.perf_counter()
         try:
             try:
@@ -780,6 +922,9 @@ class EquationDiscovery(BaseEstimator):
         the first whose BIC (on the configured windows, converged) is within ``PARSIMONY_BIC``
         of the chosen candidate's replaces it (start ``"simpler"``, also recorded in
         ``candidates``), and the search repeats from there, at most ``STEPWISE_ROUNDS`` times.
+        When no single swap is accepted, pairs of swaps of lower total degree are proposed the
+        same way (:meth:`_simpler`, :func:`pair_swaps`): a stand-in that gives way only together
+        with a companion term, e.g. under a conservation law.
         The bound is to the chosen candidate, so repeated swaps cannot drift away from what the
         data support. Nothing is done on exact data (``SWAP_MIN_RMS``) or for a candidate on
         shorter windows."""
@@ -799,12 +944,9 @@ class EquationDiscovery(BaseEstimator):
             except (FitError, np.linalg.LinAlgError):
                 break
             tolerance = PARSIMONY_BIC * res.rss / max(res.n_residuals, 1)
-            proposals = [(support, coef) for _, support, coef in
-                         lower_degree_swaps(S, g, norm, res.coef, active, degrees, tolerance)
-                         if support.tobytes() not in tried][:SIMPLIFY_REFITS]
             found = None
-            for support, coef in proposals:
-                tried.add(support.tobytes())
+            for support, coef in self._simpler(S, g, norm, res.coef, active, degrees,
+                                               tolerance, tried):
                 began = time.perf_counter()
                 try:
                     moved = self._refit(coef, support, res.x0, res.window,
@@ -828,6 +970,30 @@ class EquationDiscovery(BaseEstimator):
             best, res, active = found, found["result"], found["active"]
             tried.add(active.tobytes())
         return best
+
+    @staticmethod
+    def _simpler(S: np.ndarray, g: np.ndarray, norm: np.ndarray, coef: np.ndarray,
+                 active: np.ndarray, degrees: np.ndarray, tolerance: float, tried: set[bytes]
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Proposals of :meth:`_simplify`, each support not in ``tried`` (added as it is
+        yielded): up to ``SIMPLIFY_REFITS`` single swaps (:func:`lower_degree_swaps`), then, while
+        the caller asks for more, up to ``SIMPLIFY_REFITS`` pair swaps of lower total degree
+        (:func:`pair_swaps`): a stand-in that only gives way together with a companion term
+        (``1, S`` written as ``I**2, R`` through a conserved ``S + E + I + R = 1``)."""
+        singles = lower_degree_swaps(S, g, norm, coef, active, degrees, tolerance)
+        for group in (singles, None):
+            if group is None:
+                group = pair_swaps(S, g, norm, coef, active, degrees=degrees,
+                                   tolerance=tolerance)
+            count = 0
+            for _, support, new in group:
+                if count == SIMPLIFY_REFITS:
+                    break
+                if support.tobytes() in tried:
+                    continue
+                tried.add(support.tobytes())
+                count += 1
+                yield support, new
 
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times

@@ -17,7 +17,8 @@ from scipy.integrate import solve_ivp
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
-           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "ALL_SYSTEMS", "generate", "score_terms", "lotka_volterra", "van_der_pol", "lorenz",
+           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "ALL_SYSTEMS", "generate", "score_terms",
+           "lotka_volterra", "van_der_pol", "lorenz",
            "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
            "duffing", "rossler", "chen", "hopf", "lorenz_84", "halvorsen", "genesio_tesi",
            "rabinovich_fabrikant", "rucklidge", "arneodo", "nose_hoover", "lu", "liu", "seir",

@@ -407,7 +407,8 @@ def test_a_start_that_cannot_beat_a_finished_candidate_is_abandoned():
     ("arneodo", 0.05, 3),                  # polished: error below PySINDy's best
     ("liu", 0.1, 3),
     ("cubic_3d", 0.05, 5),                 # was y*z, y, y*z**2 in place of y**3 in dy/dt
-    ("lotka_volterra_4", 0.05, 5)])        # was x1, x1**2, x2, x2**2 for x2*x4, x3*x4
+    ("lotka_volterra_4", 0.05, 5),         # was x1, x1**2, x2, x2**2 for x2*x4, x3*x4
+    ("rabinovich_fabrikant", 0.1, 9)])     # was x*y, x*y*z for y, y*z (a pair swap)
 def test_held_out_family_cells_give_the_exact_terms(name, noise, seed):
     traj = generate(name, noise=noise, seed=seed)
     model = EquationDiscovery(degree=traj.system.degree, variables=traj.system.variables,
@@ -568,3 +569,90 @@ def test_a_higher_degree_stand_in_the_data_cannot_tell_apart_gives_way(name, noi
     rel, missed, spurious = _errors(model.coefficients(), traj.truth)
     assert (missed, spurious) == (0, 0) and rel < 0.05
     assert model.start_ == "simpler"
+
+
+def test_pair_swaps_find_two_stand_ins_that_only_fit_when_replaced_together():
+    # two equations over the library u, w (flat index k * dim + i): the true terms u in both,
+    # the fit holds the stand-ins w = u + 3 s in the first and w' = u' - 3 s in the second,
+    # whose shared s cancels in the sum (a quantity both equations feed, as under a
+    # conservation law). Replacing either stand-in alone leaves 3 s uncancelled and fits far
+    # worse, so no single swap (local_swaps) moves; the pair does.
+    from symbolic.discovery import local_swaps, pair_swaps
+
+    rng = np.random.default_rng(0)
+    u0, u1, s = rng.standard_normal((3, 200))
+    w0 = u0 + 3.0 * s + 0.05 * rng.standard_normal(200)
+    w1 = u1 - 3.0 * s + 0.05 * rng.standard_normal(200)
+    y = u0 + u1 + 0.01 * rng.standard_normal(200)
+    A = np.stack([u0, u1, w0, w1], axis=1)
+    active = np.array([[False, False], [True, True]])
+    coef = np.zeros(4)
+    coef[[2, 3]] = np.linalg.lstsq(A[:, [2, 3]], y, rcond=None)[0]
+    r = A @ coef - y
+    norm = np.linalg.norm(A, axis=0)
+    S, g = A.T @ A / np.outer(norm, norm), A.T @ r / norm
+    coef = coef.reshape(2, 2)
+    single, _ = local_swaps(S, g, norm, coef, active, penalty=0.0, extra=0)
+    assert np.array_equal(single, active)
+    found = pair_swaps(S, g, norm, coef, active)
+    assert len(found) == 1
+    decrease, support, new = found[0]
+    assert support.tolist() == [[True, True], [False, False]]
+    assert 0.9 * float(r @ r) < decrease < float(r @ r)
+    np.testing.assert_allclose(new[0], [1.0, 1.0], atol=0.01)
+    # from the true support nothing is proposed
+    coef = np.zeros(4)
+    coef[[0, 1]] = np.linalg.lstsq(A[:, [0, 1]], y, rcond=None)[0]
+    r = A @ coef - y
+    assert pair_swaps(S, A.T @ r / norm, norm, coef.reshape(2, 2), ~active) == []
+
+
+def test_pair_swaps_of_lower_degree_for_parsimony():
+    # one equation over 1, s, r, q (degrees 0, 1, 1, 2): the fit holds q and r, stand-ins for
+    # 1 and s that only cancel each other's extra part together; no single swap of lower degree
+    # fits as well, the pair does, and it is proposed when it lowers the degree
+    from symbolic.discovery import lower_degree_swaps, pair_swaps
+
+    rng = np.random.default_rng(1)
+    s, w = rng.standard_normal((2, 300))
+    one = np.ones(300)
+    q = one + 3.0 * w + 0.02 * rng.standard_normal(300)
+    r = s - 3.0 * w + 0.02 * rng.standard_normal(300)
+    A = np.stack([one, s, r, q], axis=1)
+    y = one + s
+    active = np.array([[False], [False], [True], [True]])
+    coef, S, g, norm = _quadratic_of(A, y, active)
+    degrees = np.array([0, 1, 1, 2])
+    rss = float(np.sum((A @ coef[:, 0] - y) ** 2))
+    assert lower_degree_swaps(S, g, norm, coef, active, degrees, tolerance=0.1 * rss) == []
+    found = pair_swaps(S, g, norm, coef, active, degrees=degrees, tolerance=0.1 * rss)
+    assert [np.nonzero(f[1][:, 0])[0].tolist() for f in found] == [[0, 1]]
+    np.testing.assert_allclose(found[0][2][:2, 0], [1.0, 1.0], atol=1e-6)
+    # the same pair is never proposed when it would raise the degree
+    assert pair_swaps(S, g, norm, coef, active, degrees=np.array([2, 1, 1, 0]),
+                      tolerance=0.1 * rss) == []
+
+
+def test_a_pair_of_higher_degree_stand_ins_gives_way_together():
+    # Rabinovich-Fabrikant at 10 % noise (noise seed 9): dx/dt held x*y and x*y*z in place of
+    # y and y*z; neither single swap to lower degree fits as well (each stand-in covers part of
+    # the other's true term), the pair does, within PARSIMONY_BIC of the chosen model's BIC
+    traj = generate("rabinovich_fabrikant", noise=0.1, seed=9)
+    exps = monomial_exponents(3, 3)
+    truth = [{(1, 0, 0): 0.1, (0, 1, 0): -1.0, (0, 1, 1): 1.0, (2, 1, 0): 1.0},
+             {(1, 0, 0): 1.0, (0, 1, 0): 0.1, (1, 0, 1): 3.0, (3, 0, 0): -1.0},
+             {(0, 0, 1): -0.28, (1, 1, 1): -2.0}]
+    wrong = [{(1, 0, 0): 0.099, (1, 1, 0): 1.28, (2, 1, 0): 1.38, (1, 1, 1): -0.80},
+             *truth[1:]]
+    right, _ = _field_coef(exps, {(e, i): v for i, eq in enumerate(truth)
+                                  for e, v in eq.items()})
+    active, coef = _field_coef(exps, {(e, i): v for i, eq in enumerate(wrong)
+                                      for e, v in eq.items()})
+    model = EquationDiscovery(degree=3, progress=False, seed=9)
+    model._prepare(traj.t, traj.X, None)
+    res = model._refit(coef, active, None, model.window)
+    assert res.converged
+    best = {"result": res, "active": active, "support": active.tobytes(), "start": "weak"}
+    candidates: list = []
+    chosen = model._simplify(best, candidates, None)
+    assert chosen["start"] == "simpler" and np.array_equal(chosen["active"], right)
