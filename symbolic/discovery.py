@@ -834,17 +834,21 @@ class EquationDiscovery(BaseEstimator):
             seen.add(found["support"])
             best = found
 
+    def _local_model(self, res: ShootingResult, active: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The Gauss-Newton model ``(S, g, norm)`` of the trajectory fit around ``res``
+        (:func:`local_quadratic` at the search tolerance) that the local moves score with."""
+        rtol = self._search_rtol
+        return local_quadratic(self.library_, res, active, self.trajectories_, rtol=rtol,
+                               atol=self.atol * rtol / self.rtol, budget=self._budget())
+
     def _step(self, best: dict, candidates: list[dict], noise: float | None,
               tried: set[bytes]) -> dict | None:
         """One round of :meth:`_stepwise` from ``best``: the new record (also appended to
         ``candidates``) when its BIC is lower than ``best``'s by ``SWAP_EVIDENCE``, else None.
         A proposed support in ``tried`` (refit before in this search) is not refit again."""
         res, active = best["result"], best["active"]
-        rtol = self._search_rtol
         try:
-            S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
-                                         rtol=rtol, atol=self.atol * rtol / self.rtol,
-                                         budget=self._budget())
+            S, g, norm = self._local_model(res, active)
         except (FitError, np.linalg.LinAlgError):
             return None
         sigma2 = max(res.sigma2, EXACT_RMS**2)
@@ -863,11 +867,8 @@ class EquationDiscovery(BaseEstimator):
         BIC is lower than ``best``'s by ``SWAP_EVIDENCE`` is returned (start ``"pair"``, also
         appended to ``candidates``), else None."""
         res, active = best["result"], best["active"]
-        rtol = self._search_rtol
         try:
-            S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
-                                         rtol=rtol, atol=self.atol * rtol / self.rtol,
-                                         budget=self._budget())
+            S, g, norm = self._local_model(res, active)
             proposals = pair_swaps(S, g, norm, res.coef, active)
         except (FitError, np.linalg.LinAlgError):
             return None
