@@ -177,6 +177,17 @@ def _digit_plan(l1: float, q: int) -> tuple[int, int]:
     return bits, -(-pb // bits) if bits >= 4 else 0
 
 
+def _row_plans(l1: float, moduli: Sequence[int], size: int
+               ) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """The ``(polynomial, limb)`` rows of a ciphertext of ``size`` polynomials over ``moduli``
+    grouped by their :func:`_digit_plan` (polynomial-major, limb-minor)."""
+    plans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for p in range(size):
+        for limb, q in enumerate(moduli):
+            plans.setdefault(_digit_plan(l1, q), []).append((p, limb))
+    return plans
+
+
 @dataclass
 class FusedMap:
     """A plaintext-weight map over ciphertext inputs, grouped into dense blocks.
@@ -263,10 +274,7 @@ class FusedMap:
         loops read (every offset is checked against its array's length here)."""
         limbs = len(moduli)
         for blk in self.blocks:
-            plans: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for p in range(size):
-                for limb in range(limbs):
-                    plans.setdefault(_digit_plan(blk.l1, moduli[limb]), []).append((p, limb))
+            plans = _row_plans(blk.l1, moduli, size)
             in_addr = np.array([in_mem[c][0] for c in blk.cols], dtype=np.int64)
             in_count = np.array([in_mem[c][1] for c in blk.cols], dtype=np.int64)
             out_addr = np.array([out_mem[r][0] for r in blk.rows], dtype=np.int64)
@@ -294,11 +302,7 @@ class FusedMap:
         xs = [raw.view(c) for c in inputs]
         ws = _WORKSPACE
         for blk in self.blocks:
-            # view rows (polynomial-major, limb-minor) grouped by their digit plan
-            plans: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for p in range(size):
-                for limb in range(limbs):
-                    plans.setdefault(_digit_plan(blk.l1, moduli[limb]), []).append((p, limb))
+            plans = _row_plans(blk.l1, moduli, size)
             k, r_out = blk.cols.size, blk.rows.size
             for (bits, n_digits), pl in plans.items():
                 q = np.asarray([moduli[limb] for _, limb in pl], dtype=np.float64)
