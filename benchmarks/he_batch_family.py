@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:12s} N={row['ring']} {row['levels']} levels: compiled loops "
               f"{compiled:.1f} s ({slots / compiled:.0f} img/s), NumPy loops {numpy_s:.1f} s "
               f"-> {row['speedup']:.2f}x, NumPy loops on BLAS's threads {before:.1f} s -> "
-              f"{row['speedup_vs_blas_threads']:.2f}x; predicted {pred:.1f} s ({row['prediction_error']:+.0%})"
-              f"; error {err:.1e} <= {row['promised_error']:.1e}: {row['within_promise']}",
+              f"{row['speedup_vs_blas_threads']:.2f}x; predicted {pred:.1f} s "
+              f"({row['prediction_error']:+.0%}); error {err:.1e} <= {row['promised_error']:.1e}: {row['within_promise']}",
               flush=True)
         atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
     ran = [r for r in result["models"].values() if "speedup" in r]

@@ -38,8 +38,8 @@ import numpy as np
 
 from he import _kernels
 
-__all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure", "calibrate", "default_model",
-           "cache_path"]
+__all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure",
+           "calibrate", "default_model", "cache_path"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load")
 #: primitives a table measured before they existed prices like another (both (de)serialise one
@@ -53,9 +53,9 @@ DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9,
                       "alloc": 2e-9}
 #: The same where the compiled loops of :mod:`he._kernels` gather, split and recombine the
 #: words (one pass each instead of NumPy's several; the matrix products on one BLAS thread), as
-#: a batch run on a loaded 2-core x86-64 machine showed them (token model of 2 Mu-Layers:
-#: 2.8 s of products for 6.6e10 multiply-accumulates, 1.5 s gathering 1.4e9 digit words,
-#: 1.3 s recombining 1.2e9).
+#: batch runs on a 2-core x86-64 machine showed them (token model of 2 Mu-Layers, 6.6e10
+#: multiply-accumulates, 1.4e9 digit words gathered, 1.2e9 recombined: 2.8 / 1.5 / 1.3 s under
+#: a load average of 5, 2.5 / 1.35 / 1.14 s quiet).
 COMPILED_WORD_COSTS = {"fused_mac": 0.05e-9, "fused_in": 1.1e-9, "fused_out": 1.1e-9}
 _SHIPPED = Path(__file__).with_name("cost_table.json")
 #: Speed-up per thread of rotations run on several threads at once (:mod:`he.native`), where a
