@@ -312,8 +312,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
                workers: int, budget_s: float,
-               costs: he.costmodel.CostModel | None = None,
-               kernel_baseline: bool = True) -> dict:
+               costs: he.costmodel.CostModel | None = None) -> dict:
     """Batch packing: the test images fill the slots of ``workers`` ciphertext groups (repeated
     up to that many samples, so the figure is the amortised cost of full groups); the client
     encrypts and the server evaluates with ``workers`` processes (independent groups run side by
@@ -337,17 +336,14 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     public = client.public_context()
     server = he.Server(prog, public)
     single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1, warm=True)
-    if kernel_baseline and he_kernels.expected():
+    if he_kernels.expected():
         # the same program and request with the fused maps' NumPy loops: the baseline of the
         # compiled ones (he._kernels), one warm server pass each
         ct = client.encrypt(x[torch.arange(slots) % len(x)]).to_bytes()
-        os.environ[he_kernels.ENV_DISABLE] = "1"
-        try:
+        with he_kernels.numpy_loops():
             t0 = time.perf_counter()
             server.run(ct).to_bytes()
             res["numpy_loops_server_s"] = time.perf_counter() - t0
-        finally:
-            del os.environ[he_kernels.ENV_DISABLE]
         res["compiled_loops_speedup"] = res["numpy_loops_server_s"] / single["warm_server_s"]
     # each worker holds a group's ciphertexts: as many workers as the memory allows
     fit = int(available_memory() // max(1.5 * pred["server_memory_bytes"], 1))

@@ -16,13 +16,14 @@ NumPy path (bit-identical results, only slower).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-__all__ = ["kernels", "expected", "reason", "disabled"]
+__all__ = ["kernels", "expected", "reason", "disabled", "numpy_loops"]
 
 _STATE: dict[str, Any] = {}
 #: 1.5 * 2^52: ``(x + _ROUND) - _ROUND`` is ``x`` rounded to the nearest integer for |x| < 2^51
@@ -42,6 +43,21 @@ def reason() -> str:
     if disabled():
         return f"{ENV_DISABLE} is set"
     return str(_STATE.get("reason", ""))
+
+
+@contextlib.contextmanager
+def numpy_loops() -> Iterator[None]:
+    """Within the block, fused maps use the NumPy path (sets :data:`ENV_DISABLE`, restored on
+    exit): the same-run baseline benchmarks time the compiled loops against."""
+    saved = os.environ.get(ENV_DISABLE)
+    os.environ[ENV_DISABLE] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_DISABLE, None)
+        else:
+            os.environ[ENV_DISABLE] = saved
 
 
 def expected() -> bool:

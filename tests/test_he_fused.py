@@ -90,6 +90,9 @@ def test_compiled_loops_are_used_where_numba_is_installed(monkeypatch):
     pytest.importorskip("numba")
     monkeypatch.delenv(_kernels.ENV_DISABLE, raising=False)
     assert _kernels.kernels() is not None and _kernels.reason() == ""
+    with _kernels.numpy_loops():
+        assert _kernels.kernels() is None
+    assert _kernels.kernels() is not None         # restored on exit
     monkeypatch.setenv(_kernels.ENV_DISABLE, "1")
     assert _kernels.kernels() is None and _kernels.ENV_DISABLE in _kernels.reason()
 
