@@ -935,13 +935,10 @@ class EquationDiscovery(BaseEstimator):
             return best
         bound = fit_criterion(res) + PARSIMONY_BIC
         degrees = self.library_.sum(axis=1)
-        rtol = self._search_rtol
         tried: set[bytes] = {active.tobytes()}
         for _ in range(STEPWISE_ROUNDS):
             try:
-                S, g, norm = local_quadratic(self.library_, res, active, self.trajectories_,
-                                             rtol=rtol, atol=self.atol * rtol / self.rtol,
-                                             budget=self._budget())
+                S, g, norm = self._local_model(res, active)
             except (FitError, np.linalg.LinAlgError):
                 break
             tolerance = PARSIMONY_BIC * res.rss / max(res.n_residuals, 1)
