@@ -5,7 +5,9 @@ Every model runs in the same process on the same random batch; timing rounds are
 the median over rounds is reported, both per wall-clock second and per CPU second of this
 process (on a shared CPU the second is the steadier figure; CPU runs default to one thread). Each MONet is compared with the baseline Mixer closest to it
 in parameter count (``mixer_s16_224`` for MONet-T). On CUDA the step runs under bf16 autocast
-with channels-last memory; on CPU in float32. Prints a table and writes
+with channels-last memory; on CPU in float32.
+``--compile`` adds each model under ``torch.compile``; ``--profile N`` keeps the N costliest ops
+of one step. Prints a table and writes
 ``benchmarks/results/training_throughput.json``.
 
     python benchmarks/training_throughput.py                    # CPU: 224 px and a reduced 112 px
@@ -45,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per model per round (CPU default 1; GPU 10)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (CPU default 1)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each model under torch.compile (rows named MODEL+compile)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one step of each model and keep its N costliest ops (self time "
+                        "on the device)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args()
 
@@ -52,15 +59,17 @@ def parse_args() -> argparse.Namespace:
 class Runner:
     """One model with its optimizer; ``step()`` is a full training step on a fixed batch."""
 
-    def __init__(self, name: str, img_size: int, batch: int, device: torch.device, amp: torch.dtype | None) -> None:
+    def __init__(self, name: str, img_size: int, batch: int, device: torch.device, amp: torch.dtype | None,
+                 compiled: bool = False) -> None:
         torch.manual_seed(0)
-        self.name = name
+        self.name = f"{name}+compile" if compiled else name
         self.model = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.channels_last = device.type == "cuda"
         memory = torch.channels_last if self.channels_last else torch.contiguous_format
         self.model = self.model.to(memory_format=memory).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.forward = torch.compile(self.model) if compiled else self.model
         self.x = torch.randn(batch, 3, img_size, img_size, device=device).contiguous(memory_format=memory)
         self.y = torch.randint(0, 1000, (batch,), device=device)
         self.device, self.amp = device, amp
@@ -69,7 +78,7 @@ class Runner:
 
     def step(self) -> None:
         with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+            loss = torch.nn.functional.cross_entropy(self.forward(self.x), self.y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -88,17 +97,41 @@ class Runner:
         self.cpu_rates.append(images / (time.process_time() - cpu_start))
 
 
+    def profile(self, top: int) -> list[dict[str, Any]]:
+        """The ``top`` ops of one step by self time on the device (on the CPU without one)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            self.step()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        events = prof.key_averages()
+        attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+        total = sum(getattr(e, attr) for e in events) or 1.0
+        rows = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:top]
+        return [{"op": e.key, "calls": e.count, "self_us": getattr(e, attr),
+                 "share": getattr(e, attr) / total} for e in rows]
+
+
 def measure(names: list[str], img_size: int, batch: int, rounds: int, steps: int, device: torch.device,
-            amp: torch.dtype | None) -> dict[str, dict[str, Any]]:
+            amp: torch.dtype | None, compiled: bool = False,
+            profile_top: int = 0) -> dict[str, dict[str, Any]]:
     runners = [Runner(n, img_size, batch, device, amp) for n in names]
+    if compiled:
+        runners += [Runner(n, img_size, batch, device, amp, compiled=True) for n in names]
     for r in tqdm(runners, desc=f"warm-up {img_size}px", leave=False):
         r.step()
     for _ in tqdm(range(rounds), desc=f"rounds {img_size}px", leave=False):
         for r in runners:
             r.timed(steps)
+    profiles = {r.name: r.profile(profile_top) for r in runners} if profile_top else {}
     return {r.name: {"params": r.params, "images_per_s": statistics.median(r.rates),
                      "images_per_cpu_s": statistics.median(r.cpu_rates), "rounds": r.rates,
-                     "cpu_rounds": r.cpu_rates} for r in runners}
+                     "cpu_rounds": r.cpu_rates,
+                     **({"profile": profiles[r.name]} if r.name in profiles else {})}
+            for r in runners}
 
 
 def nearest_baseline(params: int, results: dict[str, dict[str, Any]], baselines: list[str]) -> str:
@@ -123,17 +156,21 @@ def main() -> None:
     baselines = [b for b in args.baselines.split(",") if b]
     settings = []
     for img_size, batch in zip(sizes, batches):
-        results = measure(models + baselines, img_size, batch, rounds, steps, device, amp)
+        results = measure(models + baselines, img_size, batch, rounds, steps, device, amp,
+                          compiled=args.compile, profile_top=args.profile)
         rows = []
-        for name in models:
-            base = nearest_baseline(results[name]["params"], results, baselines)
+        variants = [""] + (["+compile"] if args.compile else [])
+        for name in [m + v for v in variants for m in models]:
+            # a compiled model against the compiled baselines
+            suffix = "+compile" if name.endswith("+compile") else ""
+            base = nearest_baseline(results[name]["params"], results, [b + suffix for b in baselines])
             rows.append({"model": name, **results[name], "baseline": base,
                          "baseline_params": results[base]["params"],
                          "baseline_images_per_s": results[base]["images_per_s"],
                          "ratio_vs_baseline": results[name]["images_per_s"] / results[base]["images_per_s"],
                          "cpu_ratio_vs_baseline":
                              results[name]["images_per_cpu_s"] / results[base]["images_per_cpu_s"]})
-        for name in baselines:
+        for name in [b + v for v in variants for b in baselines]:
             rows.append({"model": name, **results[name], "baseline": None})
         settings.append({"img_size": img_size, "batch_size": batch, "rows": rows})
         print(f"\n{img_size}x{img_size}, batch {batch}, {rounds} rounds x {steps} steps on {device}"
@@ -144,6 +181,9 @@ def main() -> None:
                   if row["baseline"] else "baseline")
             print(f"{row['model']:<16}{row['params'] / 1e6:>11.1f}{row['images_per_s']:>10.2f}"
                   f"{row['images_per_cpu_s']:>14.2f}  {vs}")
+        for row in rows:
+            for op in row.get("profile", []):
+                print(f"  {row['model']:<22}{op['share']:>7.1%} {op['calls']:>6} x  {op['op'][:70]}")
     report = {
         "benchmark": "training_throughput",
         "what": "images per wall-clock and per CPU second of forward + backward + AdamW step, median over "
