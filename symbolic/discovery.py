@@ -50,7 +50,11 @@ Recipe of :class:`EquationDiscovery.fit`:
 7. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
    again and again up to whole trajectories, while a likelihood-ratio test finds the longer
    windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
-   under noise; a chaotic trajectory stops the doubling where it no longer fits. On exact data
+   under noise; a chaotic trajectory stops the doubling where it no longer fits. Each state's
+   noise level is estimated from that fit's residuals; where the levels differ beyond chance
+   (relative to each state's spread, by which every fit divides the residuals), the support is
+   refit with each state's residuals divided by its own level instead
+   (:meth:`EquationDiscovery._reweight`, feasible generalised least squares). On exact data
    (a residual at the integration tolerance) the tolerance is then tightened, ten times per
    step down to 1e-13, while the residual keeps falling (:meth:`EquationDiscovery._sharpen`):
    the coefficients become as accurate as the data, not as the integrator.
@@ -61,9 +65,9 @@ abandoned (:meth:`EquationDiscovery._hopeless`) instead of pruned or lengthened.
 
 No knowledge of the true support is used anywhere. On exact data the kept coefficients are the
 least-squares trajectory fit, accurate to the integration tolerance; with noise it is a
-maximum-likelihood fit of the states (Gaussian noise), far less biased than regression on
-finite-difference derivatives. A :class:`~symbolic.errors.FitError` is raised only when no start
-can be integrated over even the shortest windows, with what to change.
+maximum-likelihood fit of the states (Gaussian noise of a level per state), far less biased
+than regression on finite-difference derivatives. A :class:`~symbolic.errors.FitError` is raised
+only when no start can be integrated over even the shortest windows, with what to change.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ from symbolic.export import derivative_symbol, to_latex, to_python, to_string
 from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import (BUDGET_FACTOR, EXACT_RMS, ShootingResult, fit_trajectories,
-                               local_quadratic, make_windows)
+                               local_quadratic, make_windows, residual_scale, state_noise)
 from symbolic.weak import sparse_supports, subset_path, support_lstsq, weak_lstsq
 
 __all__ = ["EquationDiscovery"]
@@ -142,6 +146,10 @@ swaps the Gauss-Newton model ranks best)."""
 
 PAIR_REFITS = 3
 """Most pair-swap proposals :meth:`EquationDiscovery._stepwise` refits per round."""
+
+REWEIGHT_ROUNDS = 3
+"""Most refits of :meth:`EquationDiscovery._reweight` with each state weighted by its estimated
+noise level (one or two suffice: a weighted fit's residuals estimate the levels well)."""
 
 SEARCH_RTOL_FACTOR = 1e-3
 MAX_SEARCH_RTOL = 1e-6
@@ -245,6 +253,32 @@ def fit_criterion(res: ShootingResult) -> float:
     """:func:`information_criterion` of a fitted candidate, every free parameter counted: its
     terms and its fitted window starts (on shorter windows more starts absorb noise)."""
     return information_criterion(res, res.n_params)
+
+
+def unequal_noise(noise: np.ndarray, scale: np.ndarray, samples: int) -> bool:
+    """Whether per-state noise estimates ``noise`` (dim,) differ beyond chance in units of the
+    residual scale ``scale`` (dim,) a fit used, each from ``samples`` residuals: a
+    likelihood-ratio test of one common Gaussian variance against one per state,
+    ``samples * (dim ln(mean v) - sum ln v)`` with ``v = (noise / scale)**2``, about chi-square
+    with ``dim - 1`` degrees of freedom when the levels are equal; accepted, as in
+    :func:`continuity_holds`, up to three standard deviations above its mean. Equal levels mean
+    the fit already weighted each state by its noise and is the maximum-likelihood one."""
+    v = (np.asarray(noise, dtype=float) / np.asarray(scale, dtype=float)) ** 2
+    extra = v.size - 1
+    if extra < 1 or not np.all(np.isfinite(v) & (v > 0)):
+        return False
+    statistic = samples * (v.size * math.log(float(v.mean())) - float(np.log(v).sum()))
+    return statistic > extra + 3.0 * math.sqrt(2.0 * extra)
+
+
+def noise_scale(noise: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """Per-state residual scale proportional to the noise levels ``noise`` (dim,), normalised so
+    that its ratios to the states' spreads ``spread`` (dim,) have a geometric mean of one: the
+    weights of the maximum-likelihood fit, while the residual stays about as large as in units
+    of the spreads (the thresholds on exact data keep their meaning). A level below
+    ``EXACT_RMS`` of its spread is floored there."""
+    ratio = np.maximum(np.asarray(noise, dtype=float) / spread, EXACT_RMS)
+    return spread * ratio / math.exp(float(np.mean(np.log(ratio))))
 
 
 def equation_quadratic(S: np.ndarray, g: np.ndarray, c0: np.ndarray, active: np.ndarray,
@@ -480,8 +514,11 @@ class EquationDiscovery(BaseEstimator):
     computed, window, converged, or the error),
     ``rounds_`` the terms and residual per elimination round of the chosen model, ``result_`` its
     :class:`~symbolic.shooting.ShootingResult`, ``converged_`` whether its last fit converged,
-    ``x0_`` the fitted window starts, ``fit_window_`` the final window length, ``timings_``
-    seconds spent.
+    ``x0_`` the fitted window starts, ``fit_window_`` the final window length,
+    ``state_noise_`` (dim,) each state's noise standard deviation estimated from the final
+    fit's residuals (data units), ``residual_scale_`` (dim,) what each state's residuals were
+    divided by in the final fit (its standard deviation, or its estimated noise level where the
+    levels differ, see :meth:`_reweight`), ``timings_`` seconds spent.
     """
 
     def __init__(self, degree: int = 2, *, variables: Sequence[str] | None = None,
@@ -1017,6 +1054,7 @@ class EquationDiscovery(BaseEstimator):
                     break
                 res = longer
                 self.fit_window_ = longer.window
+        res = self._reweight(res, active)
         res = self._sharpen(res, active)
         coef = res.coef
         if self.snap_tol is not None:
@@ -1025,6 +1063,53 @@ class EquationDiscovery(BaseEstimator):
         self.x0_ = res.x0
         self.result_ = res
         self.converged_ = res.converged
+
+    def _reweight(self, res: ShootingResult, active: np.ndarray) -> ShootingResult:
+        """Weight each state's residuals by its own noise level (feasible generalised least
+        squares) where the levels differ.
+
+        Every fit divides a state's residuals by its standard deviation: the maximum-likelihood
+        fit when each state's noise is proportional to its spread. Where it is not (sensors of
+        different precision), the state with the larger relative noise pulls the coefficients
+        towards its noise. The noise of every state is estimated from the residuals of the
+        final fit (:func:`~symbolic.shooting.state_noise`; no noise level is needed); when the
+        levels, in units of the scale the fit used, differ beyond chance (:func:`unequal_noise`)
+        the support is refit, warm, on the same windows, with each state's residuals divided by
+        its estimated level (:func:`noise_scale`), and kept if it converges; the levels are
+        estimated again from that fit, and the refit repeated while they still differ from the
+        weights used beyond chance, at most ``REWEIGHT_ROUNDS`` times (the first estimate carries
+        the coefficient error the noisier state pulled into the quieter one's residuals). Exact
+        data (residual at the integration tolerance, as in :meth:`_sharpen`) is left alone.
+        Sets ``state_noise_`` (the estimate from the fit that is kept) and ``residual_scale_``.
+        """
+        self.residual_scale_ = res.scale
+        try:
+            noise = state_noise(res, self.trajectories_)
+        except FitError:
+            self.state_noise_ = None
+            return res
+        self.state_noise_ = noise
+        samples = sum(len(t) for t, _ in self.trajectories_)
+        if math.sqrt(res.rss / max(res.n_residuals, 1)) <= self.rtol / SEARCH_RTOL_FACTOR or \
+                res.scale is None or not unequal_noise(noise, res.scale, samples):
+            return res
+        spread = residual_scale(self.trajectories_)
+        for _ in range(REWEIGHT_ROUNDS):
+            scale = noise_scale(noise, spread)
+            try:
+                weighted = fit_trajectories(self.library_, res.coef, active, self.trajectories_,
+                                            window=res.window, x0=res.x0, rtol=self.rtol,
+                                            atol=self.atol, max_iter=WARM_EVALUATIONS,
+                                            scale=scale)
+            except FitError:
+                break
+            if not weighted.converged:
+                break
+            res, noise = weighted, state_noise(weighted, self.trajectories_)
+            self.residual_scale_, self.state_noise_ = scale, noise
+            if not unequal_noise(noise, scale, samples):
+                break
+        return res
 
     def _sharpen(self, res: ShootingResult, active: np.ndarray) -> ShootingResult:
         """On data the model reproduces to about the integration tolerance (residual RMS within

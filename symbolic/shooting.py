@@ -5,11 +5,13 @@ free. The samples of every trajectory are cut into windows of at most ``window``
 window starts from its own free initial state (multiple shooting), so chaotic systems fit too.
 Every window is integrated on its own time grid, so trajectories sampled with different time
 steps or irregularly fit together; windows with identical relative grids share one batched
-integration. The residual is ``(x_model(t_j) - X_j) / scale`` over all samples; its Jacobian
-comes from the forward sensitivity equations ``dS/dt = J_f S + df/dtheta``, integrated together
-with the state by SciPy's DOP853 in float64 at tight tolerances. The Jacobian is block-sparse
-(dense in the coefficients, one ``dim x dim`` block per window in the initial states) and is
-handed to :func:`scipy.optimize.least_squares` (trust-region reflective) as a sparse matrix.
+integration. The residual is ``(x_model(t_j) - X_j) / scale`` over all samples, ``scale`` per
+state: its standard deviation, or its noise level where the caller knows or estimated it
+(:func:`state_noise`). Its Jacobian comes from the forward sensitivity equations
+``dS/dt = J_f S + df/dtheta``, integrated together with the state by SciPy's DOP853 in float64
+at tight tolerances. The Jacobian is block-sparse (dense in the coefficients, one ``dim x dim``
+block per window in the initial states) and is handed to :func:`scipy.optimize.least_squares`
+(trust-region reflective) as a sparse matrix.
 
 The result says honestly whether the fit converged: the solver must stop on one of its tolerance
 tests *and* the final point must be stationary (the residual nearly orthogonal to every Jacobian
@@ -29,10 +31,10 @@ from scipy.integrate import solve_ivp
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
-from symbolic.errors import FitError
+from symbolic.errors import FitError, SymbolicDataError
 
 __all__ = ["ShootingResult", "fit_trajectories", "group_windows", "make_windows",
-           "local_quadratic"]
+           "local_quadratic", "residual_scale", "state_noise"]
 
 STATIONARY_COSINE = 1e-4
 """A fit is stationary when no Jacobian column has a cosine with the residual above this."""
@@ -73,7 +75,9 @@ class ShootingResult:
     stopped on a tolerance at a stationary point; ``status``/``message`` the solver's own report;
     ``window`` the window length used; ``states`` the model's states at every sample, one
     (n_k, dim) array per trajectory (the data smoothed by the fitted ODE, window by window);
-    ``work`` the right-hand-side evaluations one integration of the fitted model took.
+    ``work`` the right-hand-side evaluations one integration of the fitted model took;
+    ``scale`` (dim,) what each state's residuals were divided by (:func:`residual_scale` unless
+    the caller gave per-state noise levels).
     """
 
     coef: np.ndarray
@@ -90,6 +94,7 @@ class ShootingResult:
     window: int | None = None
     states: list[np.ndarray] | None = None
     work: int = 0
+    scale: np.ndarray | None = None
 
 
 class _Sensitivity:
@@ -151,6 +156,29 @@ def make_windows(trajectories: list[tuple[np.ndarray, np.ndarray]],
         for idx in np.array_split(np.arange(n), count):
             out.append((t[idx], X[idx]))
     return out
+
+
+def residual_scale(trajectories: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Default per-state residual scale (dim,): each state's standard deviation over all samples
+    of all trajectories (1 for a constant state). Dividing the residuals by it makes the
+    least squares the maximum-likelihood fit when each state's noise is proportional to its
+    spread; :func:`state_noise` estimates the levels when it is not."""
+    scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
+    return np.where(scale > 0, scale, 1.0)
+
+
+def state_noise(res: "ShootingResult",
+                trajectories: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Each state's noise standard deviation (dim,), in the data's units, estimated from the
+    residuals of the fit ``res`` to ``trajectories``: the state's residual sum of squares over
+    its samples less its share of the fitted parameters (``n_params / dim``) as degrees of
+    freedom. Under Gaussian noise of per-state levels these are the weights of the
+    maximum-likelihood trajectory fit (``fit_trajectories(scale=...)``)."""
+    if res.states is None:
+        raise FitError("the fit carries no model states to estimate the noise from")
+    resid = np.concatenate([S - X for S, (_, X) in zip(res.states, trajectories)])
+    dof = max(resid.shape[0] - res.n_params / max(resid.shape[1], 1), 1.0)
+    return np.sqrt(np.sum(resid**2, axis=0) / dof)
 
 
 def group_windows(windows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[int]]:
@@ -330,7 +358,8 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                      window: int | None = None, x0: np.ndarray | None = None,
                      rtol: float = 1e-10, atol: float = 1e-12, method: str = "DOP853",
                      max_iter: int = 100, tol: float = 1e-10,
-                     fixed: bool = False, budget: int | None = None) -> ShootingResult:
+                     fixed: bool = False, budget: int | None = None,
+                     scale: np.ndarray | None = None) -> ShootingResult:
     """Fit the active coefficients of ``dx/dt = phi(x) @ coef`` to trajectories.
 
     ``exps`` (p, d) monomial exponents, ``coef`` (p, d) initial coefficients, ``active`` (p, d)
@@ -344,6 +373,10 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
     ``fixed=True`` fits only the window starts of a given model). ``budget``: right-hand-side
     evaluations one integration may take (default: ``BUDGET_FACTOR`` times the start's); a
     start that needs more raises FitError, a trial point that needs more counts as a blow-up.
+    ``scale`` (dim,): what each state's residuals are divided by (default
+    :func:`residual_scale`, each state's standard deviation); with each state's noise level
+    (:func:`state_noise`) the fit is the maximum-likelihood one under per-state Gaussian noise
+    of any levels.
     """
     exps = np.asarray(exps, dtype=np.int64)
     active = np.asarray(active, dtype=bool)
@@ -355,7 +388,7 @@ def fit_trajectories(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
         np.array(x0, dtype=np.float64).reshape(len(windows), d)
     theta = np.concatenate([coef[active], start.reshape(-1)])
     problem = _shooting_problem(exps, coef, active, windows, trajectories, theta, rtol, atol,
-                                method, budget)
+                                method, budget, scale)
     dense = problem.n_res * problem.n_par <= DENSE_ENTRIES
     jac = (lambda th: problem.jacobian(th).toarray()) if dense else problem.jacobian
     with threadpool_limits(limits=1):
@@ -373,14 +406,19 @@ def _shooting_problem(exps: np.ndarray, coef: np.ndarray, active: np.ndarray,
                       windows: list[tuple[np.ndarray, np.ndarray]],
                       trajectories: list[tuple[np.ndarray, np.ndarray]], theta: np.ndarray,
                       rtol: float, atol: float, method: str,
-                      budget: int | None) -> "_Shooting":
+                      budget: int | None, scale: np.ndarray | None = None) -> "_Shooting":
     """The multiple-shooting problem at ``theta``, integrated by ``method`` or, where that fails,
     LSODA; a trial point needing far more right-hand-side evaluations than the start (or than
     ``budget``) is treated like a blow-up (the trust region shrinks) instead of being
     integrated at any cost. Raises FitError when the start blows up with both or needs more
-    than ``budget``."""
-    scale = np.concatenate([X for _, X in trajectories]).std(axis=0)
-    scale = np.where(scale > 0, scale, 1.0)
+    than ``budget``. ``scale``: per-state residual scale (default :func:`residual_scale`)."""
+    if scale is None:
+        scale = residual_scale(trajectories)
+    else:
+        scale = np.asarray(scale, dtype=np.float64).reshape(-1)
+        if scale.shape != (exps.shape[1],) or not np.all(np.isfinite(scale) & (scale > 0)):
+            raise SymbolicDataError(f"scale must hold {exps.shape[1]} positive finite numbers, "
+                                    f"got {scale}")
     for solver in (method, "LSODA"):
         problem = _Shooting(exps, coef, active, windows, scale, rtol, atol, solver)
         if budget is not None:
@@ -422,7 +460,7 @@ def _shooting_result(problem: "_Shooting", sol: Any, final: tuple[np.ndarray, An
     bounds = np.cumsum([len(tk) for tk, _ in trajectories])[:-1]
     return ShootingResult(c, zscore, x, cost, n_res, n_par, sigma2, int(sol.nfev), converged,
                           int(sol.status), str(sol.message), window,
-                          np.split(smoothed, bounds), int(problem.used))
+                          np.split(smoothed, bounds), int(problem.used), problem.scale.copy())
 
 
 def local_quadratic(exps: np.ndarray, res: ShootingResult, active: np.ndarray,

@@ -9,9 +9,11 @@ from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils.validation import check_is_fitted
 
 from symbolic import EquationDiscovery, ExpressionError, NotFittedError
+from symbolic.discovery import noise_scale, unequal_noise
 from symbolic.errors import FitError
 from symbolic.field import monomial_exponents
-from symbolic.shooting import fit_trajectories, group_windows, make_windows
+from symbolic.shooting import (fit_trajectories, group_windows, make_windows, residual_scale,
+                               state_noise)
 from symbolic.systems import SYSTEMS, generate, score_terms
 
 LV_TRUTH = [{"x": 1.56, "x*y": -1.12}, {"y": -3.10, "x*y": 1.21}]
@@ -656,3 +658,95 @@ def test_a_pair_of_higher_degree_stand_ins_gives_way_together():
     candidates: list = []
     chosen = model._simplify(best, candidates, None)
     assert chosen["start"] == "simpler" and np.array_equal(chosen["active"], right)
+
+
+def _vdp_coef(exps: np.ndarray) -> np.ndarray:
+    """Van der Pol (mu = 1) over the library ``exps``: x' = y, y' = -x + y - x**2 y."""
+    coef = np.zeros((len(exps), 2))
+    row = {tuple(int(v) for v in e): k for k, e in enumerate(exps)}
+    coef[row[0, 1], 0] = 1.0
+    coef[row[1, 0], 1], coef[row[0, 1], 1], coef[row[2, 1], 1] = -1.0, 1.0, -1.0
+    return coef
+
+
+def _unequal_noise_vdp(seed: int = 0, levels: tuple[float, float] = (0.005, 0.1)):
+    """Van der Pol samples with noise of very different levels relative to each state's spread
+    (0.5 % of x's std on x, 10 % of y's on y). Returns (trajectories, injected std (2,))."""
+    traj = generate("van_der_pol")
+    noise = np.asarray(levels) * traj.clean.std(axis=0)
+    rng = np.random.default_rng(seed)
+    return [(traj.t, traj.clean + noise * rng.standard_normal(traj.clean.shape))], noise
+
+
+def _max_rel_error(coef: np.ndarray, truth: np.ndarray) -> float:
+    on = truth != 0
+    return float(np.max(np.abs(coef[on] - truth[on]) / np.abs(truth[on])))
+
+
+def test_weighting_each_state_by_its_estimated_noise_is_more_accurate():
+    exps = monomial_exponents(2, 3)
+    truth = _vdp_coef(exps)
+    errors = []
+    for seed in range(3):
+        trajectories, noise = _unequal_noise_vdp(seed)
+        plain = fit_trajectories(exps, truth, truth != 0, trajectories)
+        np.testing.assert_allclose(plain.scale, residual_scale(trajectories))
+        estimate = state_noise(plain, trajectories)
+        # the quiet state's residuals also carry the coefficient error the noisy state pulls in
+        assert np.all(estimate > 0.95 * noise) and estimate[1] > 10 * estimate[0]
+        assert unequal_noise(estimate, plain.scale, len(trajectories[0][0]))
+        weighted = fit_trajectories(exps, plain.coef, truth != 0, trajectories, x0=plain.x0,
+                                    scale=estimate)
+        assert weighted.converged
+        np.testing.assert_allclose(weighted.scale, estimate)
+        # the weighted fit's residuals estimate the injected levels closely (the quiet state's
+        # residuals no longer carry the coefficient error that the noisy state pulled in)
+        np.testing.assert_allclose(state_noise(weighted, trajectories), noise, rtol=0.1)
+        errors.append((_max_rel_error(plain.coef, truth), _max_rel_error(weighted.coef, truth)))
+    plain_error, weighted_error = np.mean(errors, axis=0)
+    assert weighted_error < 0.6 * plain_error
+
+
+def test_noise_levels_proportional_to_the_spread_leave_the_weights_alone():
+    traj = generate("van_der_pol", noise=0.05, seed=3)
+    trajectories = [(traj.t, traj.X)]
+    exps = monomial_exponents(2, 3)
+    truth = _vdp_coef(exps)
+    plain = fit_trajectories(exps, truth, truth != 0, trajectories)
+    estimate = state_noise(plain, trajectories)
+    np.testing.assert_allclose(estimate / traj.clean.std(axis=0), 0.05, rtol=0.1)
+    assert not unequal_noise(estimate, plain.scale, len(traj.t))
+
+
+def test_unequal_noise_test_and_the_normalised_noise_scale():
+    spread = np.array([2.0, 0.5, 10.0])
+    assert not unequal_noise(0.05 * spread, spread, 1000)
+    assert not unequal_noise(np.array([0.1, 0.1]), np.ones(2), 1000)
+    assert unequal_noise(np.array([0.1, 0.12]), np.ones(2), 1000)      # 20 % apart, 1000 each
+    assert not unequal_noise(np.array([0.1, 0.12]), np.ones(2), 20)    # within chance for 20
+    assert not unequal_noise(np.array([0.1, 0.0]), np.ones(2), 1000)   # a state fitted exactly
+    scale = noise_scale(np.array([0.01, 0.1, 1.0]), spread)
+    ratio = scale / spread
+    assert np.exp(np.mean(np.log(ratio))) == pytest.approx(1.0)
+    np.testing.assert_allclose(scale / np.array([0.01, 0.1, 1.0]), scale[0] / 0.01)
+    with pytest.raises(ValueError, match="positive finite"):
+        fit_trajectories(monomial_exponents(2, 3), _vdp_coef(monomial_exponents(2, 3)),
+                         _vdp_coef(monomial_exponents(2, 3)) != 0,
+                         _unequal_noise_vdp()[0], scale=np.array([1.0, 0.0]))
+
+
+def test_discovery_weights_states_of_unequal_noise_by_their_estimated_levels():
+    trajectories, noise = _unequal_noise_vdp(seed=1)
+    (t, X), = trajectories
+    model = EquationDiscovery(degree=3, variables=["x", "y"], progress=False).fit(t, X)
+    truth = SYSTEMS["van_der_pol"].truth
+    error, missed, spurious = _errors(model.coefficients(), truth)
+    assert (missed, spurious) == (0, 0)
+    np.testing.assert_allclose(model.state_noise_, noise, rtol=0.1)
+    np.testing.assert_allclose(model.residual_scale_ / model.residual_scale_[0],
+                               noise / noise[0], rtol=0.1)
+    # the same support fitted with each state weighted by its spread only
+    plain = fit_trajectories(model.library_, model.coef_, model.coef_ != 0, trajectories,
+                             window=model.fit_window_)
+    plain_error = _max_rel_error(plain.coef, _vdp_coef(model.library_))
+    assert error < 0.5 * plain_error
