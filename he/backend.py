@@ -162,20 +162,20 @@ class Engine:
         #: threads that rotate one ciphertext group's values at once
         self.pool = Pool(1)
 
-    def use_threads(self, threads: int | None, probe: Any, probe_step: int) -> str:
-        """Rotate and multiply by plaintexts on ``threads`` threads (None: every core this
-        process may use) where SEAL can be called without the GIL (:mod:`he.native`, validated
-        on ``probe``, a top-level ciphertext, rotated by ``probe_step``); returns why not where
-        it cannot, else ``""``."""
+    def use_threads(self, threads: int | None, probe: Any, probe_step: int | None) -> str:
+        """Rotate, multiply and rescale on ``threads`` threads (None: every core this process
+        may use) where SEAL can be called without the GIL (:mod:`he.native`, validated on
+        ``probe``, a top-level ciphertext, rotated by ``probe_step`` where there are Galois
+        keys); returns why not where it cannot, else ``""``."""
         n = default_threads() if threads is None else int(threads)
         if n < 1:
             raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-        if n == 1 or self.galois_keys is None:
+        if n == 1 or (self.galois_keys is None and self.relin_keys is None):
             self.native, self.pool = None, Pool(1)
             return ""
         plain = self.encode_vector(np.linspace(-1.0, 1.0, self.slots), 0, self.plain_scales[0])
         native = NativeEvaluator(self.context, self.evaluator, self.galois_keys, probe,
-                                 probe_step, plain)
+                                 probe_step, plain, self.relin_keys)
         if not native.ok:
             self.native, self.pool = None, Pool(1)
             return native.reason
@@ -243,7 +243,10 @@ class Engine:
         return self._canon(res, level)
 
     def rescale(self, ct: Any) -> Any:
-        self.evaluator.rescale_to_next_inplace(ct)
+        if self.native is not None and self.native.accepts_rescale(ct):
+            self.native.rescale(ct, ct)
+        else:
+            self.evaluator.rescale_to_next_inplace(ct)
         return self._canon(ct)
 
     def to_level(self, ct: Any, level: int, into: Any = None) -> Any:
@@ -254,10 +257,12 @@ class Engine:
         ``ct``; in place, the result keeps ``ct``'s storage, a prime (and a relinearised
         product's polynomial) larger than it needs."""
         if self.chain(ct) < self.params.chain_index(level):
-            if into is not None:
-                self.evaluator.rescale_to_next(ct, into)
-                return self._canon(into, level)
-            self.evaluator.rescale_to_next_inplace(ct)
+            dst = ct if into is None else into
+            if self.native is not None and self.native.accepts_rescale(ct):
+                self.native.rescale(ct, dst)
+            else:
+                self.evaluator.rescale_to_next(ct, dst)
+            return self._canon(dst, level)
         return self._canon(ct, level)
 
     def mul_plain(self, ct: Any, pt: Any) -> Any:
@@ -303,11 +308,14 @@ class Engine:
         if self.params.pending >= 0 and level % 2 == self.params.pending:
             raise ParameterError(f"a ciphertext product from pending level {level}")
         out = seal.Ciphertext() if out is None else out
-        if a is b:
-            self.evaluator.square(a, out)
+        if self.native is not None and self.native.accepts_ct_product(a, b):
+            self.native.product(a, b, out)
         else:
-            self.evaluator.multiply(a, b, out)
-        self.evaluator.relinearize_inplace(out, self.relin_keys)
+            if a is b:
+                self.evaluator.square(a, out)
+            else:
+                self.evaluator.multiply(a, b, out)
+            self.evaluator.relinearize_inplace(out, self.relin_keys)
         return self.to_level(out, level + 1, into=into)
 
     def add(self, a: Any, b: Any, out: Any = None) -> Any:

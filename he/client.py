@@ -22,7 +22,7 @@ from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError)
 from he.parallel import fork_map, memory_workers, resolve_workers
-from he.native import default_threads
+from he.native import Pool, default_threads
 from he.runtime import VectorKernels, available_memory, run_batch, run_vector
 from polynets.errors import check_int
 
@@ -371,11 +371,13 @@ class Server:
     ``Server(program, public_context)``: ``public_context`` is :meth:`Client.public_context`'s
     bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
     ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
-    beyond it are encoded at each use (default: half the memory available). ``threads``: in
-    vector packing, threads that rotate one sample's values at once (default: those the
-    compiler chose, ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no
-    more cores than this process may use; SEAL is then called without Python's GIL, see
-    :mod:`he.native`, and ``threads_note`` says why not where that is unavailable); results are
+    beyond it are encoded at each use (default: half the memory available). ``threads``:
+    threads that rotate one sample's values at once (vector packing), or compute a group's
+    ciphertext products and rescales (batch packing; divided among the processes of
+    :meth:`run`'s ``workers``); default: those the compiler chose,
+    ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no more cores
+    than this process may use; SEAL is then called without Python's GIL, see
+    :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. Results are
     the same whatever the number.
     """
 
@@ -402,12 +404,15 @@ class Server:
         self.threads_note = ""
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
+        if threads is None:
+            # the compiler's choice, on no more cores than this process may use
+            threads = min(program.server_threads, default_threads())
         if self.kernels is not None and program.plan.galois_steps():
-            if threads is None:
-                # the compiler's choice, on no more cores than this process may use
-                threads = min(program.server_threads, default_threads())
             self.threads_note = self.engine.use_threads(
                 threads, self._encrypt_constant(1.0), program.plan.galois_steps()[0])
+        elif program.packing == "batch":
+            self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
+                                                        None)
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine
@@ -470,9 +475,17 @@ class Server:
             out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,
                                   desc="server", progress=progress)
         else:
-            out_groups = fork_map(
-                lambda i: [save_object(c) for c in self._run_group(_load_group(ctx, ct, i))],
-                len(ct._groups), n_workers, desc="server", progress=progress)
+            eng = self.engine
+            pool = eng.pool
+            if self.program.packing == "batch":
+                # the processes share the cores: each runs a group on its part of the threads
+                eng.pool = Pool(max(1, pool.threads // n_workers))
+            try:
+                out_groups = fork_map(
+                    lambda i: [save_object(c) for c in self._run_group(_load_group(ctx, ct, i))],
+                    len(ct._groups), n_workers, desc="server", progress=progress)
+            finally:
+                eng.pool = pool
         return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
                           key_id=self.key_id, role="output", n_samples=ct.n_samples,
                           groups=out_groups)

@@ -13,7 +13,7 @@ import hashlib
 import math
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -144,20 +144,21 @@ def _threads(options: dict[str, Any]) -> int:
 MIN_THREAD_GAIN = 1.1
 
 
-def _server_threads(plan: VectorPlan, params: CKKSParams, costs: CostModel, threads: int,
-                    predicted: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
-    """The server threads a vector plan runs on, why, and the prediction on them: ``threads``
-    (``predicted`` is on them) where the cost model predicts them at least
-    :data:`MIN_THREAD_GAIN` times as fast as one thread, else one."""
+def _chosen_threads(threads: int, serial: dict[str, Any], on: Callable[[int], dict[str, Any]],
+                    what: str) -> tuple[int, str, dict[str, Any]]:
+    """The server threads a plan runs on, why, and the prediction on them: ``threads`` where
+    the cost model predicts them (``on(threads)``) at least :data:`MIN_THREAD_GAIN` times as
+    fast as one thread (``serial``), else one."""
     if threads <= 1:
-        return 1, "one server thread (as asked)", predicted
-    serial = _predict_vector(plan, params, costs, 1)
+        return 1, "one server thread (as asked)", serial
+    predicted = on(threads)
     gain = serial["seconds_per_ciphertext"] / max(predicted["seconds_per_ciphertext"], 1e-12)
     if gain < MIN_THREAD_GAIN:
         return 1, (f"one server thread: {threads} would be predicted only {gain:.2f}x as fast "
-                   f"(below {MIN_THREAD_GAIN}x; small plans' time is in folds, products and "
-                   f"Python work between SEAL calls)"), serial
-    return threads, f"{threads} server threads, predicted {gain:.2f}x as fast as one", predicted
+                   f"(below {MIN_THREAD_GAIN}x; only {what} run on several threads, and the "
+                   f"Python work between SEAL calls does not)"), serial
+    return threads, (f"{threads} server threads for {what}, predicted {gain:.2f}x as fast as "
+                     f"one"), predicted
 
 
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
@@ -233,15 +234,25 @@ def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                         lambda counts, level: costs.price(counts, ring, params.limbs(level)))
 
 
+#: Batch packing's primitives that a server spreads over its threads (:func:`he.runtime._threaded`:
+#: ciphertext products with their relinearisations, and rescales); the rest run in one thread
+_BATCH_THREADED = ("mul_ct", "rescale")
+
+
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
-                   costs: CostModel, fanin: list[int]) -> dict[str, Any]:
+                   costs: CostModel, fanin: list[int], threads: int = 1) -> dict[str, Any]:
     counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
+    # products and rescales on several threads run at the rotations' measured efficiency
+    speedup = threads * costs.parallel_efficiency(ring) if threads > 1 else 1.0
     seconds = 0.0
     for st, c in zip(lowered.steps, counts):
         lin = max((levels[j] for j in st.inputs), default=0)
-        seconds += costs.price(c, ring, params.limbs(lin))
+        par = {k: v for k, v in c.items() if k in _BATCH_THREADED}
+        rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
+        seconds += costs.price(rest, ring, params.limbs(lin)) + \
+            costs.price(par, ring, params.limbs(lin)) / speedup
     # ciphertexts held at once: a step's value lives until its last reader has run (the
     # group's inputs, which the server loaded, until the end), and a weighted map's rows are
     # computed at its inputs' level, a prime wider than the values they are rescaled into
@@ -270,6 +281,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "upload_bytes": wire_bytes(params, 0, int(live[0].sum()), 1),
             "download_bytes": wire_bytes(params, levels[lowered.output],
                                          int(live[lowered.output].sum()), 2),
+            "server_threads": threads,
             "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES,
             # what evaluating one group adds to a server whose keys are loaded
             "working_memory_bytes": held + PLAIN_CACHE_BYTES}
@@ -606,8 +618,9 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     if len(scores) > 1:
         planes_why = (f"; the first maps from the client's input planes: {scores[MAX_PLANES]:.3g}"
                       f" s, from one input ciphertext: {scores[0]:.3g} s")
-    threads, threads_why, predicted = _server_threads(plan, params, costs, _threads(options),
-                                                      predicted)
+    threads, threads_why, predicted = _chosen_threads(
+        _threads(options), _predict_vector(plan, params, costs, 1),
+        lambda n: _predict_vector(plan, params, costs, n), "baby- and giant-step rotations")
     changed = sum(o is not None for o in orders)
     opts = {**options, "server_threads": threads, "threads_why": threads_why,
             "layouts": [None if o is None else list(o) for o in orders],
@@ -704,11 +717,16 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
     live = live_rows(lowered)
     fanin = _batch_fanin(lowered, live, params, costs)
     fused = sum(f > 0 for f in fanin)
-    return {**options, "fused_fanin": fanin,
-            "predicted": _predict_batch(lowered, live, params, costs, fanin),
+    serial = _predict_batch(lowered, live, params, costs, fanin)
+    threads, threads_why, predicted = _chosen_threads(
+        _threads(options), serial,
+        lambda n: _predict_batch(lowered, live, params, costs, fanin, n),
+        "a group's products and rescales")
+    return {**options, "fused_fanin": fanin, "server_threads": threads,
+            "threads_why": threads_why, "predicted": predicted,
             "why": (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted "
                     f"steps as fused integer matrix products (rows from the fan-in the cost "
-                    f"model chose)")}
+                    f"model chose); {threads_why}")}
 
 
 def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int

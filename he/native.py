@@ -1,20 +1,24 @@
-"""SEAL's rotations and plaintext products called without Python's global interpreter lock, so
-one sample's maps use every core.
+"""SEAL's rotations, plaintext and ciphertext products, relinearisations and rescales called
+without Python's global interpreter lock, so one sample's maps (vector packing) or one group's
+products and rescales (batch packing) use every core.
 
 ``tenseal.sealapi`` holds the GIL through every call, so threads that rotate take as long as one.
 The extension module that defines ``tenseal.sealapi``'s classes also exports SEAL's own C++
 symbols, and a :mod:`ctypes` call releases the GIL. :class:`NativeEvaluator` rotates by calling
 ``seal::Evaluator::rotate_internal``, and multiplies by a plaintext with
-``seal::Evaluator::multiply_plain_inplace``, on a copy made by ``seal::Ciphertext::operator=``,
+``seal::Evaluator::multiply_plain_inplace``, on a copy made by ``seal::Ciphertext::operator=``;
+ciphertext products are ``multiply_inplace`` / ``square_inplace`` then ``relinearize_internal``,
+rescales ``rescale_to_next``,
 on the very objects ``tenseal.sealapi`` created (their C++ addresses follow the binding's object layout,
 as in :mod:`he.fused`). SEAL takes its memory pool handle by value, which the Itanium C++ ABI
 passes by address: the handle of a fresh, empty ciphertext is lent, and SEAL takes it over (or
 copies it), so the pool's reference count stays balanced either way.
 
 A C++ exception cannot cross :mod:`ctypes`, so every call first checks what SEAL would refuse
-(:meth:`NativeEvaluator.accepts_rotation`, :meth:`NativeEvaluator.accepts_product`) and leaves
+(:meth:`NativeEvaluator.accepts_rotation`, :meth:`NativeEvaluator.accepts_product`,
+:meth:`NativeEvaluator.accepts_ct_product`, :meth:`NativeEvaluator.accepts_rescale`) and leaves
 anything else to ``tenseal.sealapi``, whose errors are Python exceptions. Before the first use,
-rotations and a product of a probe ciphertext are compared byte for byte with
+rotations, products and rescales of a probe ciphertext are compared byte for byte with
 ``tenseal.sealapi``'s; a missing symbol, another platform or any mismatch leaves
 :attr:`NativeEvaluator.ok` false with the reason, and the runtime keeps ``tenseal.sealapi``
 (one core).
@@ -45,6 +49,11 @@ _ROTATE = ("_ZNK4seal9Evaluator15rotate_internalERNS_10CiphertextEiRKNS_10Galois
 _ASSIGN = "_ZN4seal10CiphertextaSERKS0_"
 _MUL_PLAIN = ("_ZNK4seal9Evaluator22multiply_plain_inplaceERNS_10CiphertextERKNS_9PlaintextENS_16"
               "MemoryPoolHandleE")
+_MUL = "_ZNK4seal9Evaluator16multiply_inplaceERNS_10CiphertextERKS1_NS_16MemoryPoolHandleE"
+_SQUARE = "_ZNK4seal9Evaluator14square_inplaceERNS_10CiphertextENS_16MemoryPoolHandleE"
+_RELIN = ("_ZNK4seal9Evaluator20relinearize_internalERNS_10CiphertextERKNS_9RelinKeysEmNS_16"
+          "MemoryPoolHandleE")
+_RESCALE = "_ZNK4seal9Evaluator15rescale_to_nextERKNS_10CiphertextERS1_NS_16MemoryPoolHandleE"
 T = TypeVar("T")
 
 
@@ -67,19 +76,27 @@ class NativeEvaluator:
     """
 
     def __init__(self, context: Any, evaluator: Any, galois_keys: Any, probe: Any,
-                 probe_step: int, probe_plain: Any):
+                 probe_step: int | None, probe_plain: Any, relin_keys: Any = None):
         self.ok = False
         self.reason = ""
         self._context = context
         self._evaluator = evaluator
         self._keys = galois_keys
+        self._relin = relin_keys
         self._ring = int(context.first_context_data().parms().poly_modulus_degree())
         #: bits of the modulus at every level (SEAL's bound on a product's scale)
         self._parms: dict[tuple[int, ...], int] = {}
+        #: per level with a next one: that level's modulus bits and the prime a rescale drops
+        self._next: dict[tuple[int, ...], tuple[int, float]] = {}
         data = context.first_context_data()
         while data is not None:
             self._parms[tuple(data.parms_id())] = int(data.total_coeff_modulus_bit_count())
-            data = data.next_context_data()
+            nxt = data.next_context_data()
+            if nxt is not None:
+                self._next[tuple(data.parms_id())] = (
+                    int(nxt.total_coeff_modulus_bit_count()),
+                    float(data.parms().coeff_modulus()[-1].value()))
+            data = nxt
         self._has_key: dict[int, bool] = {}
         try:
             self._bind()
@@ -102,19 +119,30 @@ class NativeEvaluator:
             rotate = getattr(lib, _ROTATE)
             assign = getattr(lib, _ASSIGN)
             mul_plain = getattr(lib, _MUL_PLAIN)
+            mul, square = getattr(lib, _MUL), getattr(lib, _SQUARE)
+            relin, rescale = getattr(lib, _RELIN), getattr(lib, _RESCALE)
         except (OSError, AttributeError) as exc:
             raise _Unavailable(f"SEAL's symbols are not exported: {exc}") from None
+        ptr = ctypes.c_void_p
         rotate.restype = None
-        rotate.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                           ctypes.c_void_p]
-        assign.restype = ctypes.c_void_p
-        assign.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        mul_plain.restype = None
-        mul_plain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        rotate.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr]
+        assign.restype = ptr
+        assign.argtypes = [ptr, ptr]
+        for fn in (mul_plain, mul, rescale):        # (this, ct, other, pool)
+            fn.restype = None
+            fn.argtypes = [ptr, ptr, ptr, ptr]
+        square.restype = None
+        square.argtypes = [ptr, ptr, ptr]
+        relin.restype = None
+        relin.argtypes = [ptr, ptr, ptr, ctypes.c_size_t, ptr]
         self._rotate_fn, self._assign_fn, self._mul_plain_fn = rotate, assign, mul_plain
+        self._mul_fn, self._square_fn, self._relin_fn, self._rescale_fn = \
+            mul, square, relin, rescale
         self._ev = _cxx_address(self._evaluator)
-        self._gk = _cxx_address(self._keys)
-        if not self._ev or not self._gk:
+        self._gk = _cxx_address(self._keys) if self._keys is not None else 0
+        self._rk = _cxx_address(self._relin) if self._relin is not None else 0
+        if not self._ev or (self._keys is not None and not self._gk) \
+                or (self._relin is not None and not self._rk):
             raise _Unavailable("the binding's object layout is not the expected one")
 
     def _validate(self, probe: Any, step: int, plain: Any) -> None:
@@ -130,9 +158,10 @@ class NativeEvaluator:
                  for h in holders]
         if not words[0][0] or not words[0][1] or words[0][0] != words[1][0]:
             raise _Unavailable("a ciphertext's memory pool handle is not where it was expected")
-        if not self.accepts_rotation(probe, step) or not self.accepts_product(probe, plain):
+        if (self._keys is not None and not self.accepts_rotation(probe, step)) \
+                or not self.accepts_product(probe, plain):
             raise _Unavailable("the probe ciphertext, plaintext or Galois key is not usable")
-        for s in (step, -step):
+        for s in ((step, -step) if self._keys is not None else ()):
             if not self._key(s):
                 continue
             expect = seal.Ciphertext()
@@ -143,6 +172,30 @@ class NativeEvaluator:
         self._evaluator.multiply_plain(probe, plain, expect)
         if save_object(self.multiply_plain(probe, plain)) != save_object(expect):
             raise _Unavailable("a native plaintext product differs from tenseal.sealapi's")
+        if self._relin is not None:
+            self._validate_products(probe)
+
+    def _validate_products(self, probe: Any) -> None:
+        from he.backend import save_object
+        other = self._copy(probe)
+        for b in (probe, other):                    # a square, then a product of two
+            if not self.accepts_ct_product(probe, b):
+                raise _Unavailable("the probe ciphertext cannot be multiplied here")
+            expect = seal.Ciphertext()
+            if b is probe:
+                self._evaluator.square(probe, expect)
+            else:
+                self._evaluator.multiply(probe, b, expect)
+            self._evaluator.relinearize_inplace(expect, self._relin)
+            got = self.product(probe, b, seal.Ciphertext())
+            if save_object(got) != save_object(expect):
+                raise _Unavailable("a native ciphertext product differs from tenseal.sealapi's")
+            if not self.accepts_rescale(expect):
+                raise _Unavailable("the probe product cannot be rescaled here")
+            into = seal.Ciphertext()
+            self._evaluator.rescale_to_next(expect, into)
+            if save_object(self.rescale(got, seal.Ciphertext())) != save_object(into):
+                raise _Unavailable("a native rescale differs from tenseal.sealapi's")
 
     def _key(self, step: int) -> bool:
         half = self._ring // 2
@@ -169,6 +222,52 @@ class NativeEvaluator:
         scale = float(ct.scale) * float(pt.scale)
         return 0.0 < scale and math.log2(scale) < bits - 1 and not ct.is_transparent() \
             and not pt.is_zero()
+
+    def accepts_ct_product(self, a: Any, b: Any) -> bool:
+        """True when SEAL would multiply ``a`` by ``b`` and relinearise without raising: relin
+        keys given, two polynomials each in NTT form at the same level, neither transparent,
+        the product's scale within that level's modulus."""
+        if self._relin is None:
+            return False
+        bits = self._parms.get(tuple(a.parms_id()))
+        if bits is None or a.size() != 2 or b.size() != 2 or not a.is_ntt_form() \
+                or not b.is_ntt_form() or list(a.parms_id()) != list(b.parms_id()) \
+                or a.is_transparent() or b.is_transparent():
+            return False
+        scale = float(a.scale) * float(b.scale)
+        return 0.0 < scale and math.log2(scale) < bits - 1
+
+    def accepts_rescale(self, ct: Any) -> bool:
+        """True when SEAL would rescale ``ct`` to the next level without raising: in NTT form,
+        not at the chain's end, the divided scale within the next level's modulus."""
+        nxt = self._next.get(tuple(ct.parms_id()))
+        if nxt is None or not ct.is_ntt_form() or ct.is_transparent():
+            return False
+        scale = float(ct.scale) / nxt[1]
+        return 1.0 <= scale and math.log2(scale) < nxt[0] - 1
+
+    def product(self, a: Any, b: Any, out: Any) -> Any:
+        """``out <- a * b`` relinearised to two polynomials, without the GIL (``out``'s storage
+        reused); the caller has checked :meth:`accepts_ct_product`."""
+        self._assign_fn(_cxx_address(out), _cxx_address(a))
+        holder = seal.Ciphertext()
+        if a is b:
+            self._square_fn(self._ev, _cxx_address(out), _cxx_address(holder) + _DYN_OFFSET)
+        else:
+            self._mul_fn(self._ev, _cxx_address(out), _cxx_address(b),
+                         _cxx_address(holder) + _DYN_OFFSET)
+        holder = seal.Ciphertext()
+        self._relin_fn(self._ev, _cxx_address(out), self._rk, 2,
+                       _cxx_address(holder) + _DYN_OFFSET)
+        return out
+
+    def rescale(self, ct: Any, into: Any) -> Any:
+        """``into <- ct`` rescaled by its last prime, without the GIL (``into`` may be ``ct``);
+        the caller has checked :meth:`accepts_rescale`."""
+        holder = seal.Ciphertext()
+        self._rescale_fn(self._ev, _cxx_address(ct), _cxx_address(into),
+                         _cxx_address(holder) + _DYN_OFFSET)
+        return into
 
     def _copy(self, ct: Any) -> Any:
         out = seal.Ciphertext()

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -41,16 +41,49 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
     return eng.rescale(eng.mul_scalar(e, v))
 
 
-def _mul_elem(eng: Engine, a: Elem, b: Elem, buffers: "_Buffers") -> Elem:
-    if _is_ct(a) and _is_ct(b):
-        # computed in a recycled three-polynomial buffer, rescaled into a recycled one
+def _mul_step(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
+              buffers: "_Buffers") -> list[Elem]:
+    """A product step's live rows. Products of two ciphertexts are computed in recycled
+    three-polynomial buffers, relinearised and rescaled into recycled ones, spread over the
+    engine's threads (:func:`_threaded`); a product with a clear value is a scaling."""
+    out: list[Elem] = [0.0] * len(rows)
+    pairs = []
+    for i in np.flatnonzero(rows):
+        a, b = xs[i], ys[i]
+        if _is_ct(a) and _is_ct(b):
+            pairs.append(int(i))
+        else:
+            out[i] = _scale_elem(eng, a, b) if _is_ct(a) else _scale_elem(eng, b, a)
+
+    def prepare(i: int) -> tuple[Any, int, Callable[[Any], Any]]:
+        a, b = xs[i], ys[i]
         level = max(eng.level(a), eng.level(b))
         scratch = buffers.take(eng, level, 3)
-        return buffers.finish(lambda into: eng.multiply(a, b, out=scratch, into=into),
-                              scratch, buffers.take(eng, level + 1))
-    if _is_ct(a):
-        return _scale_elem(eng, a, b)
-    return _scale_elem(eng, b, a)
+        return scratch, level + 1, lambda into: eng.multiply(a, b, out=scratch, into=into)
+
+    for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
+        out[i] = res
+    return out
+
+
+def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
+              prepare: Callable[[Any], tuple[Any, int, Callable[[Any], Any]]]) -> list[Any]:
+    """For every item, ``prepare(item)`` gives ``(scratch, level, compute)``; returns each
+    ``compute(into)``, ``into`` a recycled buffer of ``level``, and frees whichever of
+    ``scratch`` and ``into`` the result is not. The computations (SEAL calls that release the
+    GIL, :mod:`he.native`) run on the engine's threads, a few chunks' worth at a time: buffers
+    are taken and returned in this thread, so a chunk's freed buffers serve the next and the
+    memory held stays that of a few rows."""
+    results: list[Any] = []
+    chunk = 4 * eng.pool.threads
+    for k in range(0, len(items), chunk):
+        jobs = [prepare(x) for x in items[k:k + chunk]]
+        intos = [buffers.take(eng, level) for _, level, _ in jobs]
+        done = eng.pool.map(lambda job: job[0][2](job[1]), list(zip(jobs, intos)))
+        for (scratch, _, _), into, res in zip(jobs, intos, done):
+            buffers.recycle(scratch if res is into else into)
+        results.extend(done)
+    return results
 
 
 def live_rows(lowered: Lowered) -> list[np.ndarray]:
@@ -123,14 +156,6 @@ class _Buffers:
             if _is_ct(e) and id(e) not in held:
                 self.recycle(e)
 
-    def finish(self, compute: Any, scratch: Any, into: Any) -> Any:
-        """``compute(into)``'s result, computed in ``scratch`` and rescaled ``into`` (see
-        :meth:`~he.backend.Engine.to_level`); whichever of the two it does not return is free
-        again."""
-        res = compute(into)
-        self.recycle(scratch if res is into else into)
-        return res
-
     def take(self, eng: Engine, level: int, size: int = 2) -> Any:
         """A ciphertext whose storage holds ``size`` polynomials at ``level``, to be overwritten
         by a SEAL result: the smallest free buffer that holds them (resized), else an empty
@@ -196,13 +221,13 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
             clear = np.array([0.0 if is_ct else float(e) for e, is_ct in zip(x, c)])
             const += m.tocsr()[covered] @ clear
     fmap.apply(raw, inputs, outputs, moduli, [round(v * product) for v in const])
-    result: dict[int, Elem] = {}
-    for r, out in zip(covered, outputs):
+
+    def prepare(out: Any) -> tuple[Any, int, Callable[[Any], Any]]:
         out.scale = product
-        # rescaled into a recycled buffer; the product's serves the next row
-        result[int(r)] = buffers.finish(lambda into: eng.to_level(out, level + 1, into=into),
-                                        out, buffers.take(eng, level + 1))
-    return result
+        # rescaled into a recycled buffer; the product's serves a later row
+        return out, level + 1, lambda into: eng.to_level(out, level + 1, into=into)
+
+    return {int(r): res for r, res in zip(covered, _threaded(eng, buffers, outputs, prepare))}
 
 
 def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
@@ -308,8 +333,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                                 FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
                                 fused_maps, buffers)
         elif st.kind == "mul":
-            out = [_mul_elem(eng, p, q, buffers) if r else 0.0
-                   for p, q, r in zip(ins[0], ins[1], rows)]
+            out = _mul_step(eng, ins[0], ins[1], rows, buffers)
         else:
             out = [_scale_elem(eng, p, float(st.factor)) if r else 0.0
                    for p, r in zip(ins[0], rows)]

@@ -236,8 +236,9 @@ def test_fused_rows_are_counted_once_and_chosen_where_cheaper():
         assert a["rescale"] == b["rescale"]
         assert b["mul_plain"] <= a["mul_plain"]
     costs = default_model()
-    chosen = _predict_batch(lowered, live, prog.params, costs, fanin)
-    unfused = _predict_batch(lowered, live, prog.params, costs, [0] * len(fanin))
+    threads = prog.server_threads
+    chosen = _predict_batch(lowered, live, prog.params, costs, fanin, threads)
+    unfused = _predict_batch(lowered, live, prog.params, costs, [0] * len(fanin), threads)
     assert chosen["seconds_per_ciphertext"] < unfused["seconds_per_ciphertext"]
     assert chosen["seconds_per_ciphertext"] == prog.plan.predicted["seconds_per_ciphertext"]
 

@@ -191,3 +191,111 @@ def test_a_program_file_with_a_bad_thread_count_is_refused(setup, bad):
     other.options["server_threads"] = bad
     with pytest.raises(he.SerializationError):
         he.CompiledProgram.from_bytes(other.to_bytes())
+
+
+@pytest.fixture(scope="module")
+def batch_setup():
+    model, x = _token_model()
+    prog = he.compile(model, x[:1], calibration=x, packing="batch", server_threads=2)
+    client = he.Client(prog)
+    return model, x, prog, client, client.public_context()
+
+
+@native_only
+def test_threaded_batch_server_gives_the_same_ciphertexts_as_one_thread(batch_setup):
+    """A group's products, relinearisations and rescales on two threads (SEAL called without
+    the GIL): byte-identical outputs, also with the group split between two processes."""
+    model, x, prog, client, ctx = batch_setup
+    one = he.Server(prog, ctx, threads=1)
+    two = he.Server(prog, ctx, threads=2)
+    assert one.engine.native is None
+    assert two.engine.native is not None, two.threads_note
+    assert two.engine.pool.threads == 2
+    ct = client.encrypt(x)
+    out_one, out_two = one.run(ct), two.run(ct)
+    assert out_one.to_bytes() == out_two.to_bytes()
+    y = client.decrypt(out_two)
+    with torch.no_grad():
+        ref = model(x).double().numpy()
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error
+    # two groups in two processes: each process on one of the two threads, same results
+    ct2 = client.encrypt(torch.cat([x] * (prog.params.slots // len(x) + 1))[:prog.params.slots + 3])
+    assert np.array_equal(client.decrypt(two.run(ct2, workers=2)),
+                          client.decrypt(one.run(ct2)))
+    assert two.engine.pool.threads == 2
+
+
+@native_only
+def test_batch_threads_are_priced_and_kept_only_where_predicted_faster(batch_setup):
+    from he.compiler import MIN_THREAD_GAIN, _predict_batch
+    from he.runtime import live_rows
+
+    model, x, prog, _, ctx = batch_setup
+    costs = he.costmodel.default_model()
+    live = live_rows(prog.lowered)
+    fanin = prog.options["fused_fanin"]
+    one = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 1)
+    two = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 2)
+    # only the products and rescales are divided among the threads
+    assert one["counts"] == two["counts"]
+    assert one["seconds_per_ciphertext"] > two["seconds_per_ciphertext"] > \
+        one["seconds_per_ciphertext"] / 2
+    kept = prog.options["server_threads"]
+    gain = one["seconds_per_ciphertext"] / two["seconds_per_ciphertext"]
+    assert kept == (2 if gain >= MIN_THREAD_GAIN else 1)
+    assert prog.plan.predicted["server_threads"] == kept
+    assert prog.options["threads_why"] in prog.plan.why
+    assert he.Server(prog, ctx).engine.pool.threads == kept
+    serial = he.compile(model, x[:1], calibration=x, packing="batch", server_threads=1)
+    assert serial.options["server_threads"] == 1
+    assert serial.plan.predicted["seconds_per_ciphertext"] == \
+        pytest.approx(one["seconds_per_ciphertext"])
+
+
+@native_only
+def test_native_products_and_rescales_refuse_what_seal_would_raise_on(batch_setup):
+    _, _, prog, _, ctx = batch_setup
+    server = he.Server(prog, ctx, threads=2)
+    eng, native = server.engine, server.engine.native
+    ct = server._encrypt_constant(0.5)
+    other = server._encrypt_constant(-0.25)
+    for b in (ct, other):                           # a square and a product: SEAL's bytes
+        expect = seal.Ciphertext()
+        if b is ct:
+            eng.evaluator.square(ct, expect)
+        else:
+            eng.evaluator.multiply(ct, b, expect)
+        eng.evaluator.relinearize_inplace(expect, eng.relin_keys)
+        assert native.accepts_ct_product(ct, b)
+        got = native.product(ct, b, seal.Ciphertext())
+        assert save_object(got) == save_object(expect)
+        assert native.accepts_rescale(got)
+        into = seal.Ciphertext()
+        eng.evaluator.rescale_to_next(expect, into)
+        assert save_object(native.rescale(got, seal.Ciphertext())) == save_object(into)
+    # three polynomials, another level, the chain's end: left to SEAL, which raises
+    big = seal.Ciphertext()
+    eng.evaluator.multiply(ct, ct, big)
+    assert not native.accepts_ct_product(big, ct)
+    low = eng.rescale(eng.mul_scalar(ct, 1.0))
+    assert not native.accepts_ct_product(ct, low)
+    c = ct
+    while eng.chain(c) < prog.params.chain_index(prog.params.levels):
+        c = eng.rescale(eng.mul_scalar(c, 1.0))
+    assert not native.accepts_rescale(c)
+    with pytest.raises(Exception):
+        eng.evaluator.rescale_to_next_inplace(c)
+    # products without rescale until SEAL's scale bound: refused before SEAL would raise
+    c = ct
+    for _ in range(40):
+        ok = native.accepts_ct_product(c, c)
+        out = seal.Ciphertext()
+        try:
+            eng.evaluator.square(c, out)
+        except Exception:
+            assert not ok
+            break
+        eng.evaluator.relinearize_inplace(out, eng.relin_keys)
+        c = out
+    else:
+        pytest.fail("SEAL never refused the growing scale")
