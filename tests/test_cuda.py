@@ -7,6 +7,8 @@ Every test here needs a CUDA device and is skipped without one (the CPU paths ar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -105,7 +107,8 @@ def test_training_throughput_benchmark_runs_on_cuda(tmp_path):
     sys.argv = ["training_throughput.py", "--models", "monet_t", "--img-size", "112",
                 "--batch-size", "8", "--rounds", "1", "--steps", "1", "--out", str(out)]
     try:
-        runpy.run_path("benchmarks/training_throughput.py", run_name="__main__")
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" /
+                           "training_throughput.py"), run_name="__main__")
     finally:
         sys.argv = argv
     import json
