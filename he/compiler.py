@@ -234,9 +234,10 @@ def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                         lambda counts, level: costs.price(counts, ring, params.limbs(level)))
 
 
-#: Batch packing's primitives that a server spreads over its threads (:func:`he.runtime._threaded`:
-#: ciphertext products with their relinearisations, and rescales); the rest run in one thread
-_BATCH_THREADED = ("mul_ct", "rescale")
+#: Batch packing's primitives that a server spreads over its threads: ciphertext products with
+#: their relinearisations, and rescales (:func:`he.runtime._threaded`), and the fused maps'
+#: compiled loops and products (:meth:`he.fused.FusedMap.apply`); the rest run in one thread
+_BATCH_THREADED = ("mul_ct", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -721,7 +722,7 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
     threads, threads_why, predicted = _chosen_threads(
         _threads(options), serial,
         lambda n: _predict_batch(lowered, live, params, costs, fanin, n),
-        "a group's products and rescales")
+        "a group's products, rescales and fused maps")
     return {**options, "fused_fanin": fanin, "server_threads": threads,
             "threads_why": threads_why, "predicted": predicted,
             "why": (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted "

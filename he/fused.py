@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -215,7 +216,8 @@ class FusedMap:
         return {"fused_mac": mac, "fused_in": w_in, "fused_out": w_out}
 
     def apply(self, raw: RawAccess, inputs: Sequence[Any], outputs: Sequence[Any],
-              moduli: Sequence[int], constants: Sequence[int] | None = None) -> None:
+              moduli: Sequence[int], constants: Sequence[int] | None = None,
+              pool: Any = None) -> None:
         """``outputs[r] <- sum_c W[r, c] inputs[c] + constants[r]`` word by word, modulo each
         limb's prime (``constants``: integers already at the outputs' scale, added to the
         first polynomial, where a constant's NTT form lies).
@@ -223,6 +225,9 @@ class FusedMap:
         ``outputs`` are ciphertexts at the level of the ``moduli`` (their words are overwritten);
         ``inputs`` at that level or below it (more limbs): switching a ciphertext down a level
         without rescaling drops its last limbs, so only the first ``len(moduli)`` are read.
+        ``pool``: a :class:`he.native.Pool` whose threads share the compiled loops' work (each
+        block, digit plan and range of coefficients writes words of its own, and the loops and
+        the products release the GIL); the words are the same whatever the threads.
         """
         # one BLAS thread (batch servers run a process per core): with two, the products inside
         # a server took up to 60x as long as alone on a loaded 2-core machine (10 x 4704 by
@@ -235,12 +240,13 @@ class FusedMap:
                     if v:
                         add_constant(raw, out, int(v), moduli)
             else:
-                self._apply_compiled(compiled, raw, inputs, outputs, moduli, constants)
+                self._apply_compiled(compiled, raw, inputs, outputs, moduli, constants, pool)
 
     def _apply_compiled(self, compiled: tuple[Any, Any], raw: RawAccess, inputs: Sequence[Any],
                         outputs: Sequence[Any], moduli: Sequence[int],
-                        constants: Sequence[int] | None) -> None:
-        """:meth:`apply` with the compiled loops of :mod:`he._kernels`."""
+                        constants: Sequence[int] | None, pool: Any = None) -> None:
+        """:meth:`apply` with the compiled loops of :mod:`he._kernels`: every block and digit
+        plan in tiles of coefficients, the tiles spread over ``pool``'s threads."""
         limbs = len(moduli)
         in_mem = [raw.address(c) for c in inputs]
         out_mem = [raw.address(c) for c in outputs]
@@ -248,25 +254,39 @@ class FusedMap:
         size = out_mem[0][1] // (n * limbs)
         consts = [int(v) for v in constants] if constants is not None else [0] * self.n_rows
         gather_digits, reduce_scatter = compiled
-        ws = _WORKSPACE
-        for blk, (plan, pl, q, in_off, out_off, in_addr, in_count, out_addr, out_count, const) \
-                in self._layouts(moduli, size, n, in_mem, out_mem, consts):
-            bits, n_digits = plan
-            k, r_out, rows = blk.cols.size, blk.rows.size, len(pl)
-            # wide tiles (few calls), the buffers within 32 MB
+        threads = 1 if pool is None else pool.threads
+        layouts = list(self._layouts(moduli, size, n, in_mem, out_mem, consts))
+        tasks = []
+        for item in layouts:
+            blk, (plan, pl) = item[0], item[1][:2]
+            k, r_out, rows, n_digits = blk.cols.size, blk.rows.size, len(pl), plan[1]
+            # wide tiles (few calls), the buffers within 32 MB; at least one per thread where
+            # the blocks are fewer than the threads
             tile = max(64, min(n, (1 << 22) // max(1, (k + r_out) * rows * n_digits)))
-            shifts = np.arange(n_digits, dtype=np.int64) * bits
-            mask = np.int64((1 << bits) - 1)
-            qinv = 1.0 / q
-            for lo in range(0, n, tile):
-                t = min(n, lo + tile) - lo
-                digits = ws.get("digits", (n_digits, k, rows * t), np.float64)
-                parts = ws.get("parts", (n_digits, r_out, rows * t), np.float64)
-                gather_digits(in_addr, in_count, in_off, lo, t, shifts, mask, digits)
-                for d in range(n_digits):
-                    np.matmul(blk.weights, digits[d], out=parts[d])
-                reduce_scatter(parts, q, qinv, float(1 << bits), const, out_addr, out_count,
-                               out_off, lo, t)
+            if threads > 1 and len(layouts) < threads:
+                tile = max(64, min(tile, -(-n // threads)))
+            tasks += [(item, lo, min(n, lo + tile) - lo) for lo in range(0, n, tile)]
+
+        def run(task: tuple[Any, int, int]) -> None:
+            (blk, (plan, pl, q, in_off, out_off, in_addr, in_count, out_addr, out_count,
+                   const)), lo, t = task
+            bits, n_digits = plan
+            ws = _workspace()
+            digits = ws.get("digits", (n_digits, blk.cols.size, len(pl) * t), np.float64)
+            parts = ws.get("parts", (n_digits, blk.rows.size, len(pl) * t), np.float64)
+            gather_digits(in_addr, in_count, in_off, lo, t,
+                          np.arange(n_digits, dtype=np.int64) * bits,
+                          np.int64((1 << bits) - 1), digits)
+            for d in range(n_digits):
+                np.matmul(blk.weights, digits[d], out=parts[d])
+            reduce_scatter(parts, q, 1.0 / q, float(1 << bits), const, out_addr, out_count,
+                           out_off, lo, t)
+
+        if pool is None:
+            for task in tasks:
+                run(task)
+        else:
+            pool.map(run, tasks)
 
     def _layouts(self, moduli: Sequence[int], size: int, n: int, in_mem: list[tuple[int, int]],
                  out_mem: list[tuple[int, int]], consts: list[int]) -> Any:
@@ -300,7 +320,7 @@ class FusedMap:
         n_rows, n = ys[0].shape
         size = n_rows // limbs
         xs = [raw.view(c) for c in inputs]
-        ws = _WORKSPACE
+        ws = _workspace()
         for blk in self.blocks:
             plans = _row_plans(blk.l1, moduli, size)
             k, r_out = blk.cols.size, blk.rows.size
@@ -347,7 +367,15 @@ class _Workspace:
         return buf[:need].reshape(shape)
 
 
-_WORKSPACE = _Workspace()
+_LOCAL = threading.local()
+
+
+def _workspace() -> _Workspace:
+    """This thread's scratch arrays (threads that share a map's work each write their own)."""
+    ws = getattr(_LOCAL, "workspace", None)
+    if ws is None:
+        ws = _LOCAL.workspace = _Workspace()
+    return ws
 
 
 def _modular_product(w: np.ndarray, x: np.ndarray, q: np.ndarray, bits: int,

@@ -220,7 +220,7 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
         if (~c).any():
             clear = np.array([0.0 if is_ct else float(e) for e, is_ct in zip(x, c)])
             const += m.tocsr()[covered] @ clear
-    fmap.apply(raw, inputs, outputs, moduli, [round(v * product) for v in const])
+    fmap.apply(raw, inputs, outputs, moduli, [round(v * product) for v in const], eng.pool)
 
     def prepare(out: Any) -> tuple[Any, int, Callable[[Any], Any]]:
         out.scale = product

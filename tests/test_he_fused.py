@@ -97,6 +97,30 @@ def test_compiled_loops_are_used_where_numba_is_installed(monkeypatch):
     assert _kernels.kernels() is None and _kernels.ENV_DISABLE in _kernels.reason()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_map_on_threads_writes_the_same_words(setup, threads):
+    """The compiled loops' tiles spread over a pool's threads (each its own scratch arrays):
+    word for word what one thread writes, constants included, tiles split where the blocks
+    are fewer than the threads."""
+    pytest.importorskip("numba")
+    from he.native import Pool
+
+    eng, cts, _, _ = setup
+    raw = raw_access(cts[0])
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(9, len(cts)))
+    moduli = _moduli(eng, cts[0])
+    scale = eng.scales[0]
+    fmap, covered = fuse_map([sp.csr_matrix(w)], [np.ones(len(cts), bool)],
+                             [np.full(len(cts), scale)], np.arange(9), moduli)
+    consts = [round(v * scale * scale) for v in rng.normal(size=covered.size)]
+    one, many = _outputs(eng, cts[0], covered.size), _outputs(eng, cts[0], covered.size)
+    fmap.apply(raw, cts, one, moduli, consts)
+    fmap.apply(raw, cts, many, moduli, consts, Pool(threads))
+    for a, b in zip(one, many):
+        np.testing.assert_array_equal(raw.view(a), raw.view(b))
+
+
 @pytest.mark.parametrize("density", [0.3, 1.0])
 def test_fused_map_is_word_identical_to_seals_chain(setup, density, kernel):
     eng, cts, _, _ = setup
