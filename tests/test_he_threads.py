@@ -34,12 +34,17 @@ def _token_model() -> tuple[nn.Module, torch.Tensor]:
     return model.eval(), x
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _compiled(packing: str) -> tuple[nn.Module, torch.Tensor, he.CompiledProgram, he.Client,
+                                      bytes]:
     model, x = _token_model()
-    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2)
+    prog = he.compile(model, x[:1], calibration=x, packing=packing, server_threads=2)
     client = he.Client(prog)
     return model, x, prog, client, client.public_context()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _compiled("vector")
 
 
 @native_only
@@ -195,10 +200,7 @@ def test_a_program_file_with_a_bad_thread_count_is_refused(setup, bad):
 
 @pytest.fixture(scope="module")
 def batch_setup():
-    model, x = _token_model()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch", server_threads=2)
-    client = he.Client(prog)
-    return model, x, prog, client, client.public_context()
+    return _compiled("batch")
 
 
 @native_only
