@@ -23,7 +23,8 @@ from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMis
                        ParameterError, ResourceError, SecretKeyError, SerializationError)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import Pool, default_threads
-from he.runtime import VectorKernels, available_memory, run_batch, run_vector
+from he.runtime import (VectorKernels, available_memory, note_pool, pool_held, run_batch,
+                        run_vector)
 from polynets.errors import check_int
 
 __all__ = ["Ciphertext", "Client", "Server"]
@@ -402,6 +403,9 @@ class Server:
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
         self.threads_note = ""
+        #: the ciphertext sizes this server allocates (see he.runtime.pool_held)
+        self._pool_key = (program.params.poly_modulus_degree,
+                          tuple(program.params.coeff_mod_bit_sizes))
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
         if threads is None:
@@ -461,10 +465,12 @@ class Server:
         else:
             # a group's ciphertexts dwarf the keys: as many processes as the memory holds
             slots = self.program.params.slots
+            working = self.program.plan.predicted.get("working_memory_bytes")
+            # what SEAL's pool kept from this process's earlier groups serves this one too
+            free = available_memory() + pool_held(self._pool_key)
             try:
                 n_workers = memory_workers(
-                    workers, len(ct._groups),
-                    self.program.plan.predicted.get("working_memory_bytes"), available_memory(),
+                    workers, len(ct._groups), working, free,
                     f"evaluating a group of {slots} batch-packed samples")
             except ResourceError as exc:
                 raise ResourceError(
@@ -474,6 +480,8 @@ class Server:
             groups = ct._seal_groups(ctx)
             out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,
                                   desc="server", progress=progress)
+            if self.program.packing == "batch":
+                note_pool(self._pool_key, self.program.plan.predicted.get("working_memory_bytes"))
         else:
             eng = self.engine
             pool = eng.pool

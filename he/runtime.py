@@ -349,6 +349,27 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     return result
 
 
+#: per process and parameter set, the most ciphertext memory a batch group evaluated in this
+#: process held: SEAL's memory pool keeps what it allocated (it never hands it back to the
+#: system) and serves later allocations of the same sizes from it
+_POOL_HELD: dict[tuple[int, Any], int] = {}
+
+
+def pool_held(key: Any) -> int:
+    """Bytes SEAL's memory pool in this process holds from earlier batch groups of parameters
+    ``key`` (memory a group of the same parameters reuses, which ``MemAvailable`` does not
+    count)."""
+    return _POOL_HELD.get((os.getpid(), key), 0)
+
+
+def note_pool(key: Any, working_bytes: float | None) -> None:
+    """Record that a batch group of parameters ``key`` holding ``working_bytes`` was evaluated
+    in this process."""
+    if working_bytes:
+        k = (os.getpid(), key)
+        _POOL_HELD[k] = max(_POOL_HELD.get(k, 0), int(working_bytes))
+
+
 def available_memory() -> int:
     """Bytes of memory available to this process now (``MemAvailable``), or the physical total."""
     try:

@@ -441,3 +441,31 @@ def test_a_batch_server_refuses_a_group_larger_than_the_memory_before_running(ml
         prog.plan.predicted.clear()
         prog.plan.predicted.update(saved)
     assert client.decrypt(server.run(ct)).shape[0] == 2
+
+
+def test_a_batch_server_counts_the_memory_seals_pool_kept_from_its_last_group(mlp_setup,
+                                                                             monkeypatch):
+    """SEAL's pool keeps what a group allocated and serves the next group of the same
+    parameters from it: a second request is not refused for memory the first one holds."""
+    import he.client as he_client
+    from he.runtime import pool_held
+
+    prog, client, server, _ = mlp_setup
+    ct = client.encrypt(np.zeros((2, 6)))
+    working = prog.plan.predicted["working_memory_bytes"]
+    server.run(ct)
+    assert pool_held(server._pool_key) >= working
+    other = (server._pool_key[0], server._pool_key[1] + (60,))
+    assert pool_held(other) == 0                    # other parameters: other sizes
+    # half a group free beside the pool's: enough for this server's next group
+    monkeypatch.setattr(he_client, "available_memory", lambda: int(working // 2))
+    assert client.decrypt(server.run(ct)).shape[0] == 2
+    # ... but not for a group that needs more than the pool and the free memory together
+    saved = dict(prog.plan.predicted)
+    try:
+        prog.plan.predicted["working_memory_bytes"] = float(4 * working)
+        with pytest.raises(he.ResourceError, match="batch-packed samples"):
+            server.run(ct)
+    finally:
+        prog.plan.predicted.clear()
+        prog.plan.predicted.update(saved)
