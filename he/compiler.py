@@ -427,8 +427,8 @@ class CompiledProgram:
 
     @property
     def server_threads(self) -> int:
-        """Threads the compiler chose for a vector-packed server (``options["server_threads"]``;
-        one for programs saved before the option)."""
+        """Threads the compiler chose for the server (``options["server_threads"]``; one for
+        programs saved before the option)."""
         return _threads(self.options)
 
     def summary(self) -> str:
@@ -969,9 +969,10 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         cost_model: prices of SEAL's primitives (default :func:`he.costmodel.default_model`).
         security: classical security in bits, 128, 192 or 256 (SEAL's modulus budgets; higher
             levels hold fewer levels per ring, so may need a larger ring).
-        server_threads: threads a vector-packed server may rotate on (default: the cores of
-            this machine); the compiler keeps them where the cost model predicts them at least
-            :data:`MIN_THREAD_GAIN` times as fast as one, else one thread
+        server_threads: threads a server may use (default: the cores of this machine): in
+            vector packing for a sample's rotations, in batch packing for a group's products,
+            rescales and fused maps; the compiler keeps them where the cost model predicts
+            them at least :data:`MIN_THREAD_GAIN` times as fast as one, else one thread
             (``prog.options["server_threads"]``, why in ``["threads_why"]``), and
             ``he.Server`` runs on that many unless told otherwise.
         bandwidth: bytes per second between client and server; where given, the objective
