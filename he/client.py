@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import tenseal.sealapi as seal
 
+from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram
 from he.container import digest, pack, unpack
@@ -417,6 +418,10 @@ class Server:
         elif program.packing == "batch":
             self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
                                                         None)
+            if any(program.options.get("fused_fanin") or ()):
+                # the fused maps' compiled loops are built and checked once per process (about
+                # a second): at the server's start, not in its first request
+                _kernels.kernels()
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine

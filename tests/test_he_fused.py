@@ -342,3 +342,17 @@ def test_higher_security_levels_compile_run_and_are_enforced_by_seal(security):
     np.testing.assert_allclose(got, model(x).detach().numpy(), atol=prog.params.expected_error)
     with pytest.raises(he.NotEncryptableError, match="security"):
         he.compile(model, x[:1], calibration=x, security=100)
+
+
+def test_a_batch_server_builds_the_compiled_loops_when_it_starts(monkeypatch):
+    """The compiled loops are built and checked once per process: a batch server whose program
+    fuses rows does it when it starts, so its first request does not pay for it."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv(_kernels.ENV_DISABLE, raising=False)
+    torch.manual_seed(0)
+    prog = he.compile(TokenNet().eval(), torch.randn(1, 1, 8, 8), packing="batch",
+                      precision_bits=8)
+    assert any(prog.options["fused_fanin"])
+    monkeypatch.setattr(_kernels, "_STATE", {})           # a fresh process's state
+    he.Server(prog, he.Client(prog).public_context())
+    assert _kernels._STATE.get("kernels") is not None, _kernels.reason()
