@@ -239,14 +239,19 @@ class Engine:
         one = seal.Plaintext()
         self.encoder.encode(1.0, prev, self.scales[level] * q / self.scales[cur], one)
         self.evaluator.multiply_plain(out, one, res)
-        self.evaluator.rescale_to_next_inplace(res)
+        self._rescale_to(res, res)
         return self._canon(res, level)
 
-    def rescale(self, ct: Any) -> Any:
+    def _rescale_to(self, ct: Any, dst: Any) -> None:
+        """``dst <- ct`` rescaled by its last prime (``dst`` may be ``ct``): natively where
+        :mod:`he.native` accepts it, else through ``tenseal.sealapi`` (same words)."""
         if self.native is not None and self.native.accepts_rescale(ct):
-            self.native.rescale(ct, ct)
+            self.native.rescale(ct, dst)
         else:
-            self.evaluator.rescale_to_next_inplace(ct)
+            self.evaluator.rescale_to_next(ct, dst)
+
+    def rescale(self, ct: Any) -> Any:
+        self._rescale_to(ct, ct)
         return self._canon(ct)
 
     def to_level(self, ct: Any, level: int, into: Any = None) -> Any:
@@ -258,10 +263,7 @@ class Engine:
         product's polynomial) larger than it needs."""
         if self.chain(ct) < self.params.chain_index(level):
             dst = ct if into is None else into
-            if self.native is not None and self.native.accepts_rescale(ct):
-                self.native.rescale(ct, dst)
-            else:
-                self.evaluator.rescale_to_next(ct, dst)
+            self._rescale_to(ct, dst)
             return self._canon(dst, level)
         return self._canon(ct, level)
 

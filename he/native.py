@@ -246,27 +246,28 @@ class NativeEvaluator:
         scale = float(ct.scale) / nxt[1]
         return 1.0 <= scale and math.log2(scale) < nxt[0] - 1
 
+    def _call(self, fn: Any, *args: Any) -> None:
+        """``fn(evaluator, *args, pool)``: one of SEAL's ``Evaluator`` members, called without
+        the GIL, with the pool handle of a fresh, empty ciphertext lent as its last argument
+        (see the module docstring)."""
+        holder = seal.Ciphertext()
+        fn(self._ev, *args, _cxx_address(holder) + _DYN_OFFSET)
+
     def product(self, a: Any, b: Any, out: Any) -> Any:
         """``out <- a * b`` relinearised to two polynomials, without the GIL (``out``'s storage
         reused); the caller has checked :meth:`accepts_ct_product`."""
         self._assign_fn(_cxx_address(out), _cxx_address(a))
-        holder = seal.Ciphertext()
         if a is b:
-            self._square_fn(self._ev, _cxx_address(out), _cxx_address(holder) + _DYN_OFFSET)
+            self._call(self._square_fn, _cxx_address(out))
         else:
-            self._mul_fn(self._ev, _cxx_address(out), _cxx_address(b),
-                         _cxx_address(holder) + _DYN_OFFSET)
-        holder = seal.Ciphertext()
-        self._relin_fn(self._ev, _cxx_address(out), self._rk, 2,
-                       _cxx_address(holder) + _DYN_OFFSET)
+            self._call(self._mul_fn, _cxx_address(out), _cxx_address(b))
+        self._call(self._relin_fn, _cxx_address(out), self._rk, 2)
         return out
 
     def rescale(self, ct: Any, into: Any) -> Any:
         """``into <- ct`` rescaled by its last prime, without the GIL (``into`` may be ``ct``);
         the caller has checked :meth:`accepts_rescale`."""
-        holder = seal.Ciphertext()
-        self._rescale_fn(self._ev, _cxx_address(ct), _cxx_address(into),
-                         _cxx_address(holder) + _DYN_OFFSET)
+        self._call(self._rescale_fn, _cxx_address(ct), _cxx_address(into))
         return into
 
     def _copy(self, ct: Any) -> Any:
@@ -278,18 +279,14 @@ class NativeEvaluator:
         """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the
         caller has checked :meth:`accepts_rotation`."""
         out = self._copy(ct)
-        holder = seal.Ciphertext()
-        self._rotate_fn(self._ev, _cxx_address(out), int(step), self._gk,
-                        _cxx_address(holder) + _DYN_OFFSET)
+        self._call(self._rotate_fn, _cxx_address(out), int(step), self._gk)
         return out
 
     def multiply_plain(self, ct: Any, pt: Any) -> Any:
         """``ct * pt`` without rescale, without the GIL; the caller has checked
         :meth:`accepts_product`."""
         out = self._copy(ct)
-        holder = seal.Ciphertext()
-        self._mul_plain_fn(self._ev, _cxx_address(out), _cxx_address(pt),
-                           _cxx_address(holder) + _DYN_OFFSET)
+        self._call(self._mul_plain_fn, _cxx_address(out), _cxx_address(pt))
         return out
 
 

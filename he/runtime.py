@@ -79,7 +79,8 @@ def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
     for k in range(0, len(items), chunk):
         jobs = [prepare(x) for x in items[k:k + chunk]]
         intos = [buffers.take(eng, level) for _, level, _ in jobs]
-        done = eng.pool.map(lambda job: job[0][2](job[1]), list(zip(jobs, intos)))
+        done = eng.pool.map(lambda pair: pair[0](pair[1]),
+                            [(compute, into) for (_, _, compute), into in zip(jobs, intos)])
         for (scratch, _, _), into, res in zip(jobs, intos, done):
             buffers.recycle(scratch if res is into else into)
         results.extend(done)
