@@ -720,6 +720,32 @@ class VectorPlan:
     def virtual_slots(self) -> int:
         return self.slots // self.interleave
 
+    def order(self) -> list[int]:
+        """Step indices in an order that runs every step after its inputs: index order, except
+        that a stacked pair's ``half`` step, which takes the place of the pair's second map and
+        may come before the stacked map it rotates, runs right after that map."""
+        done: set[int] = set()
+        waiting: dict[int, list[int]] = {}
+        out: list[int] = []
+
+        def run(si: int) -> None:
+            out.append(si)
+            done.add(si)
+            for later in waiting.pop(si, []):
+                run(later)
+
+        for si, s in enumerate(self.steps):
+            missing = [j for j in s.inputs if j not in done]
+            if missing:
+                if s.kind != "half" or len(missing) != 1 or missing[0] <= si:
+                    raise ValueError(f"plan step {si} reads steps {missing} not run before it")
+                waiting.setdefault(missing[0], []).append(si)
+                continue
+            run(si)
+        if waiting:
+            raise ValueError(f"plan steps {sorted(waiting.values())} read steps never run")
+        return out
+
     def rotations(self) -> list[int]:
         """Physical rotation steps the server needs Galois keys for."""
         steps: set[int] = set()
@@ -1340,6 +1366,7 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
         plan.input_layout.insert(0, np.tile(base, vslots // periods[0]))
         for s in vsteps:
             s.plane_cts = [c + 1 for c in s.plane_cts]
+    plan.order()                    # every step's inputs run before it
     return plan
 
 

@@ -546,7 +546,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
     output ciphertext."""
     vals: list[Any] = [None] * len(plan.steps)
     rotated: dict[tuple[int, int, int], Any] = {}
-    for si, st in enumerate(plan.steps):
+    for si in plan.order():
+        st = plan.steps[si]
         if st.kind == "input":
             vals[si] = inputs[0]
             continue

@@ -668,3 +668,26 @@ def test_odd_stride_candidate_packs_an_unpadded_token_grid():
     from he.plan import _step_candidates
     keys = np.unique((49 * np.arange(-12, 13)) % 4096).astype(np.int64)
     assert _step_candidates(keys, 4096) == [1, 49]
+
+
+def test_a_stacked_pair_whose_half_comes_first_runs_after_its_map():
+    """A Polymorpher's polynomial mixer multiplies two maps of one input whose second (the one
+    feeding only the product) is lowered before the first: its ``half`` step then precedes
+    the stacked map it rotates, and the server runs it right after that map (it read an
+    unevaluated value before)."""
+    torch.manual_seed(0)
+    net = pn.PolymorpherClassifier(16, 8, 10, dim=32, depth=1)
+    x = torch.rand(64, 16, 8)
+    net = _bn_eval(net, x)
+    prog = he.compile(net, x[:1], calibration=x, packing="vector")
+    halves = [(si, s.inputs[0]) for si, s in enumerate(prog.plan.steps) if s.kind == "half"]
+    assert any(a > si for si, a in halves)
+    order = prog.plan.order()
+    assert sorted(order) == list(range(len(prog.plan.steps)))
+    pos = {si: i for i, si in enumerate(order)}
+    assert all(pos[j] < pos[si] for si, s in enumerate(prog.plan.steps) for j in s.inputs)
+    y = _roundtrip(prog, x[:2].numpy())
+    with torch.no_grad():
+        ref = net(x[:2]).double().numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-5
