@@ -18,7 +18,7 @@ import tenseal.sealapi as seal
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
-from he.compiler import CompiledProgram
+from he.compiler import CompiledProgram, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError)
@@ -26,6 +26,7 @@ from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import Pool, default_threads
 from he.runtime import (VectorKernels, available_memory, note_pool, pool_held, run_batch,
                         run_vector)
+from he.tiling import find_segments, row_bytes_of
 from polynets.errors import check_int
 
 __all__ = ["Ciphertext", "Client", "Server"]
@@ -373,7 +374,9 @@ class Server:
     ``Server(program, public_context)``: ``public_context`` is :meth:`Client.public_context`'s
     bytes; a context holding a secret key is refused with :class:`~he.errors.SecretKeyError`.
     ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
-    beyond it are encoded at each use (default: half the memory available). ``threads``:
+    beyond it are encoded at each use (default: half the memory available); in batch packing,
+    bytes a group may hold (default: the memory available), beyond which segments of its steps
+    run in tiles (:mod:`he.tiling`; same results, less memory). ``threads``:
     threads that rotate one sample's values at once (vector packing), or compute a group's
     ciphertext products and rescales (batch packing; divided among the processes of
     :meth:`run`'s ``workers``); default: those the compiler chose,
@@ -418,6 +421,11 @@ class Server:
         elif program.packing == "batch":
             self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
                                                         None)
+            #: segments of steps a group can run in tiles when it would not fit the memory
+            self._segments = find_segments(program.lowered, program.plan.live, row_bytes_of(
+                program.lowered, program.params.poly_modulus_degree, program.params.limbs))
+            self._memory_budget = memory_budget
+            self._tiles: dict[int, int] = {}
             if any(program.options.get("fused_fanin") or ()):
                 # the fused maps' compiled loops are built and checked once per process (about
                 # a second): at the server's start, not in its first request
@@ -441,8 +449,10 @@ class Server:
             for k, c in zip(live, g):
                 full[k] = c
             fanin = prog.options.get("fused_fanin")
+            by_end = {seg.end: seg for seg in self._segments}
+            tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
-                                               fanin=fanin), "evaluation")
+                                               fanin=fanin, tiles=tiles), "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
         assert plan is not None and self.kernels is not None
@@ -468,11 +478,16 @@ class Server:
         if self.program.packing != "batch":
             n_workers = resolve_workers(workers)
         else:
-            # a group's ciphertexts dwarf the keys: as many processes as the memory holds
+            # a group's ciphertexts dwarf the keys: as many processes as the memory holds,
+            # each group in tiles where it would not fit whole
             slots = self.program.params.slots
-            working = self.program.plan.predicted.get("working_memory_bytes")
             # what SEAL's pool kept from this process's earlier groups serves this one too
             free = available_memory() + pool_held(self._pool_key)
+            if self._memory_budget is not None:
+                free = min(free, self._memory_budget)
+            self._tiles, working, _ = batch_group_memory(
+                self.program.lowered, self.program.plan.live, self.program.params, free,
+                self._segments)
             try:
                 n_workers = memory_workers(
                     workers, len(ct._groups), working, free,
@@ -486,7 +501,7 @@ class Server:
             out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,
                                   desc="server", progress=progress)
             if self.program.packing == "batch":
-                note_pool(self._pool_key, self.program.plan.predicted.get("working_memory_bytes"))
+                note_pool(self._pool_key, working)
         else:
             eng = self.engine
             pool = eng.pool

@@ -30,9 +30,10 @@ from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vect
                      widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
+from he.tiling import Segment, batch_memory, choose_tiles, find_segments, row_bytes_of
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
-from polynets.ir.lowering import Lowered, affine_is_free, lower, step_levels
+from polynets.ir.lowering import Lowered, lower, step_levels
 from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES",
@@ -240,8 +241,24 @@ def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
 _BATCH_THREADED = ("mul_ct", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
+def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
+                       budget: float | None, segments: list[Segment] | None = None
+                       ) -> tuple[dict[int, int], float, float]:
+    """Tiles per segment (:mod:`he.tiling`) that keep one batch group within ``budget`` bytes
+    of free memory (None: no limit, no tiles), and the group's working memory (ciphertexts at
+    their peak and the encoded weights' cache) with them and without."""
+    row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs)
+    segments = find_segments(lowered, live, row_bytes) if segments is None else segments
+    room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
+    tiles = choose_tiles(lowered, live, row_bytes, segments, room) if segments else {}
+    untiled = batch_memory(lowered, live, row_bytes) + PLAIN_CACHE_BYTES
+    working = batch_memory(lowered, live, row_bytes, segments, tiles) + PLAIN_CACHE_BYTES
+    return {e: k for e, k in tiles.items() if k > 1}, working, untiled
+
+
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
-                   costs: CostModel, fanin: list[int], threads: int = 1) -> dict[str, Any]:
+                   costs: CostModel, fanin: list[int], threads: int = 1,
+                   budget: float | None = None) -> dict[str, Any]:
     counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
@@ -254,23 +271,8 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
         seconds += costs.price(rest, ring, params.limbs(lin)) + \
             costs.price(par, ring, params.limbs(lin)) / speedup
-    # ciphertexts held at once: a step's value lives until its last reader has run (the
-    # group's inputs, which the server loaded, until the end), and a weighted map's rows are
-    # computed at its inputs' level, a prime wider than the values they are rescaled into
-    last = list(range(len(lowered.steps)))
-    for si, st in enumerate(lowered.steps):
-        for j in st.inputs:
-            last[j] = si
-    last[lowered.output] = last[0] = len(lowered.steps)
-    word = 2 * ring * 8
-    held = 0
-    for si, st in enumerate(lowered.steps):
-        alive = [j for j in range(si + 1) if last[j] >= si]
-        scratch = 0
-        if st.kind == "affine" and not affine_is_free(st, "batch"):
-            scratch = word * params.limbs(max(levels[j] for j in st.inputs)) * int(live[si].sum())
-        held = max(held, scratch + sum(word * params.limbs(levels[j]) * int(live[j].sum())
-                                       for j in alive))
+    # ciphertexts held at once, in tiles where the whole group would not fit the budget
+    tiles, working, untiled = batch_group_memory(lowered, live, params, budget)
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = int(live[0].sum())
@@ -283,9 +285,10 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "download_bytes": wire_bytes(params, levels[lowered.output],
                                          int(live[lowered.output].sum()), 2),
             "server_threads": threads,
-            "server_memory_bytes": _server_memory(params, [], 0) + held + PLAIN_CACHE_BYTES,
+            "server_memory_bytes": _server_memory(params, [], 0) + working,
             # what evaluating one group adds to a server whose keys are loaded
-            "working_memory_bytes": held + PLAIN_CACHE_BYTES}
+            "working_memory_bytes": working, "untiled_memory_bytes": untiled,
+            "tiles": {str(e): k for e, k in tiles.items()}}
 
 
 def _stored_lowering(program: PolyProgram, split: Any, keep: Any = ()) -> Lowered:
@@ -712,22 +715,31 @@ def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict
 
 
 def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
-                  options: dict[str, Any]) -> dict[str, Any]:
+                  options: dict[str, Any], budget: int) -> dict[str, Any]:
     """Options of a batch-packed program: the fan-in from which each step's rows are fused
-    (the cost model's choice) and the prediction."""
+    (the cost model's choice) and the prediction, with a group in tiles where it would not fit
+    ``budget`` bytes beside the keys."""
     live = live_rows(lowered)
     fanin = _batch_fanin(lowered, live, params, costs)
     fused = sum(f > 0 for f in fanin)
-    serial = _predict_batch(lowered, live, params, costs, fanin)
+    room = budget - _server_memory(params, [], 0)
+    serial = _predict_batch(lowered, live, params, costs, fanin, budget=room)
     threads, threads_why, predicted = _chosen_threads(
         _threads(options), serial,
-        lambda n: _predict_batch(lowered, live, params, costs, fanin, n),
+        lambda n: _predict_batch(lowered, live, params, costs, fanin, n, budget=room),
         "a group's products, rescales and fused maps")
+    why = (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted steps as "
+           f"fused integer matrix products (rows from the fan-in the cost model chose); "
+           f"{threads_why}")
+    if predicted["tiles"]:
+        gib = 2.0 ** 30
+        why += (f"; a group would hold {predicted['untiled_memory_bytes'] / gib:.1f} GiB of "
+                f"ciphertexts > {room / gib:.1f} GiB free: {len(predicted['tiles'])} "
+                f"segment(s) of steps run in tiles "
+                f"({', '.join(f'{k} at step {e}' for e, k in predicted['tiles'].items())}), "
+                f"{predicted['working_memory_bytes'] / gib:.1f} GiB")
     return {**options, "fused_fanin": fanin, "server_threads": threads,
-            "threads_why": threads_why, "predicted": predicted,
-            "why": (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted "
-                    f"steps as fused integer matrix products (rows from the fan-in the cost "
-                    f"model chose); {threads_why}")}
+            "threads_why": threads_why, "predicted": predicted, "why": why}
 
 
 def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
@@ -822,7 +834,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                                     f"{split.blocks} ciphertexts along axis {split.axis} of "
                                     f"their layout shape")
             else:
-                plan, opts = None, _batch_choice(low, params, costs, options)
+                plan, opts = None, _batch_choice(low, params, costs, options, budget)
             prog = CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=low,
                                    _plan=plan, _degree_depth=info)
             score = _rank(prog, options["objective"], options.get("batch_size"), budget)

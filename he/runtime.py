@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan
+from he.tiling import Segment, tile_masks
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor
 
 __all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
@@ -306,12 +307,18 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
 
 
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
-              progress: bool = False, fanin: Sequence[int] | None = None) -> list[Elem]:
+              progress: bool = False, fanin: Sequence[int] | None = None,
+              tiles: Sequence[tuple[Segment, int]] = ()) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
-    default :data:`~he.fused.FUSED_MIN_FANIN`)."""
+    default :data:`~he.fused.FUSED_MIN_FANIN`). ``tiles``: segments (:mod:`he.tiling`) run in
+    that many tiles each, their inner values held one tile at a time (same results)."""
     steps = lowered.steps
+    tiles = [(seg, k) for seg, k in tiles if k > 1]
+    end_of = {seg.end: (seg, k) for seg, k in tiles}
+    inner = {s for seg, _ in tiles for s in seg.steps if s != seg.end}   # run at the end
+    ever_inner = {s for seg, _ in tiles for s in seg.inner}
     remaining = [0] * len(steps)
     for st in steps:
         for j in set(st.inputs):
@@ -321,26 +328,55 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     fused_maps: dict[Any, Any] = {}
     buffers = _Buffers()
     pinned = {id(e) for e in inputs if _is_ct(e)}      # the caller's: never recycled
+
+    def compute(si: int, ins: list[list[Elem]], rows: np.ndarray) -> list[Elem]:
+        st = steps[si]
+        if st.kind == "affine":
+            return _affine_batch(eng, si, st, ins, rows, plains,
+                                 FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
+                                 fused_maps, buffers)
+        if st.kind == "mul":
+            return _mul_step(eng, ins[0], ins[1], rows, buffers)
+        return [_scale_elem(eng, p, float(st.factor)) if r else 0.0
+                for p, r in zip(ins[0], rows)]
+
+    def segment(seg: Segment, k: int) -> None:
+        """Runs the segment's steps tile by tile; its kept values go to ``vals`` whole."""
+        whole: dict[int, list[Elem]] = {s: [0.0] * steps[s].n for s in seg.keep}
+        # the values from before the segment do not change while it runs
+        kept = pinned | {id(e) for x in vals if x is not None for e in x if _is_ct(e)}
+        for masks in tile_masks(seg, k):
+            part: dict[int, list[Elem]] = {}
+            for s in seg.steps:
+                ins = [part[j] if j in part else whole[j] if j in whole else vals[j]
+                       for j in steps[s].inputs]
+                out = compute(s, ins, live[s] & masks[s])
+                if s not in whole:
+                    part[s] = out
+                    continue
+                for r in np.flatnonzero(live[s] & masks[s]):
+                    whole[s][r] = out[r]
+            for s in seg.inner:
+                buffers.release(part.pop(s), [*whole.values(), *part.values()], kept)
+        for s, value in whole.items():
+            vals[s] = value
+
     # no bar object at all without progress: this also runs in forked workers
     order = tqdm(range(len(steps)), desc="batch steps", leave=False) if progress else \
         range(len(steps))
     for si in order:
-        st, rows = steps[si], live[si]
-        ins = [vals[j] for j in st.inputs]
+        if si in inner:
+            continue                        # computed with its segment
+        st = steps[si]
         if st.kind == "input":
-            out = list(inputs)
-        elif st.kind == "affine":
-            out = _affine_batch(eng, si, st, ins, rows, plains,
-                                FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
-                                fused_maps, buffers)
-        elif st.kind == "mul":
-            out = _mul_step(eng, ins[0], ins[1], rows, buffers)
+            vals[si] = list(inputs)
+        elif si in end_of:
+            segment(*end_of[si])
         else:
-            out = [_scale_elem(eng, p, float(st.factor)) if r else 0.0
-                   for p, r in zip(ins[0], rows)]
-        vals[si] = out
-        for j in set(st.inputs):
-            remaining[j] -= 1
+            vals[si] = compute(si, [vals[j] for j in st.inputs], live[si])
+        ran = end_of[si][0].steps if si in end_of else (si,)
+        for j in {j for s in ran for j in steps[s].inputs if j not in ever_inner}:
+            remaining[j] -= sum(j in set(steps[s].inputs) for s in ran)
             if remaining[j] == 0 and j != lowered.output:
                 dead, vals[j] = vals[j], None
                 if steps[j].kind != "input" and dead is not None:

@@ -432,14 +432,10 @@ def test_a_batch_server_refuses_a_group_larger_than_the_memory_before_running(ml
     assert 0 < prog.plan.predicted["working_memory_bytes"] < \
         prog.plan.predicted["server_memory_bytes"]
     ct = client.encrypt(np.zeros((2, 6)))
-    saved = dict(prog.plan.predicted)
-    try:
-        prog.plan.predicted["working_memory_bytes"] = float(2 ** 60)
-        with pytest.raises(he.ResourceError, match="batch-packed samples.*packing='vector'"):
-            server.run(ct)
-    finally:
-        prog.plan.predicted.clear()
-        prog.plan.predicted.update(saved)
+    # a server allowed less than a group needs, even in tiles
+    short = he.Server(prog, client.public_context(), memory_budget=2 ** 20)
+    with pytest.raises(he.ResourceError, match="batch-packed samples.*packing='vector'"):
+        short.run(ct)
     assert client.decrypt(server.run(ct)).shape[0] == 2
 
 
@@ -460,12 +456,7 @@ def test_a_batch_server_counts_the_memory_seals_pool_kept_from_its_last_group(ml
     # half a group free beside the pool's: enough for this server's next group
     monkeypatch.setattr(he_client, "available_memory", lambda: int(working // 2))
     assert client.decrypt(server.run(ct)).shape[0] == 2
-    # ... but not for a group that needs more than the pool and the free memory together
-    saved = dict(prog.plan.predicted)
-    try:
-        prog.plan.predicted["working_memory_bytes"] = float(4 * working)
-        with pytest.raises(he.ResourceError, match="batch-packed samples"):
-            server.run(ct)
-    finally:
-        prog.plan.predicted.clear()
-        prog.plan.predicted.update(saved)
+    # ... but not where the server is allowed less than a group needs, pool included
+    short = he.Server(prog, client.public_context(), memory_budget=int(working // 4))
+    with pytest.raises(he.ResourceError, match="batch-packed samples"):
+        short.run(ct)

@@ -289,8 +289,15 @@ def test_auto_packing_keeps_the_server_within_the_memory_budget():
                       precision_bits=8)
     assert free.packing == "batch"
     batch_mem = free.plan.predicted["server_memory_bytes"]
-    tight = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
+    # just below the group's memory: batch packing in tiles fits
+    tiled = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
                        precision_bits=8, memory_budget=int(batch_mem) - 1)
+    assert tiled.packing == "batch" and tiled.plan.predicted["tiles"]
+    assert tiled.plan.predicted["server_memory_bytes"] < batch_mem
+    least = he.compile(model, x, calibration=cal, packing="batch", precision_bits=8,
+                       memory_budget=1).plan.predicted["server_memory_bytes"]
+    tight = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
+                       precision_bits=8, memory_budget=int(least) - 1)
     assert tight.packing == "vector"
     assert "> budget" in tight.plan.why
     with pytest.raises(he.NotEncryptableError, match="memory_budget"):

@@ -1,0 +1,258 @@
+"""Batch packing in tiles: a group's intermediate values held a part at a time.
+
+In batch packing every element of a value is a ciphertext, so a group's memory is that of the
+values alive at once: a Mu-Layer's hidden values (``AX``, ``BDX`` and their product, three
+times the channels of its input over every token) dominate it. Most of them are read only by
+the next few steps, and row by row: the product of two rows, a channel map of one token's rows.
+
+A **segment** is a run of consecutive steps: those read after it (or the output) are *kept*
+whole, the others are *inner*. Its live rows fall into independent **components**: rows with
+the rows of the segment they read, transitively, no row shared between two components (for a
+Mu-Layer on tokens: one per token; a spatial shift joins neighbours when the value it reads is
+in the segment, so segments end there). Run tile by tile (a few components at a time), the
+inner values live one tile at a time, and every row is computed exactly as it would be in one
+pass: the results are bit-identical, only the memory differs.
+
+:func:`find_segments` cuts the program into single steps and segments so that the peak with the
+most tiles is lowest; :func:`batch_memory` is the one rule for the memory a group holds at its
+peak, with or without tiles; :func:`choose_tiles` takes, per segment, the fewest tiles that keep
+the peak within a budget (none where it fits untiled: fewer, larger matrix products).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
+
+from polynets.ir.lowering import Lowered, affine_is_free, step_levels
+
+__all__ = ["Segment", "find_segments", "tile_masks", "batch_memory", "choose_tiles",
+           "row_bytes_of", "MAX_TILES"]
+
+#: Most tiles a segment is cut into (each tile's fused maps are built on their own)
+MAX_TILES = 64
+
+
+@dataclass
+class Segment:
+    """Consecutive steps run tile by tile: ``keep`` (read after the segment, or the output)
+    assembled whole, ``inner`` (read only inside it) held one tile at a time.
+
+    ``labels[s]``: the component of every live row of step ``s`` (``-1``: not live), components
+    numbered by their first row of the last step; ``components``: how many.
+    """
+
+    keep: tuple[int, ...]
+    inner: tuple[int, ...]
+    labels: dict[int, np.ndarray]
+    components: int
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return tuple(sorted((*self.keep, *self.inner)))
+
+    @property
+    def end(self) -> int:
+        """The step at whose place the segment runs (its last)."""
+        return max(self.keep)
+
+
+def _readers(lowered: Lowered) -> list[set[int]]:
+    out: list[set[int]] = [set() for _ in lowered.steps]
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            out[j].add(si)
+    return out
+
+
+def _components(lowered: Lowered, live: Sequence[np.ndarray], members: Sequence[int]
+                ) -> tuple[dict[int, np.ndarray], int]:
+    """Connected components of the live rows of ``members``: a row joins the rows of members
+    it reads (an affine map's nonzero weights, a product's or scaling's own row)."""
+    steps = lowered.steps
+    offset, base = {}, 0
+    for s in members:
+        offset[s] = base
+        base += steps[s].n
+    rows_i: list[np.ndarray] = []
+    cols_i: list[np.ndarray] = []
+    for k in members:
+        st, lk = steps[k], live[k]
+        for t, j in enumerate(st.inputs):
+            if j not in offset:
+                continue
+            if st.kind == "affine":
+                coo = st.terms[t].tocoo()
+                keep = lk[coo.row] & live[j][coo.col]
+                r, c = coo.row[keep], coo.col[keep]
+            else:
+                r = c = np.flatnonzero(lk & live[j])
+            rows_i.append(offset[k] + r)
+            cols_i.append(offset[j] + c)
+    r = np.concatenate(rows_i) if rows_i else np.zeros(0, dtype=np.int64)
+    c = np.concatenate(cols_i) if cols_i else np.zeros(0, dtype=np.int64)
+    graph = sp.coo_matrix((np.ones(r.size, dtype=np.int8), (r, c)), shape=(base, base))
+    _, label = connected_components(graph, directed=False)
+    last = members[-1]
+    live_labels = [label[offset[s] + np.flatnonzero(live[s])] for s in (last, *members)]
+    order = {lab: i for i, lab in enumerate(dict.fromkeys(np.concatenate(live_labels).tolist()))}
+    labels = {}
+    for s in members:
+        lab = np.full(steps[s].n, -1, dtype=np.int64)
+        rows = np.flatnonzero(live[s])
+        lab[rows] = [order[v] for v in label[offset[s] + rows].tolist()]
+        labels[s] = lab
+    return labels, len(order)
+
+
+class _Memory:
+    """The memory rule of one batch group: a step's value lives from when it runs until its
+    last reader has (the group's inputs, which the server loaded, and the output until the
+    end); a weighted map's rows are computed at its inputs' level (``scratch``: a prime wider
+    than the values they are rescaled into). A segment runs all its steps at its end; since its
+    steps are consecutive and its inner values read only inside it, what is alive around a step
+    or a segment does not depend on how the other steps are grouped."""
+
+    def __init__(self, lowered: Lowered, live: Sequence[np.ndarray],
+                 row_bytes: Callable[[int], float]):
+        self.lowered, self.live, self.row_bytes = lowered, live, row_bytes
+        steps = lowered.steps
+        last = list(range(len(steps)))
+        for si, st in enumerate(steps):
+            for j in st.inputs:
+                last[j] = max(last[j], si)
+        last[lowered.output] = last[0] = len(steps)
+        self.full = [row_bytes(j) * float(live[j].sum()) for j in range(len(steps))]
+        # before[a]: bytes of the values computed before step a that are still read at a or later
+        self.before = [sum(self.full[j] for j in range(a) if last[j] >= a)
+                       for a in range(len(steps) + 1)]
+
+    def scratch(self, s: int, rows: np.ndarray) -> float:
+        st = self.lowered.steps[s]
+        if st.kind == "affine" and not affine_is_free(st, "batch"):
+            return self.row_bytes(-s - 1) * float(rows.sum())
+        return 0.0
+
+    def step(self, si: int) -> float:
+        return self.before[si] + self.full[si] + self.scratch(si, self.live[si])
+
+    def segment(self, seg: Segment, tiles: int) -> float:
+        """What the segment's values from before, its kept values and its inner values of the
+        largest tile hold (every inner value of a tile counted as alive at once)."""
+        return self.before[min(seg.steps)] + sum(self.full[s] for s in seg.keep) + max(
+            sum(self.row_bytes(s) * float(m[s].sum()) for s in seg.inner)
+            + max(self.scratch(s, m[s]) for s in seg.steps)
+            for m in tile_masks(seg, tiles))
+
+
+def _candidates(lowered: Lowered, live: Sequence[np.ndarray]) -> dict[tuple[int, int], Segment]:
+    """Every run of consecutive steps ``[a, e]`` whose live rows split into two or more
+    components and that has inner steps. For each end, runs reach back until their rows stop
+    splitting (a step reading its neighbours' rows, such as a spatial shift, joins them once
+    the value it reads is in the run; reaching further only joins more)."""
+    steps = lowered.steps
+    readers = _readers(lowered)
+    found: dict[tuple[int, int], Segment] = {}
+    for end in range(1, len(steps)):
+        if steps[end].kind == "input" or not live[end].any():
+            continue
+        for a in range(end - 1, 0, -1):
+            if steps[a].kind == "input" or not live[a].any():
+                break
+            members = list(range(a, end + 1))
+            inside = set(members)
+            keep = tuple(s for s in members
+                         if s == lowered.output or not readers[s] <= inside)
+            inner = tuple(s for s in members if s not in keep)
+            if not inner:
+                continue
+            labels, count = _components(lowered, live, members)
+            if count < 2:
+                break
+            found[a, end] = Segment(keep, inner, labels, count)
+    return found
+
+
+def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
+                  row_bytes: Callable[[int], float]) -> list[Segment]:
+    """The segments that give a batch group the lowest peak memory when each runs in as many
+    tiles as it can (:data:`MAX_TILES`): the program's steps are cut into single steps and runs
+    of :func:`_candidates` by dynamic programming on the peak, which each piece contributes to
+    independently (:class:`_Memory`). Empty where no segment lowers the peak."""
+    mem = _Memory(lowered, live, row_bytes)
+    cands = _candidates(lowered, live)
+    n = len(lowered.steps)
+    # best[i]: (lowest peak of steps 0..i-1 cut into pieces, the pieces)
+    best: list[tuple[float, list[Segment]]] = [(0.0, [])]
+    for i in range(n):
+        options = [(max(best[i][0], mem.step(i)), best[i][1])]
+        for (a, e), seg in cands.items():
+            if e == i:
+                peak = mem.segment(seg, min(seg.components, MAX_TILES))
+                options.append((max(best[a][0], peak), [*best[a][1], seg]))
+        best.append(min(options, key=lambda o: (o[0], len(o[1]))))
+    peak, segments = best[n]
+    untiled = max(mem.step(i) for i in range(n))
+    return segments if peak < untiled else []
+
+
+def tile_masks(seg: Segment, tiles: int) -> list[dict[int, np.ndarray]]:
+    """Rows of every step of the segment computed in each of ``tiles`` tiles (consecutive
+    components, as even as the components allow)."""
+    tiles = max(1, min(int(tiles), seg.components))
+    bounds = np.linspace(0, seg.components, tiles + 1).round().astype(np.int64)
+    return [{s: (lab >= lo) & (lab < hi) for s, lab in seg.labels.items()}
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
+                 segments: Sequence[Segment] = (), tiles: dict[int, int] | None = None) -> float:
+    """Bytes of ciphertexts a batch group holds at its peak (:class:`_Memory`), its segments
+    run in ``tiles[end]`` tiles each (one, or none given: not tiled). ``row_bytes(s)``: one
+    row of step ``s``; ``row_bytes(-s - 1)``: one row of ``s`` at its inputs' level."""
+    mem = _Memory(lowered, live, row_bytes)
+    tiles = tiles or {}
+    tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
+    covered = {s for seg in tiled for s in seg.steps}
+    peaks = [mem.step(si) for si in range(len(lowered.steps)) if si not in covered]
+    peaks += [mem.segment(seg, tiles[seg.end]) for seg in tiled]
+    return max(peaks, default=0.0)
+
+
+def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
+                 segments: Sequence[Segment], budget: float) -> dict[int, int]:
+    """Per segment end, the fewest tiles (1: not tiled, 2, 4, ... up to its components or
+    :data:`MAX_TILES`) that keep the group's peak within ``budget`` bytes; where the most do
+    not, the most (the least memory)."""
+    mem = _Memory(lowered, live, row_bytes)
+    tiles: dict[int, int] = {seg.end: 1 for seg in segments}
+    if batch_memory(lowered, live, row_bytes, segments, tiles) <= budget:
+        return tiles
+    for seg in segments:
+        top = min(seg.components, MAX_TILES)
+        untiled = max(mem.step(s) for s in seg.steps)
+        k = 1
+        while k < top and (k == 1 and untiled > budget or
+                           k > 1 and mem.segment(seg, k) > budget):
+            k = min(2 * k, top)
+        tiles[seg.end] = k
+    return tiles
+
+
+def row_bytes_of(lowered: Lowered, ring: int, limbs: Callable[[int], int]
+                 ) -> Callable[[int], float]:
+    """``row_bytes`` for :func:`batch_memory`: two polynomials of ``ring`` words per limb of
+    the step's level (``-s - 1``: of its inputs' level)."""
+    levels = step_levels(lowered.steps, "batch")
+    word = 2 * ring * 8
+
+    def of(s: int) -> float:
+        if s >= 0:
+            return float(word * limbs(levels[s]))
+        st = lowered.steps[-s - 1]
+        return float(word * limbs(max((levels[j] for j in st.inputs), default=0)))
+    return of
