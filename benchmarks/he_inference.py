@@ -221,6 +221,28 @@ def _rss_mib() -> float:
     return float("nan")
 
 
+class _PeakRSS:
+    """The process's largest resident memory while the block runs (sampled every 50 ms)."""
+
+    def __enter__(self) -> "_PeakRSS":
+        import threading
+
+        self.peak_mib = _rss_mib()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.05):
+                self.peak_mib = max(self.peak_mib, _rss_mib())
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, _rss_mib())
+
+
 def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
                 workers: int, warm: bool = False) -> dict:
     """Client encrypt + serialise, server load + run + serialise, client decrypt; timed. The
@@ -229,8 +251,10 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
     that too, a serving process's steady state."""
     t0 = time.perf_counter()
     ct = client.encrypt(images, progress=True, workers=workers).to_bytes()
+    rss0 = _rss_mib()
     t1 = time.perf_counter()
-    out = server.run(ct, progress=True, workers=workers).to_bytes()
+    with _PeakRSS() as rss:
+        out = server.run(ct, progress=True, workers=workers).to_bytes()
     t2 = time.perf_counter()
     logits = client.decrypt(out)
     t3 = time.perf_counter()
@@ -238,7 +262,10 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
     res = {"logits": logits, "images": n, "workers": workers, "seconds": t3 - t0,
            "encrypt_s": t1 - t0, "server_s": t2 - t1, "decrypt_s": t3 - t2,
            "images_per_s": n / (t3 - t0), "server_images_per_s": n / (t2 - t1),
-           "ciphertext_bytes": len(ct)}
+           "ciphertext_bytes": len(ct),
+           # what the server's run added to this process at its peak (one process only)
+           "server_peak_rss_added_mib": rss.peak_mib - rss0 if workers == 1 else None,
+           "server_tiles": {str(e): k for e, k in server.tiles.items()}}
     if warm:
         t4 = time.perf_counter()
         server.run(ct, workers=workers).to_bytes()
@@ -312,34 +339,49 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
                workers: int, budget_s: float,
-               costs: he.costmodel.CostModel | None = None) -> dict:
+               costs: he.costmodel.CostModel | None = None,
+               memory_gib: float | None = None, once: bool = False) -> dict:
     """Batch packing: the test images fill the slots of ``workers`` ciphertext groups (repeated
     up to that many samples, so the figure is the amortised cost of full groups); the client
     encrypts and the server evaluates with ``workers`` processes (independent groups run side by
     side). Accuracy uses the first ``len(x)`` samples, i.e. every test image once. The same
     program and keys also run one group in one process, for the single-core figure. Skipped
-    (predicted figures only) when the cost model predicts a group above ``budget_s``."""
+    (predicted figures only) when the cost model predicts a group above ``budget_s``.
+    ``memory_gib``: the memory the compiler and the server may use (default: what is free), so
+    a group larger than that runs in tiles; ``once``: one group in one process only (no warm
+    pass, no NumPy-loops pass, no several processes), for groups of minutes."""
+    budget = None if memory_gib is None else int(memory_gib * 2 ** 30)
     prog = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
-                      precision_bits=precision_bits, cost_model=costs)
+                      precision_bits=precision_bits, cost_model=costs, memory_budget=budget)
     pred = prog.plan.predicted
     slots = prog.params.slots
     res = {"params": str(prog.params), "ring": prog.params.poly_modulus_degree,
            "levels": prog.params.levels, "slots": slots,
            "predicted_group_s": pred["seconds_per_ciphertext"],
            "predicted_images_per_s": slots / pred["seconds_per_ciphertext"],
-           "counts": pred["counts"]}
+           "counts": pred["counts"], "why": prog.plan.why,
+           "predicted_tiles": pred.get("tiles", {}),
+           "predicted_untiled_memory_gib": pred.get("untiled_memory_bytes", 0) / 2 ** 30}
     if pred["seconds_per_ciphertext"] > budget_s:
         res["skipped"] = (f"predicted {pred['seconds_per_ciphertext']:.0f} s per group > "
                           f"--batch-budget {budget_s:.0f} s")
         return res
     client = he.Client(prog)
     public = client.public_context()
-    server = he.Server(prog, public)
+    server = he.Server(prog, public, memory_budget=budget)
     try:
-        single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1, warm=True)
+        single = _batch_pass(client, server, x[torch.arange(slots) % len(x)], 1,
+                             warm=not once)
     except he.ResourceError as exc:           # the group does not fit the memory free now
         res["skipped"] = str(exc)
         res["predicted_working_memory_gib"] = pred["working_memory_bytes"] / 2 ** 30
+        return res
+    if once:
+        res.update({k: v for k, v in single.items() if k != "logits"})
+        res["logits"] = single["logits"][:len(x)]
+        res["prediction_error"] = pred["seconds_per_ciphertext"] / single["server_s"] - 1
+        res["predicted_working_memory_gib"] = pred.get("working_memory_bytes", 0) / 2 ** 30
+        res.update(public_context_bytes=len(public), groups=1)
         return res
     if he_kernels.expected():
         # the same program and request with the fused maps' NumPy loops: the baseline of the
@@ -381,6 +423,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="processes for batch packing (client and server); one group each")
     ap.add_argument("--batch-budget", type=float, default=240.0,
                     help="run batch packing only when a group is predicted within this many s")
+    ap.add_argument("--batch-memory", type=float, default=None,
+                    help="GiB the batch compiler and server may use (default: the free "
+                         "memory); a group larger than that runs in tiles")
+    ap.add_argument("--batch-once", action="store_true",
+                    help="batch packing: one group in one process only (no warm pass, NumPy "
+                         "loops or several processes), for groups of minutes")
     ap.add_argument("--quick", action="store_true", help="1 epoch, 200 test images, 2 timed")
     ap.add_argument("--orion", action="store_true",
                     help="also run Orion (optional extra [orion]) in the same run: its LoLA "
@@ -446,7 +494,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(cert)
         vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs)
         bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
-                         args.batch_budget, costs)
+                         args.batch_budget, costs, args.batch_memory, args.batch_once)
         entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
                  "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
                  "vector": {k: v for k, v in vec.items() if k != "logits"},
@@ -496,6 +544,14 @@ def main(argv: list[str] | None = None) -> dict:
         if "skipped" in t:
             print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
                   f"{t['predicted_images_per_s']:.1f} img/s per process)")
+        elif "single_process" not in t:           # --batch-once
+            tiles = t["server_tiles"] or "none"
+            print(f"   batch N={t['ring']}: encrypted accuracy {100 * t['encrypted_accuracy']:.2f}%"
+                  f", {t['images_per_s']:.1f} img/s with 1 process (server alone "
+                  f"{t['server_images_per_s']:.1f}; predicted {t['predicted_images_per_s']:.1f});"
+                  f" tiles {tiles}: server memory added {t['server_peak_rss_added_mib']:.0f} MiB"
+                  f" (predicted {t['predicted_working_memory_gib'] * 1024:.0f} MiB, untiled "
+                  f"{t['predicted_untiled_memory_gib'] * 1024:.0f} MiB)")
         else:
             one = t["single_process"]
             print(f"   batch N={t['ring']}: encrypted accuracy {100 * t['encrypted_accuracy']:.2f}%"

@@ -407,6 +407,9 @@ class Server:
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
         self.threads_note = ""
+        self._tiles: dict[int, int] = {}
+        self._segments: list[Any] = []
+        self._memory_budget = memory_budget
         #: the ciphertext sizes this server allocates (see he.runtime.pool_held)
         self._pool_key = (program.params.poly_modulus_degree,
                           tuple(program.params.coeff_mod_bit_sizes))
@@ -423,13 +426,18 @@ class Server:
                                                         None)
             #: segments of steps a group can run in tiles when it would not fit the memory
             self._segments = find_segments(program.lowered, program.plan.live, row_bytes_of(
-                program.lowered, program.params.poly_modulus_degree, program.params.limbs))
-            self._memory_budget = memory_budget
-            self._tiles: dict[int, int] = {}
+                program.lowered, program.params.poly_modulus_degree, program.params.limbs),
+                keep_inputs=False)
             if any(program.options.get("fused_fanin") or ()):
                 # the fused maps' compiled loops are built and checked once per process (about
                 # a second): at the server's start, not in its first request
                 _kernels.kernels()
+
+    @property
+    def tiles(self) -> dict[int, int]:
+        """Batch packing: the segments of steps (by the step they end at) that the last request
+        ran in tiles, and in how many (:mod:`he.tiling`; empty where a group fit whole)."""
+        return dict(self._tiles)
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine
@@ -438,7 +446,9 @@ class Server:
         self._encryptor.encrypt(pt, ct)
         return ct
 
-    def _run_group(self, g: list[Any]) -> list[Any]:
+    def _run_group(self, g: list[Any], owned: bool = False) -> list[Any]:
+        """One group's outputs; ``owned``: ``g`` was loaded for this call alone (from bytes),
+        so its ciphertexts are freed as soon as the steps reading them have run."""
         prog = self.program
         if prog.packing == "batch":
             live = prog.batch_inputs
@@ -448,11 +458,14 @@ class Server:
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
             for k, c in zip(live, g):
                 full[k] = c
+            if owned:
+                g.clear()
             fanin = prog.options.get("fused_fanin")
             by_end = {seg.end: seg for seg in self._segments}
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
-                                               fanin=fanin, tiles=tiles), "evaluation")
+                                               fanin=fanin, tiles=tiles, own_inputs=owned),
+                             "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
         assert plan is not None and self.kernels is not None
@@ -485,9 +498,11 @@ class Server:
             free = available_memory() + pool_held(self._pool_key)
             if self._memory_budget is not None:
                 free = min(free, self._memory_budget)
+            # inputs given as SEAL objects are the caller's; those loaded here are freed
+            keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
             self._tiles, working, _ = batch_group_memory(
                 self.program.lowered, self.program.plan.live, self.program.params, free,
-                self._segments)
+                self._segments, keep_inputs=keep)
             try:
                 n_workers = memory_workers(
                     workers, len(ct._groups), working, free,
@@ -497,9 +512,11 @@ class Server:
                     f"{exc}; vector packing holds one sample at a time (he.compile(..., "
                     f"packing='vector')), or run on a machine with more memory") from None
         if n_workers == 1 or len(ct._groups) == 1:
-            groups = ct._seal_groups(ctx)
-            out_groups = fork_map(lambda i: self._run_group(groups[i]), len(groups), 1,
-                                  desc="server", progress=progress)
+            # each group loaded when its turn comes, and handed over where loaded from bytes
+            out_groups = fork_map(
+                lambda i: self._run_group(_load_group(ctx, ct, i), owned=all(
+                    isinstance(b, bytes) for b in ct._groups[i])),
+                len(ct._groups), 1, desc="server", progress=progress)
             if self.program.packing == "batch":
                 note_pool(self._pool_key, working)
         else:
@@ -510,7 +527,9 @@ class Server:
                 eng.pool = Pool(max(1, pool.threads // n_workers))
             try:
                 out_groups = fork_map(
-                    lambda i: [save_object(c) for c in self._run_group(_load_group(ctx, ct, i))],
+                    lambda i: [save_object(c) for c in self._run_group(
+                        _load_group(ctx, ct, i),
+                        owned=all(isinstance(b, bytes) for b in ct._groups[i]))],
                     len(ct._groups), n_workers, desc="server", progress=progress)
             finally:
                 eng.pool = pool

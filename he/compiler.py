@@ -242,17 +242,23 @@ _BATCH_THREADED = ("mul_ct", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
-                       budget: float | None, segments: list[Segment] | None = None
-                       ) -> tuple[dict[int, int], float, float]:
+                       budget: float | None, segments: list[Segment] | None = None,
+                       keep_inputs: bool = False) -> tuple[dict[int, int], float, float]:
     """Tiles per segment (:mod:`he.tiling`) that keep one batch group within ``budget`` bytes
     of free memory (None: no limit, no tiles), and the group's working memory (ciphertexts at
-    their peak and the encoded weights' cache) with them and without."""
+    their peak and the encoded weights' cache) with them and without. ``keep_inputs``: the
+    group's input ciphertexts are the caller's and live to the end (a server frees those it
+    loaded from bytes once read)."""
     row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs)
-    segments = find_segments(lowered, live, row_bytes) if segments is None else segments
+    if segments is None:
+        segments = find_segments(lowered, live, row_bytes, keep_inputs)
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
-    tiles = choose_tiles(lowered, live, row_bytes, segments, room) if segments else {}
-    untiled = batch_memory(lowered, live, row_bytes) + PLAIN_CACHE_BYTES
-    working = batch_memory(lowered, live, row_bytes, segments, tiles) + PLAIN_CACHE_BYTES
+    tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
+        if segments else {}
+    untiled = batch_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) + \
+        PLAIN_CACHE_BYTES
+    working = batch_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
+        PLAIN_CACHE_BYTES
     return {e: k for e, k in tiles.items() if k > 1}, working, untiled
 
 

@@ -308,12 +308,15 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
 
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
-              tiles: Sequence[tuple[Segment, int]] = ()) -> list[Elem]:
+              tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False
+              ) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
     default :data:`~he.fused.FUSED_MIN_FANIN`). ``tiles``: segments (:mod:`he.tiling`) run in
-    that many tiles each, their inner values held one tile at a time (same results)."""
+    that many tiles each, their inner values held one tile at a time (same results).
+    ``own_inputs``: the input ciphertexts are handed over (no one else holds them): they are
+    dropped from ``inputs`` and reused once every step reading them has run."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
     end_of = {seg.end: (seg, k) for seg, k in tiles}
@@ -327,7 +330,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     plains: dict[tuple[float, int], Any] = {}
     fused_maps: dict[Any, Any] = {}
     buffers = _Buffers()
-    pinned = {id(e) for e in inputs if _is_ct(e)}      # the caller's: never recycled
+    # the caller's: never recycled
+    pinned = set() if own_inputs else {id(e) for e in inputs if _is_ct(e)}
 
     def compute(si: int, ins: list[list[Elem]], rows: np.ndarray) -> list[Elem]:
         st = steps[si]
@@ -379,7 +383,11 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             remaining[j] -= sum(j in set(steps[s].inputs) for s in ran)
             if remaining[j] == 0 and j != lowered.output:
                 dead, vals[j] = vals[j], None
-                if steps[j].kind != "input" and dead is not None:
+                if steps[j].kind == "input" and own_inputs:
+                    inputs[:] = [0.0] * len(inputs)
+                elif steps[j].kind == "input":
+                    continue
+                if dead is not None:
                     buffers.release(dead, vals, pinned)
     result = vals[lowered.output]
     assert result is not None

@@ -111,21 +111,23 @@ def _components(lowered: Lowered, live: Sequence[np.ndarray], members: Sequence[
 
 class _Memory:
     """The memory rule of one batch group: a step's value lives from when it runs until its
-    last reader has (the group's inputs, which the server loaded, and the output until the
-    end); a weighted map's rows are computed at its inputs' level (``scratch``: a prime wider
+    last reader has (the output until the end, and the group's inputs too unless
+    ``keep_inputs`` is false: a server that loaded them from bytes frees them); a weighted map's rows are computed at its inputs' level (``scratch``: a prime wider
     than the values they are rescaled into). A segment runs all its steps at its end; since its
     steps are consecutive and its inner values read only inside it, what is alive around a step
     or a segment does not depend on how the other steps are grouped."""
 
     def __init__(self, lowered: Lowered, live: Sequence[np.ndarray],
-                 row_bytes: Callable[[int], float]):
+                 row_bytes: Callable[[int], float], keep_inputs: bool = True):
         self.lowered, self.live, self.row_bytes = lowered, live, row_bytes
         steps = lowered.steps
         last = list(range(len(steps)))
         for si, st in enumerate(steps):
             for j in st.inputs:
                 last[j] = max(last[j], si)
-        last[lowered.output] = last[0] = len(steps)
+        last[lowered.output] = len(steps)
+        if keep_inputs:
+            last[0] = len(steps)
         self.full = [row_bytes(j) * float(live[j].sum()) for j in range(len(steps))]
         # before[a]: bytes of the values computed before step a that are still read at a or later
         self.before = [sum(self.full[j] for j in range(a) if last[j] >= a)
@@ -178,12 +180,12 @@ def _candidates(lowered: Lowered, live: Sequence[np.ndarray]) -> dict[tuple[int,
 
 
 def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
-                  row_bytes: Callable[[int], float]) -> list[Segment]:
+                  row_bytes: Callable[[int], float], keep_inputs: bool = True) -> list[Segment]:
     """The segments that give a batch group the lowest peak memory when each runs in as many
     tiles as it can (:data:`MAX_TILES`): the program's steps are cut into single steps and runs
     of :func:`_candidates` by dynamic programming on the peak, which each piece contributes to
     independently (:class:`_Memory`). Empty where no segment lowers the peak."""
-    mem = _Memory(lowered, live, row_bytes)
+    mem = _Memory(lowered, live, row_bytes, keep_inputs)
     cands = _candidates(lowered, live)
     n = len(lowered.steps)
     # best[i]: (lowest peak of steps 0..i-1 cut into pieces, the pieces)
@@ -210,11 +212,12 @@ def tile_masks(seg: Segment, tiles: int) -> list[dict[int, np.ndarray]]:
 
 
 def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
-                 segments: Sequence[Segment] = (), tiles: dict[int, int] | None = None) -> float:
+                 segments: Sequence[Segment] = (), tiles: dict[int, int] | None = None,
+                 keep_inputs: bool = True) -> float:
     """Bytes of ciphertexts a batch group holds at its peak (:class:`_Memory`), its segments
     run in ``tiles[end]`` tiles each (one, or none given: not tiled). ``row_bytes(s)``: one
     row of step ``s``; ``row_bytes(-s - 1)``: one row of ``s`` at its inputs' level."""
-    mem = _Memory(lowered, live, row_bytes)
+    mem = _Memory(lowered, live, row_bytes, keep_inputs)
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
     covered = {s for seg in tiled for s in seg.steps}
@@ -224,13 +227,14 @@ def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
 
 
 def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
-                 segments: Sequence[Segment], budget: float) -> dict[int, int]:
+                 segments: Sequence[Segment], budget: float, keep_inputs: bool = True
+                 ) -> dict[int, int]:
     """Per segment end, the fewest tiles (1: not tiled, 2, 4, ... up to its components or
     :data:`MAX_TILES`) that keep the group's peak within ``budget`` bytes; where the most do
     not, the most (the least memory)."""
-    mem = _Memory(lowered, live, row_bytes)
+    mem = _Memory(lowered, live, row_bytes, keep_inputs)
     tiles: dict[int, int] = {seg.end: 1 for seg in segments}
-    if batch_memory(lowered, live, row_bytes, segments, tiles) <= budget:
+    if batch_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) <= budget:
         return tiles
     for seg in segments:
         top = min(seg.components, MAX_TILES)

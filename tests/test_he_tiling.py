@@ -113,7 +113,7 @@ def test_a_server_short_of_memory_runs_in_tiles_with_the_same_answer(compiled):
     ct = client.encrypt(x[:5].numpy()).to_bytes()
     roomy = he.Server(prog, client.public_context())
     expected = client.decrypt(roomy.run(ct))
-    assert roomy._tiles == {}
+    assert roomy.tiles == {}
     # just above the most-tiled peak (plus the encoded weights' cache): tiles are needed
     from he.runtime import PLAIN_CACHE_BYTES
     budget = int(batch_memory(low, live, rb, segments,
@@ -121,7 +121,7 @@ def test_a_server_short_of_memory_runs_in_tiles_with_the_same_answer(compiled):
                  + PLAIN_CACHE_BYTES) + 1
     tight = he.Server(prog, client.public_context(), memory_budget=budget)
     got = client.decrypt(tight.run(ct))
-    assert tight._tiles and all(k > 1 for k in tight._tiles.values())
+    assert tight.tiles and all(k > 1 for k in tight.tiles.values())
     assert np.array_equal(got, expected)
 
 
@@ -159,3 +159,29 @@ def test_a_segment_needs_two_components():
                   components=1)
     masks = tile_masks(seg, 4)
     assert len(masks) == 1 and masks[0][1].all()
+
+
+def test_inputs_handed_over_are_freed_after_their_readers_with_the_same_results(compiled):
+    _, x, prog, rb = compiled
+    low, live = prog.lowered, prog.plan.live
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x[:3].numpy())
+
+    def group() -> list:
+        full: list = [0.0] * int(np.prod(prog.input_shape))
+        for k, c in zip(prog.batch_inputs, ct._seal_groups(server.engine.context)[0]):
+            full[k] = c
+        return full
+
+    fanin = prog.options.get("fused_fanin")
+    kept_inputs = group()
+    whole = run_batch(server.engine, low, live, kept_inputs, fanin=fanin)
+    handed = group()
+    freed = run_batch(server.engine, low, live, handed, fanin=fanin, own_inputs=True)
+    assert any(not isinstance(e, float) for e in kept_inputs)      # the caller's, untouched
+    assert all(isinstance(e, float) for e in handed)               # dropped once read
+    for a, b in zip(whole, freed):
+        assert (a == b) if isinstance(a, float) else save_object(a) == save_object(b)
+    # the memory rule counts them only until their last reader
+    assert batch_memory(low, live, rb, keep_inputs=False) <= batch_memory(low, live, rb)
