@@ -9,7 +9,8 @@ sequence, image rows as tokens, token-mixing Mu-Layers, Poly-Blocks with spatial
 one-block ``pn.MONet``, the polynomial mixers ``pn.PoM`` and ``pn.PADRe``, Mu-Layers stacked in an
 ``nn.Sequential`` without residuals, widening or not, a ViT-like model of 7x7 patches with a
 position embedding, 14x14 patches (too wide for the client's input planes) with a hidden
-expansion, and a degree-3 PADRe with its 11x11 token mixing), trained briefly on
+expansion, a degree-3 PADRe with its 11x11 token mixing, and ``pn.PolymorpherClassifier`` on
+image rows), trained briefly on
 the same images (the timings do not depend on accuracy, the parameters do through the
 calibrated ranges), then compiled with ``he.compile(model, x, calibration=x_train)`` and nothing
 else: ``precision_bits=16``, vector packing, latency objective. ``--precision-bits argmax``
@@ -33,7 +34,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -104,6 +104,18 @@ class RowTokens(nn.Module):
         for mu in self.mus:
             t = t + mu(t)
         return self.head(t.flatten(1))
+
+
+class PolymorpherRows(nn.Module):
+    """Image rows as 28 tokens of 28 pixels through ``pn.PolymorpherClassifier`` (PoM token
+    mixer, Mu-Layer feed-forward, BatchNorm, mean pooling)."""
+
+    def __init__(self, dim: int = 32, depth: int = 1):
+        super().__init__()
+        self.net = pn.PolymorpherClassifier(28, 28, 10, dim=dim, depth=depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1, 2))
 
 
 class MixerTokens(nn.Module):
@@ -219,6 +231,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "p7_pos_d64": lambda: PositionalTokens(),
     "p14_h128": lambda: PatchTokens(patch=14, dim=64, hidden=128),
     "padre3_k11": lambda: MixerBlockTokens("padre", degree=3, kernel_size=11),
+    "polymorpher_rows": lambda: PolymorpherRows(),
 }
 
 
