@@ -47,7 +47,15 @@ Recipe of :class:`EquationDiscovery.fit`:
    ``z`` varies little) otherwise wins or loses by the noise draw. When no single swap is
    accepted, pairs of swaps of lower total degree are tried the same way (a stand-in that gives
    way only with a companion term, as under a conservation law).
-7. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
+7. **Longer windows** (:meth:`EquationDiscovery._lengthen`): the chosen support is refit on
+   windows ``polish`` times longer, again and again, while a likelihood-ratio test finds the
+   longer windows fit as well (:func:`continuity_holds`). Where they do not, the model may hold
+   a stand-in that fits each short window but drifts over longer ones (``x*z`` for ``x**3`` where
+   ``z`` decays with the oscillation's amplitude): the local swaps of step 4 are searched on
+   those windows, and a swap is kept when its BIC there beats the chosen support's by
+   ``SWAP_EVIDENCE`` and beats the chosen support's on the last windows it held on (the window
+   starts counted); the lengthening goes on from it.
+8. A final refit at the full integration tolerance, then on windows ``polish`` times longer,
    again and again up to whole trajectories, while a likelihood-ratio test finds the longer
    windows fit as well (:func:`continuity_holds`): fewer fitted window starts, less variance
    under noise; a chaotic trajectory stops the doubling where it no longer fits. Each state's
@@ -491,7 +499,8 @@ class EquationDiscovery(BaseEstimator):
         polish: once the model is chosen, refit on windows ``polish`` times longer, and again,
             up to whole trajectories (more samples per fitted initial state: lower variance under
             noise); each longer fit is kept only if it converges and a likelihood-ratio test
-            accepts its residual (:func:`continuity_holds`). ``1`` skips it.
+            accepts its residual (:func:`continuity_holds`); where it does not, swaps are searched
+            on the longer windows (:meth:`_lengthen`). ``1`` skips both.
         sparse_starts: also start from sequentially thresholded weak-form supports.
         hidden, node_steps, node_window, lr: Poly-NODE width, training steps, training window
             (samples) and learning rate.
@@ -509,7 +518,8 @@ class EquationDiscovery(BaseEstimator):
     ``variables_`` the state symbols, ``model_`` the trained Poly-NODE, ``node_exprs_`` its
     exact expansion in the data's units, ``start_`` the start of the chosen model (``"node"``,
     ``"lstsq"`` the dense integral-form least squares, ``"weak"``, ``"stepwise"`` a local
-    swap, see :meth:`_stepwise`, or ``"simpler"`` a lower-degree swap, see :meth:`_simplify`),
+    swap, see :meth:`_stepwise`, ``"simpler"`` a lower-degree swap, see :meth:`_simplify`, or
+    ``"longer"`` a swap found on longer windows, see :meth:`_lengthen`),
     ``candidates_`` one record per start (terms, RSS, criterion, held-out error ``cv`` where
     computed, window, converged, or the error),
     ``rounds_`` the terms and residual per elimination round of the chosen model, ``result_`` its
@@ -731,6 +741,9 @@ class EquationDiscovery(BaseEstimator):
         began = time.perf_counter()
         best = self._simplify(best, candidates, noise)
         timings["simplify"] = time.perf_counter() - began
+        began = time.perf_counter()
+        best = self._lengthen(best, candidates, noise)
+        timings["lengthen"] = time.perf_counter() - began
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
         self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
@@ -879,7 +892,7 @@ class EquationDiscovery(BaseEstimator):
                                atol=self.atol * rtol / self.rtol, budget=self._budget())
 
     def _step(self, best: dict, candidates: list[dict], noise: float | None,
-              tried: set[bytes]) -> dict | None:
+              tried: set[bytes], label: str = "stepwise") -> dict | None:
         """One round of :meth:`_stepwise` from ``best``: the new record (also appended to
         ``candidates``) when its BIC is lower than ``best``'s by ``SWAP_EVIDENCE``, else None.
         A proposed support in ``tried`` (refit before in this search) is not refit again."""
@@ -894,10 +907,10 @@ class EquationDiscovery(BaseEstimator):
         if np.array_equal(proposal, active) or proposal.tobytes() in tried:
             return None
         tried.add(proposal.tobytes())
-        return self._move("stepwise", proposal, coef, res, candidates, noise)
+        return self._move(label, proposal, coef, res, candidates, noise)
 
     def _pair_step(self, best: dict, candidates: list[dict], noise: float | None,
-                   tried: set[bytes]) -> dict | None:
+                   tried: set[bytes], label: str = "pair") -> dict | None:
         """A round of pair swaps from ``best`` (when :meth:`_step` finds nothing): the
         ``PAIR_REFITS`` supports two terms away that the Gauss-Newton model predicts to fit best
         (:func:`pair_swaps`; not in ``tried``) are refit and eliminated in turn; the first whose
@@ -913,7 +926,7 @@ class EquationDiscovery(BaseEstimator):
                      if support.tobytes() not in tried][:PAIR_REFITS]
         for support, coef in proposals:
             tried.add(support.tobytes())
-            found = self._move("pair", support, coef, res, candidates, noise)
+            found = self._move(label, support, coef, res, candidates, noise)
             if found is not None:
                 return found
         return None
@@ -939,7 +952,7 @@ class EquationDiscovery(BaseEstimator):
             record.update(error=str(exc), seconds=time.perf_counter() - began)
             candidates.append(record)
             return None
-        if moved.window != self.window or \
+        if moved.window != res.window or \
                 fit_criterion(moved) > fit_criterion(res) - SWAP_EVIDENCE:
             return None
         record.update(seconds=time.perf_counter() - began, terms=int(kept.sum()),
@@ -1030,9 +1043,65 @@ class EquationDiscovery(BaseEstimator):
                 count += 1
                 yield support, new
 
+    def _lengthen(self, best: dict, candidates: list[dict], noise: float | None) -> dict:
+        """Check the chosen support on longer windows, and search for a better one there where
+        it does not hold.
+
+        A stand-in term (``x*z`` for ``x**3`` where ``z`` decays with the oscillation's
+        amplitude) can fit each short window as well as the true term, so that on the configured
+        windows no swap has the evidence :meth:`_stepwise` asks for; over longer windows the
+        stand-in drifts and the true support fits clearly better. From the chosen candidate,
+        the support is refit on windows ``polish`` times longer, again and again (warm from the
+        shorter fit's smoothed states, as in :meth:`_finish`), while the longer windows fit the
+        data as well (:func:`continuity_holds`). At the first length where a converged fit does
+        not (one that does not converge, e.g. a chaotic trajectory over too long a window, is no
+        basis for a search and ends it), the Gauss-Newton model of the fit on those windows is
+        searched for swaps (:meth:`_step`, and
+        :meth:`_pair_step` when that finds none); a proposal refit and eliminated on those
+        windows is kept (start ``"longer"``) when its BIC there is lower by ``SWAP_EVIDENCE``
+        than the chosen support's and lower than the chosen support's on the last windows it
+        held on (every fitted window start counted: the proposal explains the data with fewer
+        free starts), and the lengthening goes on from it, at most ``STEPWISE_ROUNDS`` swaps.
+        Nothing is done on exact data (``SWAP_MIN_RMS``), without ``polish`` or for a
+        candidate on shorter windows. Returns the candidate to finish."""
+        res, active = best["result"], best["active"]
+        if self.window is None or int(self.polish) <= 1 or res.window != self.window or \
+                math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS:
+            return best
+        longest = max(len(t) for t, _ in self.trajectories_)
+        window, swaps = int(res.window), 0
+        tried: set[bytes] = {active.tobytes()}
+        while window < longest and swaps < STEPWISE_ROUNDS:
+            window *= int(self.polish)
+            try:
+                longer = self._refit(res.coef, active, self._window_starts(res, window), window,
+                                     max_iter=WARM_EVALUATIONS)
+            except FitError:
+                break
+            if not longer.converged:
+                break
+            if continuity_holds(longer, res, self._search_rtol):
+                res = longer
+                continue
+            here = {"result": longer, "active": active}
+            try:
+                found = self._step(here, candidates, noise, tried, label="longer")
+                if found is None:
+                    found = self._pair_step(here, candidates, noise, tried, label="longer")
+            except (FitError, PolynetsError, np.linalg.LinAlgError):
+                break
+            if found is None or not found["result"].converged or \
+                    fit_criterion(found["result"]) >= fit_criterion(res):
+                break
+            best, res, active = found, found["result"], found["active"]
+            tried.add(active.tobytes())
+            swaps += 1
+        return best
+
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
-        longer, again and again up to whole trajectories, while the longer windows fit the data
+        longer than its own (the configured ones, or those :meth:`_lengthen` found it on), again
+        and again up to whole trajectories, while the longer windows fit the data
         as well (:func:`continuity_holds`; each a warm refit of ``WARM_EVALUATIONS``
         evaluations from the shorter fit's states);
         on exact data, refit at tighter tolerances (:meth:`_sharpen`); coefficients snapped;
@@ -1040,9 +1109,10 @@ class EquationDiscovery(BaseEstimator):
         if self._search_rtol > self.rtol:
             res = self._refit(res.coef, active, res.x0, res.window, exact=True)
         self.fit_window_ = res.window
-        if self.window is not None and self.polish > 1 and res.window == self.window:
+        if self.window is not None and self.polish > 1 and res.window is not None and \
+                res.window >= self.window:
             longest = max(len(t) for t, _ in self.trajectories_)
-            window = int(self.window)
+            window = int(res.window)
             while window < longest:
                 window *= int(self.polish)
                 try:

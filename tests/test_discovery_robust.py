@@ -457,6 +457,74 @@ def test_stepwise_swaps_a_stand_in_term_for_the_true_one():
 
 
 
+def test_a_stand_in_that_drifts_over_longer_windows_is_swapped_there():
+    # cubic_3d at 10 % noise (seed 11): x*z stands in for x**3 in dx/dt (z decays with the
+    # oscillation's amplitude) and on 50-sample windows fits as well (no swap has the evidence
+    # there); on 100-sample windows the stand-in no longer holds, the swap search there finds
+    # x**3, and the true support holds on longer windows still
+    traj = generate("cubic_3d", noise=0.1, seed=11)
+    wrong, coef = _cubic_3d_support({((1, 0, 1), 0): -0.32, ((0, 3, 0), 0): 2.0,
+                                     ((3, 0, 0), 1): -2.0, ((0, 3, 0), 1): -0.1,
+                                     ((0, 0, 1), 2): -0.3})
+    truth, _ = _cubic_3d_support({((3, 0, 0), 0): 1, ((0, 3, 0), 0): 1, ((3, 0, 0), 1): 1,
+                                  ((0, 3, 0), 1): 1, ((0, 0, 1), 2): 1})
+    model = EquationDiscovery(degree=3, progress=False)
+    model._prepare(traj.t, traj.X, None)
+    res = model._refit(coef, wrong, None, model.window)
+    assert res.converged
+    best = {"result": res, "active": wrong, "support": wrong.tobytes()}
+    candidates: list = []
+    assert model._step(best, candidates, None, set()) is None     # no evidence on 50 samples
+    found = model._lengthen(best, candidates, None)
+    assert found is not best and found["start"] == "longer" and found is candidates[-1]
+    assert np.array_equal(found["active"], truth)
+    assert found["result"].window > model.window
+    # the true support is left alone: it holds on longer windows, nothing is searched
+    before = len(candidates)
+    start = found | {"result": model._refit(found["result"].coef, truth, None, model.window)}
+    assert model._lengthen(start, candidates, None) is start and len(candidates) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, noise, seed", [
+    ("cubic_3d", 0.1, 11),             # was x*z for x**3 in dx/dt
+    ("lotka_volterra_4", 0.1, 1)])     # was 4 missed and 3 spurious terms
+def test_stand_ins_that_drift_over_longer_windows_give_way_in_a_full_fit(name, noise, seed):
+    traj = generate(name, noise=noise, seed=seed)
+    model = EquationDiscovery(degree=traj.system.degree, variables=traj.system.variables,
+                              progress=False, seed=seed).fit(traj.t, traj.X)
+    rel, missed, spurious = _errors(model.coefficients(), traj.truth)
+    assert (missed, spurious) == (0, 0) and rel < 0.15
+    assert model.start_ == "longer" and model.fit_window_ > model.window
+
+def test_lengthening_leaves_exact_data_and_shorter_windows_alone():
+    traj = generate("lotka_volterra")
+    model = EquationDiscovery(degree=2, progress=False)
+    model._prepare(traj.t, traj.X, None)
+    coef = _lv_coef()
+    res = model._refit(coef, coef != 0, None, model.window)
+    best = {"result": res, "active": coef != 0}
+    assert model._lengthen(best, [], None) is best                   # exact data
+    noisy = generate("lotka_volterra", noise=0.05, seed=3)
+    model._prepare(noisy.t, noisy.X, None)
+    short = {"result": model._refit(coef, coef != 0, None, 10), "active": coef != 0}
+    assert model._lengthen(short, [], None) is short                 # not on its windows
+
+
+def test_the_noisy_fit_is_the_whole_trajectory_maximum_likelihood_fit():
+    # with the exact terms found on a limit cycle the coefficients are those of the least-squares
+    # fit of the true support over the whole trajectory (every state's noise proportional to
+    # its spread: the maximum-likelihood fit), not of a fit on shorter windows
+    traj = generate("lotka_volterra", noise=0.05, seed=2)
+    model = EquationDiscovery(degree=2, node_steps=60, progress=False).fit(traj.t, traj.X)
+    assert _errors(model.coefficients(), LV_TRUTH)[1:] == (0, 0)
+    coef = _lv_coef()
+    whole = fit_trajectories(monomial_exponents(2, 2), coef, coef != 0, [(traj.t, traj.X)],
+                             window=None)
+    assert whole.converged and model.fit_window_ >= len(traj.t)
+    np.testing.assert_allclose(model.coef_, whole.coef, rtol=1e-6, atol=1e-9)
+
+
 def _field_coef(exps: np.ndarray, coef_of: dict) -> tuple[np.ndarray, np.ndarray]:
     """Support and coefficients over the library ``exps`` from ``{(exponents, eq): value}``."""
     rows = {tuple(int(v) for v in e): k for k, e in enumerate(exps)}
