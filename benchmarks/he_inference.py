@@ -410,6 +410,22 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     return res
 
 
+def _print_vector(name: str, e: dict, v: dict) -> None:
+    print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
+          f"vector N={v['ring']} latency {v['median_s'] * 1e3:.0f} ms "
+          f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
+          f"{v['server_median_s']:.3f} s on {v['server_threads']} threads (predicted "
+          f"{v['predicted_server_s']:.3f} s; one thread {v['server_one_thread_median_s']:.3f}"
+          f" s), "
+          f"{v['images_per_ciphertext']} images per ciphertext -> "
+          f"{v['filled_images_per_s']:.1f} img/s; max error vs simulation "
+          f"{v['max_abs_error_vs_simulation']:.2e} (promised {v['promised_error']:.2e})")
+    if "latency_speedup_vs_orion" in v:
+        print(f"   Orion, same network and weights: "
+              f"{e['orion_same_network']['latency']['median_round_trip_s'] * 1e3:.0f} ms "
+              f"-> {v['latency_speedup_vs_orion']:.1f}x")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" /
@@ -426,6 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-memory", type=float, default=None,
                     help="GiB the batch compiler and server may use (default: the free "
                          "memory); a group larger than that runs in tiles")
+    ap.add_argument("--packings", default="vector,batch",
+                    help="which of our packings to run (the baseline runs whatever)")
     ap.add_argument("--batch-once", action="store_true",
                     help="batch packing: one group in one process only (no warm pass, NumPy "
                          "loops or several processes), for groups of minutes")
@@ -492,16 +510,21 @@ def main(argv: list[str] | None = None) -> dict:
             plain = model(xte).double().numpy()
         cert = pn.certify(model, xte[:1])
         print(cert)
-        vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs)
+        packings = args.packings.split(",")
+        vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs) \
+            if "vector" in packings else None
         bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
-                         args.batch_budget, costs, args.batch_memory, args.batch_once)
+                         args.batch_budget, costs, args.batch_memory, args.batch_once) \
+            if "batch" in packings else {"skipped": "--packings", "ring": 0,
+                                         "predicted_images_per_s": float("nan")}
         entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
                  "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
-                 "vector": {k: v for k, v in vec.items() if k != "logits"},
                  "batch": {k: v for k, v in bat.items() if k != "logits"}}
-        entry["vector"]["argmax_agreement_latency_subset"] = float(np.mean(
-            vec["logits"].argmax(1) == plain[:n].argmax(1)))
-        entry["vector"]["latency_speedup_vs_baseline"] = base["median_s"] / vec["median_s"]
+        if vec is not None:
+            entry["vector"] = {k: v for k, v in vec.items() if k != "logits"}
+            entry["vector"]["argmax_agreement_latency_subset"] = float(np.mean(
+                vec["logits"].argmax(1) == plain[:n].argmax(1)))
+            entry["vector"]["latency_speedup_vs_baseline"] = base["median_s"] / vec["median_s"]
         if "logits" in bat:
             entry["batch"]["encrypted_accuracy"] = accuracy(bat["logits"], ynp)
             entry["batch"]["argmax_agreement"] = float(np.mean(
@@ -514,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as exc:            # a network Orion cannot express is reported
                 o = {"error": f"{type(exc).__name__}: {exc}"}
             entry["orion_same_network"] = o
-            if "latency" in o:
+            if "latency" in o and vec is not None:
                 entry["vector"]["latency_speedup_vs_orion"] = (
                     o["latency"]["median_round_trip_s"] / vec["median_s"])
         res["models"][name] = entry
@@ -527,20 +550,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"baseline (Orion's LoLA example): median round trip "
               f"{lat['median_round_trip_s'] * 1e3:.0f} ms")
     for name, e in res["models"].items():
-        v, t = e["vector"], e["batch"]
-        print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
-              f"vector N={v['ring']} latency {v['median_s'] * 1e3:.0f} ms "
-              f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
-              f"{v['server_median_s']:.3f} s on {v['server_threads']} threads (predicted "
-              f"{v['predicted_server_s']:.3f} s; one thread {v['server_one_thread_median_s']:.3f}"
-              f" s), "
-              f"{v['images_per_ciphertext']} images per ciphertext -> "
-              f"{v['filled_images_per_s']:.1f} img/s; max error vs simulation "
-              f"{v['max_abs_error_vs_simulation']:.2e} (promised {v['promised_error']:.2e})")
-        if "latency_speedup_vs_orion" in v:
-            print(f"   Orion, same network and weights: "
-                  f"{e['orion_same_network']['latency']['median_round_trip_s'] * 1e3:.0f} ms "
-                  f"-> {v['latency_speedup_vs_orion']:.1f}x")
+        v, t = e.get("vector"), e["batch"]
+        if v is None:
+            print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%")
+        else:
+            _print_vector(name, e, v)
         if "skipped" in t:
             print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
                   f"{t['predicted_images_per_s']:.1f} img/s per process)")
