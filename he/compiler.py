@@ -30,7 +30,7 @@ from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vect
                      widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
-from he.tiling import Segment, batch_memory, choose_tiles, find_segments, row_bytes_of
+from he.tiling import Segment, allocated_memory, choose_tiles, find_segments, row_bytes_of
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
@@ -255,9 +255,9 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
-    untiled = batch_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) + \
+    untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) + \
         PLAIN_CACHE_BYTES
-    working = batch_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
+    working = allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
         PLAIN_CACHE_BYTES
     return {e: k for e, k in tiles.items() if k > 1}, working, untiled
 

@@ -30,8 +30,8 @@ from scipy.sparse.csgraph import connected_components
 
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
-__all__ = ["Segment", "find_segments", "tile_masks", "batch_memory", "choose_tiles",
-           "row_bytes_of", "MAX_TILES"]
+__all__ = ["Segment", "find_segments", "tile_masks", "batch_memory", "allocated_memory",
+           "choose_tiles", "row_bytes_of", "MAX_TILES"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -226,24 +226,113 @@ def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
     return max(peaks, default=0.0)
 
 
+def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
+                     row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
+                     tiles: dict[int, int] | None = None, keep_inputs: bool = True) -> float:
+    """Bytes of ciphertext storage a batch group allocates, as the runtime reuses it: a server
+    recycles the buffers of values that died for the next results (the smallest free buffer
+    that holds a result, else a new one, :class:`he.runtime._Buffers`), and SEAL's pool keeps
+    whatever was allocated, so the peak is everything allocated. A recycled buffer keeps the
+    primes of the level it was first allocated at, which :func:`batch_memory` does not see:
+    values of low levels written into buffers of high ones. Simulated step by step (tile by
+    tile in segments) with counts of buffers per size: a weighted map's rows computed at its
+    inputs' level then rescaled into new ones, a product's in three-polynomial scratch a few
+    at a time."""
+    steps = lowered.steps
+    tiles = tiles or {}
+    tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
+    at = {s: seg.end for seg in tiled for s in seg.steps}
+    last = list(range(len(steps)))
+    for si, st in enumerate(steps):
+        for j in st.inputs:
+            last[j] = max(last[j], at.get(si, si))
+    last[lowered.output] = len(steps)
+    if keep_inputs:
+        last[0] = len(steps)
+    free: dict[float, int] = {}
+    total = 0.0
+
+    def take(need: float, n: int) -> dict[float, int]:
+        nonlocal total
+        held: dict[float, int] = {}
+        for cap in sorted(c for c, k in free.items() if c >= need and k > 0):
+            k = min(n, free[cap])
+            free[cap] -= k
+            held[cap] = held.get(cap, 0) + k
+            n -= k
+            if n == 0:
+                break
+        if n:
+            total += n * need
+            held[need] = held.get(need, 0) + n
+        return held
+
+    def release(held: dict[float, int]) -> None:
+        for cap, k in held.items():
+            free[cap] = free.get(cap, 0) + k
+
+    def compute(s: int, rows: np.ndarray) -> dict[float, int]:
+        st, n = steps[s], int(rows.sum())
+        if st.kind == "affine" and not affine_is_free(st, "batch"):
+            scratch = take(row_bytes(-s - 1), n)
+        elif st.kind == "mul":
+            scratch = take(1.5 * row_bytes(-s - 1), min(n, 8))
+        else:
+            scratch = {}
+        out = take(row_bytes(s), n)
+        release(scratch)
+        return out
+
+    end_of = {seg.end: seg for seg in tiled}
+    deferred = {s for seg in tiled for s in seg.steps if s != seg.end}
+    vals: dict[int, dict[float, int]] = {0: take(row_bytes(0), int(live[0].sum()))}
+    for si in range(1, len(steps)):
+        if si in deferred:
+            continue
+        seg = end_of.get(si)
+        if seg is None:
+            vals[si] = compute(si, live[si])
+            ran: tuple[int, ...] = (si,)
+        else:
+            kept: dict[int, dict[float, int]] = {s: {} for s in seg.keep}
+            for masks in tile_masks(seg, tiles[si]):
+                part = []
+                for s in seg.steps:
+                    out = compute(s, live[s] & masks[s])
+                    if s in kept:
+                        for cap, k in out.items():
+                            kept[s][cap] = kept[s].get(cap, 0) + k
+                    else:
+                        part.append(out)
+                for held in part:
+                    release(held)
+            vals.update(kept)
+            ran = seg.steps
+        for j in [j for j in vals if last[j] <= si and j != lowered.output and j not in ran]:
+            release(vals.pop(j))
+    return total
+
+
 def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
                  segments: Sequence[Segment], budget: float, keep_inputs: bool = True
                  ) -> dict[int, int]:
-    """Per segment end, the fewest tiles (1: not tiled, 2, 4, ... up to its components or
-    :data:`MAX_TILES`) that keep the group's peak within ``budget`` bytes; where the most do
-    not, the most (the least memory)."""
-    mem = _Memory(lowered, live, row_bytes, keep_inputs)
+    """Per segment end, the tiles (1: not tiled, 2, 4, ... up to its components or
+    :data:`MAX_TILES`) that keep what the group allocates (:func:`allocated_memory`) within
+    ``budget`` bytes: none where it fits whole, else more tiles segment by segment, the first
+    first, until it fits; where the most do not, the most (the least memory)."""
     tiles: dict[int, int] = {seg.end: 1 for seg in segments}
-    if batch_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) <= budget:
+
+    def fits() -> bool:
+        return allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) <= budget
+
+    if fits():
         return tiles
     for seg in segments:
         top = min(seg.components, MAX_TILES)
-        untiled = max(mem.step(s) for s in seg.steps)
-        k = 1
-        while k < top and (k == 1 and untiled > budget or
-                           k > 1 and mem.segment(seg, k) > budget):
-            k = min(2 * k, top)
-        tiles[seg.end] = k
+        while tiles[seg.end] < top:
+            tiles[seg.end] = min(2 * tiles[seg.end], top)
+            if fits():
+                return tiles
     return tiles
 
 
