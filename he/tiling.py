@@ -14,9 +14,11 @@ inner values live one tile at a time, and every row is computed exactly as it wo
 pass: the results are bit-identical, only the memory differs.
 
 :func:`find_segments` cuts the program into single steps and segments so that the peak with the
-most tiles is lowest; :func:`batch_memory` is the one rule for the memory a group holds at its
-peak, with or without tiles; :func:`choose_tiles` takes, per segment, the fewest tiles that keep
-the peak within a budget (none where it fits untiled: fewer, larger matrix products).
+most tiles is lowest, by :func:`batch_memory` (every value at its own level's size, so that the
+pieces of a program contribute independently); :func:`allocated_memory` is the rule for what a
+group allocates as the runtime reuses its buffers, with or without tiles, which the compiler
+reports and a server checks; :func:`choose_tiles` takes the fewest tiles whose allocation fits a
+budget (none where the group fits whole: fewer, larger matrix products).
 """
 
 from __future__ import annotations
