@@ -111,6 +111,23 @@ def _components(lowered: Lowered, live: Sequence[np.ndarray], members: Sequence[
     return labels, len(order)
 
 
+def _last_use(lowered: Lowered, keep_inputs: bool, at: dict[int, int] | None = None
+              ) -> list[int]:
+    """Per step, the step after which its value is no longer read: its last reader's (a step
+    of a tiled segment runs at the segment's end, ``at``), the end for the output, and for the
+    group's inputs where ``keep_inputs``."""
+    at = at or {}
+    n = len(lowered.steps)
+    last = list(range(n))
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            last[j] = max(last[j], at.get(si, si))
+    last[lowered.output] = n
+    if keep_inputs:
+        last[0] = n
+    return last
+
+
 class _Memory:
     """The memory rule of one batch group: a step's value lives from when it runs until its
     last reader has (the output until the end, and the group's inputs too unless
@@ -123,13 +140,7 @@ class _Memory:
                  row_bytes: Callable[[int], float], keep_inputs: bool = True):
         self.lowered, self.live, self.row_bytes = lowered, live, row_bytes
         steps = lowered.steps
-        last = list(range(len(steps)))
-        for si, st in enumerate(steps):
-            for j in st.inputs:
-                last[j] = max(last[j], si)
-        last[lowered.output] = len(steps)
-        if keep_inputs:
-            last[0] = len(steps)
+        last = _last_use(lowered, keep_inputs)
         self.full = [row_bytes(j) * float(live[j].sum()) for j in range(len(steps))]
         # before[a]: bytes of the values computed before step a that are still read at a or later
         self.before = [sum(self.full[j] for j in range(a) if last[j] >= a)
@@ -243,14 +254,7 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
     steps = lowered.steps
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
-    at = {s: seg.end for seg in tiled for s in seg.steps}
-    last = list(range(len(steps)))
-    for si, st in enumerate(steps):
-        for j in st.inputs:
-            last[j] = max(last[j], at.get(si, si))
-    last[lowered.output] = len(steps)
-    if keep_inputs:
-        last[0] = len(steps)
+    last = _last_use(lowered, keep_inputs, {s: seg.end for seg in tiled for s in seg.steps})
     free: dict[float, int] = {}
     total = 0.0
 
