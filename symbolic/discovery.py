@@ -1073,12 +1073,8 @@ class EquationDiscovery(BaseEstimator):
         tried: set[bytes] = {active.tobytes()}
         while window < longest and swaps < STEPWISE_ROUNDS:
             window *= int(self.polish)
-            try:
-                longer = self._refit(res.coef, active, self._window_starts(res, window), window,
-                                     max_iter=WARM_EVALUATIONS)
-            except FitError:
-                break
-            if not longer.converged:
+            longer = self._refit_longer(res, active, window, exact=False)
+            if longer is None:
                 break
             if continuity_holds(longer, res, self._search_rtol):
                 res = longer
@@ -1098,6 +1094,19 @@ class EquationDiscovery(BaseEstimator):
             swaps += 1
         return best
 
+    def _refit_longer(self, res: ShootingResult, active: np.ndarray, window: int, *,
+                      exact: bool) -> ShootingResult | None:
+        """``active`` refit on ``window``-sample windows, warm from the coefficients of ``res``
+        and its smoothed states (``WARM_EVALUATIONS`` evaluations); None where the fit fails
+        or does not converge (the lengthening of :meth:`_lengthen` and :meth:`_finish` stops
+        there)."""
+        try:
+            longer = self._refit(res.coef, active, self._window_starts(res, window), window,
+                                 exact=exact, max_iter=WARM_EVALUATIONS)
+        except FitError:
+            return None
+        return longer if longer.converged else None
+
     def _finish(self, res: ShootingResult, active: np.ndarray) -> None:
         """The chosen support refit at the exact tolerances, then on windows ``polish`` times
         longer than its own (the configured ones, or those :meth:`_lengthen` found it on), again
@@ -1115,12 +1124,8 @@ class EquationDiscovery(BaseEstimator):
             window = int(res.window)
             while window < longest:
                 window *= int(self.polish)
-                try:
-                    longer = self._refit(res.coef, active, self._window_starts(res, window),
-                                         window, exact=True, max_iter=WARM_EVALUATIONS)
-                except FitError:
-                    break
-                if not (longer.converged and continuity_holds(longer, res, self.rtol)):
+                longer = self._refit_longer(res, active, window, exact=True)
+                if longer is None or not continuity_holds(longer, res, self.rtol):
                     break
                 res = longer
                 self.fit_window_ = longer.window

@@ -422,12 +422,25 @@ def test_held_out_family_cells_give_the_exact_terms(name, noise, seed):
 def _cubic_3d_support(coef_of: dict) -> tuple[np.ndarray, np.ndarray]:
     """Support and coefficients over the degree-3 library in x, y, z of ``coef_of``:
     ``{(exponents, equation): value}``."""
-    exps = monomial_exponents(3, 3)
-    rows = {tuple(int(v) for v in e): k for k, e in enumerate(exps)}
-    coef = np.zeros((len(exps), 3))
-    for (e, i), value in coef_of.items():
-        coef[rows[e], i] = value
-    return coef != 0, coef
+    return _field_coef(monomial_exponents(3, 3), coef_of)
+
+
+#: The true support of cubic_3d: x**3 and y**3 in dx/dt and dy/dt, z in dz/dt
+_CUBIC_3D_TRUTH = {((3, 0, 0), 0): 1, ((0, 3, 0), 0): 1, ((3, 0, 0), 1): 1, ((0, 3, 0), 1): 1,
+                   ((0, 0, 1), 2): 1}
+
+
+def _cubic_3d_from(noise: float, seed: int, wrong_of: dict) -> tuple:
+    """A discovery prepared on cubic_3d samples, the converged fit of the support of
+    ``wrong_of`` as the chosen candidate (``best``) and the true support."""
+    traj = generate("cubic_3d", noise=noise, seed=seed)
+    wrong, coef = _cubic_3d_support(wrong_of)
+    truth, _ = _cubic_3d_support(_CUBIC_3D_TRUTH)
+    model = EquationDiscovery(degree=3, progress=False)
+    model._prepare(traj.t, traj.X, None)
+    res = model._refit(coef, wrong, None, model.window)
+    assert res.converged
+    return model, {"result": res, "active": wrong, "support": wrong.tobytes()}, truth
 
 
 def test_stepwise_swaps_a_stand_in_term_for_the_true_one():
@@ -436,17 +449,10 @@ def test_stepwise_swaps_a_stand_in_term_for_the_true_one():
     # Gauss-Newton model puts y**3 back and the refit has the lower BIC
     from symbolic.discovery import information_criterion
 
-    traj = generate("cubic_3d", noise=0.05, seed=5)
-    wrong, coef = _cubic_3d_support({((3, 0, 0), 0): -0.1, ((0, 3, 0), 0): 2.0,
-                                     ((3, 0, 0), 1): -2.0, ((0, 1, 1), 1): -0.1,
-                                     ((0, 0, 1), 2): -0.3})
-    truth, _ = _cubic_3d_support({((3, 0, 0), 0): 1, ((0, 3, 0), 0): 1, ((3, 0, 0), 1): 1,
-                                  ((0, 3, 0), 1): 1, ((0, 0, 1), 2): 1})
-    model = EquationDiscovery(degree=3, progress=False)
-    model._prepare(traj.t, traj.X, None)
-    res = model._refit(coef, wrong, None, model.window)
-    assert res.converged
-    best = {"result": res, "active": wrong, "support": wrong.tobytes()}
+    model, best, truth = _cubic_3d_from(0.05, 5, {
+        ((3, 0, 0), 0): -0.1, ((0, 3, 0), 0): 2.0, ((3, 0, 0), 1): -2.0, ((0, 1, 1), 1): -0.1,
+        ((0, 0, 1), 2): -0.3})
+    res = best["result"]
     candidates: list = []
     found = model._step(best, candidates, None, set())
     assert found is not None and found is candidates[-1] and found["start"] == "stepwise"
@@ -462,17 +468,9 @@ def test_a_stand_in_that_drifts_over_longer_windows_is_swapped_there():
     # oscillation's amplitude) and on 50-sample windows fits as well (no swap has the evidence
     # there); on 100-sample windows the stand-in no longer holds, the swap search there finds
     # x**3, and the true support holds on longer windows still
-    traj = generate("cubic_3d", noise=0.1, seed=11)
-    wrong, coef = _cubic_3d_support({((1, 0, 1), 0): -0.32, ((0, 3, 0), 0): 2.0,
-                                     ((3, 0, 0), 1): -2.0, ((0, 3, 0), 1): -0.1,
-                                     ((0, 0, 1), 2): -0.3})
-    truth, _ = _cubic_3d_support({((3, 0, 0), 0): 1, ((0, 3, 0), 0): 1, ((3, 0, 0), 1): 1,
-                                  ((0, 3, 0), 1): 1, ((0, 0, 1), 2): 1})
-    model = EquationDiscovery(degree=3, progress=False)
-    model._prepare(traj.t, traj.X, None)
-    res = model._refit(coef, wrong, None, model.window)
-    assert res.converged
-    best = {"result": res, "active": wrong, "support": wrong.tobytes()}
+    model, best, truth = _cubic_3d_from(0.1, 11, {
+        ((1, 0, 1), 0): -0.32, ((0, 3, 0), 0): 2.0, ((3, 0, 0), 1): -2.0, ((0, 3, 0), 1): -0.1,
+        ((0, 0, 1), 2): -0.3})
     candidates: list = []
     assert model._step(best, candidates, None, set()) is None     # no evidence on 50 samples
     found = model._lengthen(best, candidates, None)
