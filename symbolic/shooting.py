@@ -199,10 +199,15 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
     Returns the solution at ``t_rel`` with shape (T, *s0.shape).
     """
     scale = float(np.abs(s0[..., 0]).max()) + 1.0
+    over = False
 
     def guarded(t: float, y: np.ndarray) -> np.ndarray:
-        if rhs.evaluations > max_evaluations:
-            raise OverflowError("too many evaluations")
+        # past the budget the field is zero, so the solver ends at once: an exception raised
+        # here would cross LSODA's Fortran call-back, which prints to the terminal
+        nonlocal over
+        if over or rhs.evaluations > max_evaluations:
+            over = True
+            return np.zeros_like(y)
         return rhs(t, y)
 
     def escape(t: float, y: np.ndarray) -> float:
@@ -216,7 +221,8 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
     except (OverflowError, FloatingPointError, ValueError, MemoryError,
             np.linalg.LinAlgError):
         return None
-    if sol.status != 0 or sol.y.shape[1] != len(t_rel) or not np.all(np.isfinite(sol.y)):
+    if over or sol.status != 0 or sol.y.shape[1] != len(t_rel) or \
+            not np.all(np.isfinite(sol.y)):
         return None
     return sol.y.T.reshape((len(t_rel),) + s0.shape)
 

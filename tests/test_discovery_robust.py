@@ -816,3 +816,25 @@ def test_discovery_weights_states_of_unequal_noise_by_their_estimated_levels():
                              window=model.fit_window_)
     plain_error = _max_rel_error(plain.coef, _vdp_coef(model.library_))
     assert error < 0.5 * plain_error
+
+
+@pytest.mark.parametrize("method", ["LSODA", "DOP853"])
+def test_an_integration_past_its_budget_ends_quietly(method, capfd):
+    # the evaluation budget used to be enforced by raising inside the right-hand side, which
+    # LSODA's Fortran call-back reports on the terminal ("capi_return is NULL")
+    from symbolic.shooting import _integrate, _Sensitivity
+
+    exps = monomial_exponents(2, 2)
+    coef = _lv_coef()
+    rhs = _Sensitivity(exps, coef, coef != 0, 1)
+    s0 = np.zeros(rhs.shape)
+    s0[0, :, 0] = (1.0, 1.0)
+    s0[0, :, 1 + rhs.q:] = np.eye(2)
+    t = np.linspace(0.0, 5.0, 51)
+    whole = _integrate(rhs, s0, t, 1e-8, 1e-10, method, 10 ** 6)
+    assert whole is not None and whole.shape == (51, *rhs.shape)
+    rhs.evaluations = 0
+    assert _integrate(rhs, s0, t, 1e-8, 1e-10, method, 20) is None
+    assert rhs.evaluations <= 21
+    err = capfd.readouterr().err
+    assert "capi_return" not in err and "Call-back" not in err
