@@ -546,9 +546,12 @@ def _lower(model: Any, example_input: Any) -> tuple[PolyProgram, str]:
         cert = pn.certify(model, example_input)
     except TraceError as exc:
         raise NotEncryptableError(f"the model cannot be compiled to CKKS: {exc}") from exc
-    if not cert.is_polynomial or cert.program is None:
+    if not cert.is_polynomial:
         raise NotEncryptableError(f"the model is not a polynomial, so it cannot be encrypted:\n"
                                   f"{cert}", cert)
+    if cert.program is None:
+        raise NotEncryptableError("the model cannot be compiled to CKKS: its output does not "
+                                  "depend on its input, so there is nothing to encrypt", cert)
     return cert.program, str(cert)
 
 

@@ -21,6 +21,7 @@ module -- never a silently wrong program.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,7 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from polynets.errors import NonPolynomialError, ShapeError, TraceError, UnsupportedOpError
+from polynets.errors import (NonPolynomialError, PolynetsError, ShapeError, TraceError,
+                             UnsupportedOpError)
 from polynets.ir.program import Node, PolyProgram
 
 __all__ = ["trace", "Offence", "record"]
@@ -61,11 +63,28 @@ _HINTS: dict[str, str] = {
     "silu": 'use the polynomial variant (activation="linear")',
     "tanh": "use a polynomial block (Mu-Layer) instead of the activation",
     "sigmoid": 'use gate="linear" or a polynomial gate',
-    "_softmax": "attention's softmax is not a polynomial; replace attention by pn.PoM",
+    "_softmax": "apply a classifier's softmax outside the model (on decrypted logits); "
+                "replace attention by pn.PoM or pn.PADRe",
     "_log_softmax": "apply log-softmax outside the model (on decrypted logits)",
     "div": "division by a data-dependent value; divide by a constant instead",
     "reciprocal": "division by a data-dependent value; divide by a constant instead",
+    "native_batch_norm": "use BatchNorm with running statistics (track_running_stats=True), "
+                         "which folds into the affine map at inference",
 }
+_MAX_POOL_OPS = ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+                 "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d",
+                 "adaptive_max_pool2d", "adaptive_max_pool3d", "fractional_max_pool2d",
+                 "fractional_max_pool3d")
+# fused kernels of softmax attention: F.scaled_dot_product_attention, and the inference fast
+# paths of nn.MultiheadAttention and nn.TransformerEncoderLayer
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_attention_math", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                  "_native_multi_head_attention", "_transformer_encoder_layer_fwd")
+_HINTS.update(dict.fromkeys(_MAX_POOL_OPS, "use average pooling (nn.AvgPool2d, "
+                                           "nn.AdaptiveAvgPool2d) or a strided convolution"))
+_HINTS.update(dict.fromkeys(_ATTENTION_OPS, "attention's softmax is not a polynomial; replace "
+                                            "attention by pn.PoM or pn.PADRe"))
 _DEFAULT_HINT = "replace it by additions and multiplications (Mu-Layer, square, polynomial gate)"
 
 _NONPOLY = {
@@ -76,8 +95,11 @@ _NONPOLY = {
     "le", "softplus", "hardswish", "hardsigmoid", "mish", "log1p", "expm1", "linalg_vector_norm",
     "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "logsumexp",
     "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean", "std_mean",
-    "native_dropout", "bernoulli",
-}
+    "native_dropout", "bernoulli", "celu", "threshold", "hardshrink", "softshrink",
+    "log_sigmoid_forward", "rrelu_with_noise", "softmax", "log_softmax", "tan", "atan", "atan2",
+    "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "exp2", "log2", "log10", "logit",
+    "trunc", "frac", "fmod", "remainder", "heaviside",
+} | set(_MAX_POOL_OPS) | set(_ATTENTION_OPS)
 
 # Ops that only move, copy or select values: lowered to one gather by running them on indices.
 _LAYOUT = {
@@ -131,6 +153,8 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.stack: list[tuple[str, str]] = [("", "model")]
         self.offences: list[Offence] = []
+        # the exception leaving the model's forward, and the innermost module it left
+        self.failure: tuple[BaseException, str, str] | None = None
 
     # ----------------------------------------------------------------------------- bookkeeping
     @property
@@ -186,14 +210,7 @@ class _Recorder(TorchDispatchMode):
                 or (name == "masked_fill" and self.traced(args[1])) \
                 or (name == "pow" and not self._integer_pow(args)) \
                 or (name in ("native_batch_norm",) and bool(args[5])):
-            op = "pow with a non-integer exponent" if name == "pow" else f"aten.{name}"
-            if name == "native_batch_norm":
-                op, hint = "batch norm in training mode", "call model.eval() before tracing"
-            else:
-                hint = _HINTS.get(name, _DEFAULT_HINT)
-            self.offences.append(Offence(self.path, module_type, op, hint))
-            if self.strict:
-                raise NonPolynomialError(str(self.offences[-1]))
+            self.offend(self._offending_op(name, args), _HINTS.get(name, _DEFAULT_HINT))
             self._opaque(out)
             return out
         if name in _INPLACE_ARITH or name.endswith("_") or name == "copy_":
@@ -207,6 +224,45 @@ class _Recorder(TorchDispatchMode):
                 f"(e.g. torch.cat of slices instead of assigning into a slice)")
         self._lower(func, name, args, kwargs, out)
         return out
+
+    def offend(self, op: str, hint: str) -> None:
+        """Record that the current module computes ``op``, which is not a polynomial (raised
+        at once when tracing strictly)."""
+        self.offences.append(Offence(self.path, self.stack[-1][1], op, hint))
+        if self.strict:
+            raise NonPolynomialError(str(self.offences[-1]))
+
+    def enter(self, qualname: str, module: nn.Module, inputs: Sequence[Any]) -> None:
+        """A module's forward begins (a forward pre-hook)."""
+        self.stack.append((qualname, type(module).__name__))
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.running_mean is None \
+                and any(self.traced(a) for a in tree_flatten(inputs)[0]):
+            # BatchNorm without running statistics, or an instance norm: in eval mode too it
+            # normalises by statistics of its input. Recorded here, since PyTorch refuses a
+            # batch of one sample before any op runs; the module (of the traced copy) then
+            # runs with unit statistics, an affine map, so the trace goes on to the others.
+            self.offend("normalisation by its input's own statistics", _HINTS["native_batch_norm"])
+            module.register_buffer("running_mean", torch.zeros(module.num_features,
+                                                               dtype=torch.float64))
+            module.register_buffer("running_var", torch.ones(module.num_features,
+                                                             dtype=torch.float64))
+            module.track_running_stats = True
+
+    def leave(self) -> None:
+        """A module's forward ends, returning or raising (a forward hook called always)."""
+        failing = sys.exc_info()[1]
+        if failing is not None and (self.failure is None or self.failure[0] is not failing):
+            self.failure = (failing, *self.stack[-1])  # the innermost module it leaves
+        self.stack.pop()
+
+    def _offending_op(self, name: str, args: Sequence[Any]) -> str:
+        """How an offence names the ATen op ``name`` called on ``args``."""
+        if name == "pow":
+            return "pow with an input-dependent exponent" if self.traced(args[1]) \
+                else "pow with a non-integer or negative exponent"
+        if name == "native_batch_norm":  # the model runs in eval mode: no running statistics
+            return "normalisation by its input's own statistics"
+        return f"aten.{name}"
 
     def _integer_pow(self, args: Sequence[Any]) -> bool:
         if self.traced(args[1]) if len(args) > 1 else False:
@@ -710,10 +766,10 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
             continue
 
         def pre(mod, inputs, _q=qualname):  # noqa: ANN001
-            rec.stack.append((_q, type(mod).__name__))
+            rec.enter(_q, mod, inputs)
 
         def post(mod, inputs, output):  # noqa: ANN001
-            rec.stack.pop()
+            rec.leave()
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post, always_call=True))
@@ -722,6 +778,14 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
     try:
         with torch.no_grad(), rec:
             y = clone(x)
+    except PolynetsError:
+        raise
+    except Exception as exc:  # the model's own code failed on one sample
+        failing = rec.failure if rec.failure is not None and rec.failure[0] is exc else None
+        path, kind = failing[1:] if failing is not None else ("", type(clone).__name__)
+        raise TraceError(f"the model raised {type(exc).__name__} in module '{path or '<model>'}' "
+                         f"({kind}) when run on one sample of shape {tuple(x.shape)}: "
+                         f"{exc}") from exc
     finally:
         for h in handles:
             h.remove()

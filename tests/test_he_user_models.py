@@ -1,0 +1,153 @@
+"""Models written the way users write them, with plain PyTorch layers, through ``he.compile`` /
+``he.Client`` / ``he.Server``: padding modes of convolutions, variance pooling, and the layers
+and model shapes the compiler must refuse with an error naming the module (max pooling, fused
+attention, norms by the input's own statistics, models that mix the samples of a batch or
+ignore their input), never with an error from deep inside PyTorch or SEAL.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import he
+import polynets as pn
+
+
+def _encrypted_roundtrip(model: nn.Module, x: torch.Tensor, packing: str = "vector") -> None:
+    """Compile with the defaults, run two samples under CKKS: the decryption is within the
+    promised error of the simulation, and the simulation is the model's output."""
+    prog = he.compile(model, x[:1], calibration=x, packing=packing)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    xs = x[:2].numpy()
+    y = client.decrypt(server.run(client.encrypt(xs).to_bytes()).to_bytes())
+    sim = prog.simulate(xs)
+    with torch.no_grad():
+        ref = model.double()(x[:2].double()).numpy()
+    assert y.shape == ref.shape
+    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
+    assert np.max(np.abs(sim - ref)) <= 1e-9 * max(1.0, float(np.max(np.abs(ref))))
+
+
+# ----------------------------------------------------------------------------- refused layers
+class _Attention(nn.Module):
+    """Softmax attention through PyTorch's fused kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(self.q(x), x, x).mean(1)
+
+
+class _MultiheadAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)[0].mean(1)
+
+
+#: name -> (model, input shape of one sample, path of the offending module, its type, a pattern
+#: of the offence's op, words of its hint)
+_REFUSED = {
+    "max_pool": (lambda: nn.Sequential(nn.Conv2d(1, 2, 1), nn.MaxPool2d(2), nn.Flatten()),
+                 (1, 4, 4), "1", "MaxPool2d", "max_pool2d", "average pooling"),
+    "adaptive_max_pool": (lambda: nn.Sequential(nn.Conv2d(1, 2, 1), nn.AdaptiveMaxPool2d(1)),
+                          (1, 4, 4), "1", "AdaptiveMaxPool2d", "adaptive_max_pool2d",
+                          "average pooling"),
+    "celu": (lambda: nn.Sequential(nn.Linear(4, 4), nn.CELU()), (4,), "1", "CELU", "aten.celu",
+             "additions and multiplications"),
+    "threshold": (lambda: nn.Sequential(nn.Linear(4, 4), nn.Threshold(0.1, 0.0)), (4,), "1",
+                  "Threshold", "aten.threshold", "additions and multiplications"),
+    "sdpa": (_Attention, (3, 4), "<model>", "_Attention", "scaled_dot_product", "pn.PoM"),
+    # the inference fast path's fused kernel, or the softmax where that path is off
+    "multihead_attention": (_MultiheadAttention, (3, 4), "attn", "MultiheadAttention",
+                            "_native_multi_head_attention|_softmax", "pn.PoM"),
+    "softmax_head": (lambda: nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1)), (4,), "1",
+                     "Softmax", "aten._softmax", "decrypted logits"),
+    "instance_norm": (lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.InstanceNorm2d(3)),
+                      (2, 3, 3), "1", "InstanceNorm2d", "input's own statistics",
+                      "track_running_stats=True"),
+    # PyTorch itself refuses this module on one sample of (1, 4), before any op runs
+    "batch_norm_without_running_stats": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)),
+        (4,), "1", "BatchNorm1d", "input's own statistics", "track_running_stats=True"),
+    "exponent_from_data": (lambda: _Exp2(), (4,), "<model>", "_Exp2",
+                           "pow with an input-dependent exponent", "additions"),
+}
+
+
+class _Exp2(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 ** x
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_non_polynomial_layers_are_refused_naming_the_module(name: str) -> None:
+    make, shape, path, kind, op, hint = _REFUSED[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(4, *shape)
+    cert = pn.certify(model, x[:1])  # a certificate, never an exception
+    assert not cert.is_polynomial
+    offence = cert.offending[0]
+    assert (offence.path or "<model>", offence.module_type) == (path, kind)
+    assert re.search(op, offence.op) and hint in offence.hint
+    with pytest.raises(he.NotEncryptableError, match="not a polynomial") as info:
+        he.compile(model, x[:1], calibration=x)
+    assert f"{path} ({kind})" in str(info.value)
+    assert info.value.certificate is not None and not info.value.certificate.is_polynomial
+
+
+def test_every_norm_by_input_statistics_is_listed_with_the_other_offences() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False),
+                          nn.ReLU(), nn.Linear(4, 4), nn.InstanceNorm1d(1))
+    model.eval()
+    with pytest.raises(he.NotEncryptableError) as info:
+        he.compile(model, torch.randn(1, 4))
+    listed = [(o.path, o.module_type) for o in info.value.certificate.offending]
+    assert listed == [("1", "BatchNorm1d"), ("2", "ReLU"), ("4", "InstanceNorm1d")]
+
+
+def test_strict_trace_stops_at_a_norm_by_input_statistics() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False))
+    with pytest.raises(pn.NonPolynomialError, match=r"1 \(BatchNorm1d\): normalisation by its "
+                                                   r"input's own statistics"):
+        pn.trace(model.eval(), torch.randn(1, 4))
+
+
+# ----------------------------------------------------------------------------- model shapes
+def test_an_output_that_ignores_the_input_is_refused_as_such() -> None:
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.zeros_like(x))
+
+    with pytest.raises(he.NotEncryptableError, match="its output does not depend on its input"):
+        he.compile(Constant(), torch.randn(4, 4))
+
+
+def test_an_error_in_the_model_names_the_module_it_left() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ torch.ones(3, 2)  # (1, 4) @ (3, 2)
+
+    model = nn.Sequential(nn.Linear(4, 4), Broken())
+    with pytest.raises(pn.TraceError, match=r"the model raised RuntimeError in module '1' "
+                                            r"\(Broken\) when run on one sample of shape "
+                                            r"\(1, 4\): .*mat1 and mat2 shapes"):
+        pn.trace(model, torch.randn(1, 4))
+    with pytest.raises(he.NotEncryptableError, match=r"in module '1' \(Broken\)"):
+        he.compile(model, torch.randn(1, 4))
