@@ -35,6 +35,51 @@ def _encrypted_roundtrip(model: nn.Module, x: torch.Tensor, packing: str = "vect
     assert np.max(np.abs(sim - ref)) <= 1e-9 * max(1.0, float(np.max(np.abs(ref))))
 
 
+# ----------------------------------------------------------------------------- padding modes
+class _CircularConv1d(nn.Module):
+    """A sequence model whose convolutions pad circularly (PyTorch writes the padded tensor in
+    place, slice by slice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 4, 3, stride=2, padding=1, padding_mode="circular")
+        self.c2 = nn.Conv1d(4, 4, 3, padding=2, dilation=2, padding_mode="circular")
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(x)
+        return self.fc(self.c2(y * y).mean(-1))
+
+
+_PADDED = {
+    "conv1d_circular": (_CircularConv1d, (2, 9)),
+    "conv2d_reflect": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+                                             nn.Flatten()), (2, 5, 4)),
+    "conv2d_replicate": (lambda: nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=2, padding_mode="replicate"), nn.Flatten()), (2, 4, 4)),
+    "circular_pad2d": (lambda: nn.Sequential(nn.CircularPad2d((1, 2, 0, 1)), nn.Flatten()),
+                       (1, 3, 3)),
+    "reflection_pad2d": (lambda: nn.Sequential(nn.ReflectionPad2d(1), nn.Flatten()), (2, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PADDED))
+def test_padding_modes_trace_to_the_model(name: str) -> None:
+    make, shape = _PADDED[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    program = pn.trace(model, x)
+    with torch.no_grad():
+        ref = model.double()(x).numpy()
+    np.testing.assert_allclose(program(x.numpy()), ref, rtol=0, atol=1e-12)
+
+
+def test_circularly_padded_convolutions_decrypt_to_the_model() -> None:
+    torch.manual_seed(0)
+    _encrypted_roundtrip(_CircularConv1d().eval(), torch.rand(16, 2, 9) * 2 - 1)
+
+
 # ----------------------------------------------------------------------------- refused layers
 class _Attention(nn.Module):
     """Softmax attention through PyTorch's fused kernel."""

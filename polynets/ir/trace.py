@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -153,6 +155,7 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps traced tensors alive so ids stay unique
         self.stack: list[tuple[str, str]] = [("", "model")]
         self.offences: list[Offence] = []
+        self.paused = False  # while a function mode lowers a whole function itself
         # the exception leaving the model's forward, and the innermost module it left
         self.failure: tuple[BaseException, str, str] | None = None
 
@@ -198,6 +201,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         flat_in, _ = tree_flatten((args, kwargs))
         if not any(self.traced(a) for a in flat_in):
             return out
@@ -254,6 +259,21 @@ class _Recorder(TorchDispatchMode):
         if failing is not None and (self.failure is None or self.failure[0] is not failing):
             self.failure = (failing, *self.stack[-1])  # the innermost module it leaves
         self.stack.pop()
+
+    def select(self, func: Callable, args: Sequence[Any], kwargs: dict) -> torch.Tensor:
+        """Run ``func``, a selection of its first argument's elements, and lower it as one
+        gather by running it on indices; its ATen ops are not recorded (PyTorch decomposes
+        circular padding into in-place writes into a new tensor)."""
+        x = args[0]
+        self.paused = True
+        try:
+            out = func(*args, **kwargs)
+            idx = func(torch.arange(1, x.numel() + 1, dtype=torch.float64).reshape(x.shape),
+                       *args[1:], **kwargs)
+        finally:
+            self.paused = False
+        self.bind(out, self.gather([self.node_of[id(x)]], idx.numpy().astype(np.int64) - 1))
+        return out
 
     def _offending_op(self, name: str, args: Sequence[Any]) -> str:
         """How an offence names the ATen op ``name`` called on ``args``."""
@@ -412,6 +432,25 @@ class _Recorder(TorchDispatchMode):
 
     def operand(self, x: Any) -> int | None:
         return self.node_of[id(x)] if self.traced(x) else None
+
+
+class _FunctionRecorder(TorchFunctionMode):
+    """Lowers, above the ATen level, functions whose ATen decomposition the recorder could not
+    follow: padding other than by a constant (``F.pad`` in modes ``"circular"``, ``"reflect"``
+    and ``"replicate"``: convolutions' ``padding_mode``, ``nn.CircularPad2d``, ...) selects
+    elements of its input, lowered as one gather."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        if func is F.pad and args and self.recorder.traced(args[0]):
+            mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+            if mode != "constant":
+                return self.recorder.select(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def tree_unflatten_pair(flat: list, spec: Any) -> tuple[tuple, dict]:
@@ -776,7 +815,7 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
     rec.stack = [("", type(clone).__name__)]
     rec.bind(x, rec.add("input", (), tuple(x.shape)))
     try:
-        with torch.no_grad(), rec:
+        with torch.no_grad(), rec, _FunctionRecorder(rec):
             y = clone(x)
     except PolynetsError:
         raise
