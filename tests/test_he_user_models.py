@@ -80,6 +80,47 @@ def test_circularly_padded_convolutions_decrypt_to_the_model() -> None:
     _encrypted_roundtrip(_CircularConv1d().eval(), torch.rand(16, 2, 9) * 2 - 1)
 
 
+# ----------------------------------------------------------------------------- variance
+class _VariancePool(nn.Module):
+    """Second-order pooling: the variance of each channel over the tokens, and the mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.inp(x)
+        var, mean = torch.var_mean(t, dim=1, correction=0)
+        return self.head(torch.cat([var, mean], -1)) + t.var(dim=(1, 2), keepdim=True)[:, 0]
+
+
+def test_variance_is_a_degree_two_polynomial() -> None:
+    torch.manual_seed(0)
+    model = _VariancePool().eval()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    cert = pn.certify(model, x[:1])
+    assert cert.is_polynomial and cert.degree == 2 and cert.depth == 1
+    with torch.no_grad():
+        ref = model.double()(x).numpy()
+    np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
+
+
+def test_variance_pooling_decrypts_to_the_model() -> None:
+    torch.manual_seed(0)
+    _encrypted_roundtrip(_VariancePool().eval(), torch.rand(16, 5, 3) * 2 - 1)
+
+
+def test_std_stays_refused_by_name() -> None:
+    class Std(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.std(-1, keepdim=True)
+
+    cert = pn.certify(Std(), torch.randn(1, 4))
+    assert not cert.is_polynomial
+    assert "aten.std" in str(cert.offending[0])
+
+
 # ----------------------------------------------------------------------------- refused layers
 class _Attention(nn.Module):
     """Softmax attention through PyTorch's fused kernel."""

@@ -96,7 +96,7 @@ _NONPOLY = {
     "maximum", "minimum", "max", "min", "amax", "amin", "eq", "ne", "gt", "ge", "lt",
     "le", "softplus", "hardswish", "hardsigmoid", "mish", "log1p", "expm1", "linalg_vector_norm",
     "norm", "topk", "sort", "argmax", "argmin", "floor", "ceil", "round", "logsumexp",
-    "pow_tensor", "prelu", "_prelu_kernel", "glu", "var", "std", "var_mean", "std_mean",
+    "pow_tensor", "prelu", "_prelu_kernel", "glu", "std", "std_mean",
     "native_dropout", "bernoulli", "celu", "threshold", "hardshrink", "softshrink",
     "log_sigmoid_forward", "rrelu_with_noise", "softmax", "log_softmax", "tan", "atan", "atan2",
     "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "exp2", "log2", "log10", "logit",
@@ -620,23 +620,55 @@ def _h_baddbmm(r: _Recorder, func, args, kwargs, out) -> None:
     _h_addmm(r, func, args, kwargs, out)
 
 
-def _reduce(r: _Recorder, x: torch.Tensor, dims: Any, keepdim: bool, mean: bool,
-            out: torch.Tensor) -> None:
-    node = r.operand(x)
-    nd = x.dim()
+def _reduced_dims(dims: Any, nd: int) -> list[int]:
+    """The sorted, non-negative dims an ATen reduction's ``dim`` argument names (None or an
+    empty list: all)."""
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(nd))
     if isinstance(dims, int):
         dims = [dims]
-    dims = sorted({d % nd for d in dims}) if nd else []
-    keep = [d for d in range(nd) if d not in dims]
-    shape = tuple(x.shape)
+    return sorted({d % nd for d in dims}) if nd else []
+
+
+def _sum_over(r: _Recorder, node: int, dims: list[int], factor: float,
+              out_shape: Sequence[int]) -> int:
+    """``factor`` times the sum of ``node`` over ``dims``, reshaped to ``out_shape``."""
+    shape = r.shape(node)
+    keep = [d for d in range(len(shape)) if d not in dims]
     count = int(np.prod([shape[d] for d in dims])) if dims else 1
     idx = np.arange(int(np.prod(shape))).reshape(shape).transpose(keep + dims)
     merged = r.gather([node], idx.reshape(tuple(shape[d] for d in keep) + (count,)))
-    w = np.full((count, 1), 1.0 / count if mean else 1.0)
-    summed = r.linear(merged, len(keep), w, None)
-    r.bind(out, r.reshape(summed, tuple(out.shape)))
+    summed = r.linear(merged, len(keep), np.full((count, 1), float(factor)), None)
+    return r.reshape(summed, tuple(out_shape))
+
+
+def _reduce(r: _Recorder, x: torch.Tensor, dims: Any, keepdim: bool, mean: bool,
+            out: torch.Tensor) -> None:
+    dims = _reduced_dims(dims, x.dim())
+    count = int(np.prod([x.shape[d] for d in dims])) if dims else 1
+    r.bind(out, _sum_over(r, r.operand(x), dims, 1.0 / count if mean else 1.0, out.shape))
+
+
+def _h_var(r: _Recorder, func, args, kwargs, out) -> None:
+    """``var`` and ``var_mean``: the mean of the squared deviations from the mean, a polynomial
+    of degree 2, divided by ``count - correction`` (Bessel's correction by default)."""
+    x = args[0]
+    dims = _reduced_dims(args[1] if len(args) > 1 else kwargs.get("dim"), x.dim())
+    correction = kwargs.get("correction")
+    correction = 1.0 if correction is None else float(correction)
+    count = int(np.prod([x.shape[d] for d in dims])) if dims else 1
+    if count <= correction:
+        raise UnsupportedOpError(f"variance of {count} value(s) with correction {correction:g} "
+                                 f"in module '{r.path or '<model>'}' is not defined")
+    node = r.operand(x)
+    kept = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+    mean = _sum_over(r, node, dims, 1.0 / count, kept)
+    centred = r.binary("add", node, r.scale(mean, -1.0, kept), tuple(x.shape))
+    square = r.binary("mul", centred, centred, tuple(x.shape))
+    var_out, mean_out = (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
+    r.bind(var_out, _sum_over(r, square, dims, 1.0 / (count - correction), var_out.shape))
+    if mean_out is not None:
+        r.bind(mean_out, r.reshape(mean, tuple(mean_out.shape)))
 
 
 def _h_sum(r: _Recorder, func, args, kwargs, out) -> None:
@@ -769,6 +801,7 @@ _HANDLERS: dict[str, Callable] = {
     "add": _h_add, "sub": _h_add, "rsub": _h_add, "mul": _h_mul, "div": _h_div,
     "true_divide": _h_div, "neg": _h_neg, "pow": _h_pow, "square": _h_square, "mm": _h_mm,
     "addmm": _h_addmm, "bmm": _h_bmm, "baddbmm": _h_baddbmm, "sum": _h_sum, "mean": _h_mean,
+    "var": _h_var, "var_mean": _h_var,
     "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
     "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
     "dropout": _h_dropout, "masked_fill": _h_masked_fill, "where": _h_where,
