@@ -212,6 +212,75 @@ def test_strict_trace_stops_at_a_norm_by_input_statistics() -> None:
 
 
 # ----------------------------------------------------------------------------- model shapes
+class _CentredOverBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x - x.mean(0))
+
+
+class _SumOverBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * x).sum()
+
+
+class _BatchSecond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).unsqueeze(0)
+
+
+@pytest.mark.parametrize("model, found", [
+    (_CentredOverBatch(), "its outputs differ by up to"),
+    (_SumOverBatch(), r"it returns shape \(\) where each sample run alone gives \(2,\)"),
+    (_BatchSecond(), r"it returns shape \(1, 2, 2\) where each sample run alone gives "
+                     r"\(2, 1, 2\)"),
+])
+def test_models_that_mix_the_samples_of_a_batch_are_refused(model: nn.Module, found: str) -> None:
+    x = torch.randn(8, 4)
+    with pytest.raises(pn.TraceError, match="mixes the samples of a batch: on a batch of two "
+                                            "samples " + found):
+        pn.trace(model, x[:1])
+    with pytest.raises(he.NotEncryptableError, match="mixes the samples of a batch"):
+        he.compile(model, x[:1], calibration=x)
+
+
+def test_a_model_that_squeezes_the_batch_axis_of_one_sample_still_compiles() -> None:
+    class Squeeze(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.squeeze())  # (B, 1, 4) -> (B, 4); (4,) for one sample
+
+    torch.manual_seed(0)
+    _encrypted_roundtrip(Squeeze().eval(), torch.rand(16, 1, 4))
+
+
+def test_a_model_written_for_one_sample_at_a_time_is_not_judged_on_two() -> None:
+    class One(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.view(1, 4)) ** 2
+
+    torch.manual_seed(0)
+    model = One().eval()
+    program = pn.trace(model, torch.randn(1, 4))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref = np.concatenate([model.double()(row[None]).numpy() for row in x])
+    np.testing.assert_allclose(program(x.numpy()), ref, rtol=0, atol=1e-12)
+
+
 def test_an_output_that_ignores_the_input_is_refused_as_such() -> None:
     class Constant(nn.Module):
         def __init__(self) -> None:

@@ -827,6 +827,50 @@ def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Ten
     return clone, x
 
 
+def _second_sample(example_input: Any, x: torch.Tensor) -> torch.Tensor:
+    """A sample to pair with the traced one ``x``: the example's second, or else a fixed
+    pseudo-random one of ``x``'s shape and root-mean-square size."""
+    if isinstance(example_input, torch.Tensor) and example_input.shape[0] > 1:
+        return example_input[1:2].detach().to("cpu", torch.float64)
+    g = torch.Generator().manual_seed(0)
+    size = float(x.pow(2).mean().sqrt()) or 1.0
+    return size * torch.randn(x.shape, generator=g, dtype=torch.float64)
+
+
+def check_samples_separate(model: nn.Module, program: PolyProgram, pair: torch.Tensor) -> None:
+    """Raise :class:`TraceError` unless ``model`` on the batch ``pair`` (two samples) returns
+    what ``program``, traced from one sample, gives for each sample separately.
+
+    A program never mixes samples: a model that does (a mean, sum, reshape or normalisation
+    over the batch axis, an output without it) is traced into one that computes something
+    else on a batch. A model that cannot run on two samples at all is not judged.
+    """
+    try:
+        with torch.no_grad():
+            ref = model(pair)
+    except Exception:  # noqa: BLE001 -- a model written for one sample at a time
+        return
+    if not isinstance(ref, torch.Tensor):
+        return
+    ref_np = ref.detach().to("cpu", torch.float64).numpy()
+    got = program.run(pair.numpy())
+    assert isinstance(got, np.ndarray)
+    if got.shape == ref_np.shape:
+        tol = 1e-6 * max(1.0, float(np.max(np.abs(ref_np), initial=0.0)))
+        diff = float(np.max(np.abs(got - ref_np), initial=0.0))
+        if diff <= tol:
+            return
+        found = f"its outputs differ by up to {diff:.3g} from those of each sample run alone"
+    else:
+        found = f"it returns shape {tuple(ref_np.shape)} where each sample run alone gives " \
+                f"{tuple(got.shape)}"
+    raise TraceError(
+        f"the model mixes the samples of a batch: on a batch of two samples {found}; an "
+        f"encrypted program evaluates every sample separately, so the model must keep the batch "
+        f"axis (dim 0) first and not reduce, reshape or normalise across it (or the model is not "
+        f"deterministic)")
+
+
 def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
         list[Node], int | None, list[Offence], dict[str, Any]]:
     """Run the recorder; returns (nodes, output node or None, offences, meta)."""
@@ -866,6 +910,9 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
     meta = {"model": type(model).__name__, "input_shape": list(x.shape),
             "output_shape": list(y.shape)}
     out = rec.node_of.get(id(y))
+    if out is not None and not rec.offences:
+        check_samples_separate(clone, PolyProgram(rec.nodes, out),
+                               torch.cat([x, _second_sample(example_input, x)]))
     return rec.nodes, out, rec.offences, meta
 
 
