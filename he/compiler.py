@@ -533,6 +533,11 @@ def load_program(path: str | os.PathLike) -> CompiledProgram:
     return CompiledProgram.load(path)
 
 
+#: Why a model whose output is the same whatever its input is not compiled.
+CONSTANT_OUTPUT = ("the model cannot be compiled to CKKS: its output does not depend on its "
+                   "input, so there is nothing to encrypt")
+
+
 def _lower(model: Any, example_input: Any) -> tuple[PolyProgram, str]:
     if isinstance(model, PolyProgram):
         return model, ""
@@ -550,8 +555,7 @@ def _lower(model: Any, example_input: Any) -> tuple[PolyProgram, str]:
         raise NotEncryptableError(f"the model is not a polynomial, so it cannot be encrypted:\n"
                                   f"{cert}", cert)
     if cert.program is None:
-        raise NotEncryptableError("the model cannot be compiled to CKKS: its output does not "
-                                  "depend on its input, so there is nothing to encrypt", cert)
+        raise NotEncryptableError(CONSTANT_OUTPUT, cert)
     return cert.program, str(cert)
 
 
@@ -1076,9 +1080,14 @@ def _candidate_lowerings(program: PolyProgram, calib: np.ndarray
     """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler prices:
     every linear map composed (the fewest levels), and where some compositions made a map much
     denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`), those kept apart
-    (a level more on their paths, maybe far fewer operations)."""
+    (a level more on their paths, maybe far fewer operations).
+
+    Raises NotEncryptableError where no input element reaches the output (its weights cancel
+    or are zero): the output is a constant, which no ciphertext can carry."""
     x = calib[:_NOISE_SAMPLES]
     lowered = lower(program)
+    if not live_rows(lowered)[0].any():  # every path from the input meets a zero weight
+        raise NotEncryptableError(CONSTANT_OUTPUT)
     # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
     out = [((), lowered, step_values_msq(lowered, x))]
     if lowered.dense_joins:

@@ -281,17 +281,42 @@ def test_a_model_written_for_one_sample_at_a_time_is_not_judged_on_two() -> None
     np.testing.assert_allclose(program(x.numpy()), ref, rtol=0, atol=1e-12)
 
 
-def test_an_output_that_ignores_the_input_is_refused_as_such() -> None:
-    class Constant(nn.Module):
+class _Constant(nn.Module):
+    """An output that ignores the input: never traced to it (``zeros_like``), multiplied by
+    zero, or cancelled."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "zeros_like":
+            return self.fc(torch.zeros_like(x))
+        if self.how == "times_zero":
+            return self.fc(x * 0.0)
+        return self.fc(x) - self.fc(x) + 1.0
+
+
+@pytest.mark.parametrize("how", ["zeros_like", "times_zero", "cancelled"])
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_an_output_that_ignores_the_input_is_refused_as_such(how: str, packing: str) -> None:
+    x = torch.randn(4, 4)
+    with pytest.raises(he.NotEncryptableError, match="its output does not depend on its input"):
+        he.compile(_Constant(how), x[:1], calibration=x, packing=packing)
+
+
+def test_an_output_partly_constant_decrypts_to_the_model() -> None:
+    class Half(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc = nn.Linear(4, 2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc(torch.zeros_like(x))
+            return torch.cat([self.fc(x) ** 2, self.fc(x * 0.0)], -1)
 
-    with pytest.raises(he.NotEncryptableError, match="its output does not depend on its input"):
-        he.compile(Constant(), torch.randn(4, 4))
+    torch.manual_seed(0)
+    _encrypted_roundtrip(Half().eval(), torch.rand(16, 4) * 2 - 1)
 
 
 def test_an_error_in_the_model_names_the_module_it_left() -> None:
