@@ -331,3 +331,35 @@ def test_an_error_in_the_model_names_the_module_it_left() -> None:
         pn.trace(model, torch.randn(1, 4))
     with pytest.raises(he.NotEncryptableError, match=r"in module '1' \(Broken\)"):
         he.compile(model, torch.randn(1, 4))
+
+
+# ----------------------------------------------------------------------------- bilinear
+class _Bilinear(nn.Module):
+    """nn.Bilinear of the input and a map of it, and F.bilinear with a constant operand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.bil = nn.Bilinear(3, 4, 2)
+        self.register_buffer("other", torch.randn(1, 3))
+        self.register_buffer("weight", torch.randn(2, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        other = self.other.expand(x.shape[0], 3)
+        return self.bil(x, self.lin(x)) + F.bilinear(other, x, self.weight)
+
+
+def test_bilinear_layers_trace_to_the_model() -> None:
+    torch.manual_seed(0)
+    model = _Bilinear().eval()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    cert = pn.certify(model, x[:1])
+    assert cert.is_polynomial and cert.degree == 2 and cert.depth == 1
+    with torch.no_grad():
+        ref = model.double()(x).numpy()
+    np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
+
+
+def test_bilinear_layers_decrypt_to_the_model() -> None:
+    torch.manual_seed(0)
+    _encrypted_roundtrip(_Bilinear().eval(), torch.rand(16, 3) * 2 - 1)

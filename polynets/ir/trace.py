@@ -671,6 +671,33 @@ def _h_var(r: _Recorder, func, args, kwargs, out) -> None:
         r.bind(mean_out, r.reshape(mean, tuple(mean_out.shape)))
 
 
+def _h_trilinear(r: _Recorder, func, args, kwargs, out) -> None:
+    """``aten._trilinear`` (``nn.Bilinear``, ``F.bilinear``): three operands, each unsqueezed
+    at its ``expand`` dims to one rank, multiplied with broadcasting and summed over
+    ``sumdim``; the input-dependent operands are multiplied as nodes, the others scale."""
+    operands, expands = args[:3], args[3:6]
+    rank = operands[0].dim() + len(expands[0])
+    sumdim = sorted({int(d) % rank for d in args[6]})  # args[7], unroll_dim, tunes the kernel
+    shapes = []
+    for t, expand in zip(operands, expands):
+        shape = list(t.shape)
+        for d in sorted(expand):
+            shape.insert(d, 1)
+        shapes.append(tuple(shape))
+    full = tuple(torch.broadcast_shapes(*shapes))
+    node: int | None = None
+    const = np.ones(())
+    for t, shape in zip(operands, shapes):
+        if r.traced(t):
+            expanded = r.broadcast(r.reshape(r.operand(t), shape), full)
+            node = expanded if node is None else r.binary("mul", node, expanded, full)
+        else:
+            const = const * _np(t).reshape(shape)
+    assert node is not None
+    node = r.scale(node, np.broadcast_to(const, full).copy(), full)
+    r.bind(out, _sum_over(r, node, sumdim, 1.0, out.shape))
+
+
 def _h_sum(r: _Recorder, func, args, kwargs, out) -> None:
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -801,7 +828,7 @@ _HANDLERS: dict[str, Callable] = {
     "add": _h_add, "sub": _h_add, "rsub": _h_add, "mul": _h_mul, "div": _h_div,
     "true_divide": _h_div, "neg": _h_neg, "pow": _h_pow, "square": _h_square, "mm": _h_mm,
     "addmm": _h_addmm, "bmm": _h_bmm, "baddbmm": _h_baddbmm, "sum": _h_sum, "mean": _h_mean,
-    "var": _h_var, "var_mean": _h_var,
+    "var": _h_var, "var_mean": _h_var, "_trilinear": _h_trilinear,
     "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
     "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
     "dropout": _h_dropout, "masked_fill": _h_masked_fill, "where": _h_where,
