@@ -17,7 +17,8 @@ from scipy.integrate import solve_ivp
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
-           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "ALL_SYSTEMS", "generate", "score_terms",
+           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "FRESH_SYSTEMS", "ALL_SYSTEMS", "generate",
+           "score_terms",
            "lotka_volterra", "van_der_pol", "lorenz",
            "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
            "duffing", "rossler", "chen", "hopf", "lorenz_84", "halvorsen", "genesio_tesi",
@@ -499,8 +500,217 @@ CHECK_SYSTEMS: dict[str, System] = {s.name: s for s in (
 """A third set of systems outside the others (benchmark ``--systems check``), used only to
 check that a change to the method carries over; nothing was tuned on it."""
 
+def _shimizu_morioka(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1], x[0] - 0.75 * x[1] - x[0] * x[2], -0.45 * x[2] + x[0] ** 2])
+
+
+shimizu_morioka = System(
+    "shimizu_morioka", ("x", "y", "z"), _shimizu_morioka,
+    ({"y": 1.0}, {"x": 1.0, "y": -0.75, "x*z": -1.0}, {"z": -0.45, "x**2": 1.0}),
+    (0.3684, -0.01847, 0.7519), 60.0, 1500, 2)
+"""Shimizu-Morioka (T. Shimizu and N. Morioka, Phys. Lett. A 76, 201, 1980), a = 0.75,
+b = 0.45; started on the attractor (the state at t = 100 from (0.1, 0, 0)); 1500 points on
+[0, 60]."""
+
+
+def _sprott_d(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[1], x[0] + x[2], x[0] * x[2] + 3.0 * x[1] ** 2])
+
+
+sprott_d = System(
+    "sprott_d", ("x", "y", "z"), _sprott_d,
+    ({"y": -1.0}, {"x": 1.0, "z": 1.0}, {"x*z": 1.0, "y**2": 3.0}), (0.1, 0.1, 0.1), 40.0,
+    1000, 2)
+"""Sprott's case D (Phys. Rev. E 50, R647, 1994): ``x' = -y, y' = x + z, z' = xz + 3y^2``;
+1000 points on [0, 40] from (0.1, 0.1, 0.1)."""
+
+
+def _burke_shaw(x: np.ndarray) -> np.ndarray:
+    return np.array([-10.0 * (x[0] + x[1]), -x[1] - 10.0 * x[0] * x[2],
+                     10.0 * x[0] * x[1] + 4.272])
+
+
+burke_shaw = System(
+    "burke_shaw", ("x", "y", "z"), _burke_shaw,
+    ({"x": -10.0, "y": -10.0}, {"y": -1.0, "x*z": -10.0}, {"1": 4.272, "x*y": 10.0}),
+    (0.3397, -0.402, -0.4343), 20.0, 2000, 2)
+"""Burke-Shaw (R. Shaw, Z. Naturforsch. 36a, 80, 1981), s = 10, v = 4.272; started on the
+attractor (the state at t = 20 from (0.6, 0, 0)); 2000 points on [0, 20]."""
+
+
+def _newton_leipnik(x: np.ndarray) -> np.ndarray:
+    return np.array([-0.4 * x[0] + x[1] + 10.0 * x[1] * x[2],
+                     -x[0] - 0.4 * x[1] + 5.0 * x[0] * x[2], 0.175 * x[2] - 5.0 * x[0] * x[1]])
+
+
+newton_leipnik = System(
+    "newton_leipnik", ("x", "y", "z"), _newton_leipnik,
+    ({"x": -0.4, "y": 1.0, "y*z": 10.0}, {"x": -1.0, "y": -0.4, "x*z": 5.0},
+     {"z": 0.175, "x*y": -5.0}), (0.1038, 0.04289, 0.3631), 80.0, 2000, 2)
+"""Newton-Leipnik (R. B. Leipnik and T. A. Newton, Phys. Lett. A 86, 63, 1981), a = 0.4,
+b = 0.175; started on the attractor (the state at t = 50 from (0.349, 0, -0.16)); 2000 points
+on [0, 80]."""
+
+
+def _lorenz96_4(x: np.ndarray) -> np.ndarray:
+    return np.array([(x[(i + 1) % 4] - x[(i - 2) % 4]) * x[(i - 1) % 4] - x[i] + 8.0
+                     for i in range(4)])
+
+
+lorenz96_4 = System(
+    "lorenz96_4", ("x1", "x2", "x3", "x4"), _lorenz96_4,
+    ({"1": 8.0, "x1": -1.0, "x2*x4": 1.0, "x3*x4": -1.0},
+     {"1": 8.0, "x2": -1.0, "x1*x3": 1.0, "x1*x4": -1.0},
+     {"1": 8.0, "x3": -1.0, "x1*x2": -1.0, "x2*x4": 1.0},
+     {"1": 8.0, "x4": -1.0, "x1*x3": 1.0, "x2*x3": -1.0}), (-1.88, 1.943, 3.281, 7.943), 20.0,
+    2000, 2)
+"""Lorenz-96 with four sites and forcing F = 8 (E. N. Lorenz, "Predictability: a problem
+partly solved", ECMWF seminar, 1996); started on the attractor (the state at t = 30 from
+(8.01, 8, 8, 8)); 2000 points on [0, 20]."""
+
+
+def _schnakenberg(x: np.ndarray) -> np.ndarray:
+    return np.array([0.1 - x[0] + x[0] ** 2 * x[1], 0.9 - x[0] ** 2 * x[1]])
+
+
+schnakenberg = System(
+    "schnakenberg", ("u", "v"), _schnakenberg,
+    ({"1": 0.1, "u": -1.0, "u**2*v": 1.0}, {"1": 0.9, "u**2*v": -1.0}), (1.0, 0.5), 30.0, 600,
+    3)
+"""Schnakenberg's trimolecular reaction (J. Schnakenberg, J. Theor. Biol. 81, 389, 1979),
+a = 0.1, b = 0.9: a transient into the limit cycle; 600 points on [0, 30]."""
+
+
+def _may_leonard(x: np.ndarray) -> np.ndarray:
+    a, b = 0.8, 1.3
+    return np.array([x[i] * (1.0 - x[i] - a * x[(i + 1) % 3] - b * x[(i + 2) % 3])
+                     for i in range(3)])
+
+
+may_leonard = System(
+    "may_leonard", ("x", "y", "z"), _may_leonard,
+    ({"x": 1.0, "x**2": -1.0, "x*y": -0.8, "x*z": -1.3},
+     {"y": 1.0, "y**2": -1.0, "y*z": -0.8, "x*y": -1.3},
+     {"z": 1.0, "z**2": -1.0, "x*z": -0.8, "y*z": -1.3}), (0.3, 0.2, 0.1), 60.0, 800, 2)
+"""May-Leonard three-species competition (R. M. May and W. J. Leonard, SIAM J. Appl. Math.
+29, 243, 1975), alpha = 0.8, beta = 1.3: a heteroclinic cycle, each species in turn near 1;
+800 points on [0, 60]."""
+
+
+def _dadras(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] - 3.0 * x[0] + 2.7 * x[1] * x[2], 1.7 * x[1] - x[0] * x[2] + x[2],
+                     2.0 * x[0] * x[1] - 9.0 * x[2]])
+
+
+dadras = System(
+    "dadras", ("x", "y", "z"), _dadras,
+    ({"x": -3.0, "y": 1.0, "y*z": 2.7}, {"y": 1.7, "z": 1.0, "x*z": -1.0},
+     {"z": -9.0, "x*y": 2.0}), (1.834, -1.109, -0.4415), 30.0, 1500, 2)
+"""Dadras-Momeni (S. Dadras and H. R. Momeni, Phys. Lett. A 373, 3637, 2009), a = 3,
+b = 2.7, c = 1.7, d = 2, e = 9; started on the attractor (the state at t = 30 from
+(1, 1, 1)); 1500 points on [0, 30]."""
+
+
+def _rossler_hyper(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[1] - x[2], x[0] + 0.25 * x[1] + x[3], 3.0 + x[0] * x[2],
+                     -0.5 * x[2] + 0.05 * x[3]])
+
+
+rossler_hyper = System(
+    "rossler_hyper", ("x", "y", "z", "w"), _rossler_hyper,
+    ({"y": -1.0, "z": -1.0}, {"x": 1.0, "y": 0.25, "w": 1.0}, {"1": 3.0, "x*z": 1.0},
+     {"z": -0.5, "w": 0.05}), (-10.0, -6.0, 0.0, 10.0), 20.0, 500, 2)
+"""Rossler's hyperchaotic system (O. E. Rossler, Phys. Lett. A 71, 155, 1979), a = 0.25,
+b = 3, c = 0.5, d = 0.05; 500 points on [0, 20]."""
+
+
+def _lorenz_stenflo(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[0] + x[1] + 1.5 * x[3], x[0] * (26.0 - x[2]) - x[1],
+                     x[0] * x[1] - 0.7 * x[2], -x[0] - x[3]])
+
+
+lorenz_stenflo = System(
+    "lorenz_stenflo", ("x", "y", "z", "w"), _lorenz_stenflo,
+    ({"x": -1.0, "y": 1.0, "w": 1.5}, {"x": 26.0, "y": -1.0, "x*z": -1.0},
+     {"z": -0.7, "x*y": 1.0}, {"x": -1.0, "w": -1.0}), (2.901, 10.88, 12.36, -0.1364), 15.0,
+    800, 2)
+"""Lorenz-Stenflo (L. Stenflo, Phys. Scr. 53, 83, 1996), a = 1, b = 0.7, c = 1.5, r = 26;
+started on the attractor (the state at t = 20 from (1, 1, 1, 1)); 800 points on [0, 15]."""
+
+
+def _vdp_duffing(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1], -x[0] - 0.5 * x[0] ** 3 + 0.8 * (1.0 - x[0] ** 2) * x[1]])
+
+
+vdp_duffing = System(
+    "vdp_duffing", ("x", "y"), _vdp_duffing,
+    ({"y": 1.0}, {"x": -1.0, "y": 0.8, "x**3": -0.5, "x**2*y": -0.8}), (0.5, 0.0), 40.0, 500,
+    3)
+"""Van der Pol-Duffing oscillator ``x'' = 0.8 (1 - x^2) x' - x - 0.5 x^3``: a transient into
+its limit cycle; 500 points on [0, 40]."""
+
+
+def _sprott_j(x: np.ndarray) -> np.ndarray:
+    return np.array([2.0 * x[2], -2.0 * x[1] + x[2], -x[0] + x[1] + x[1] ** 2])
+
+
+sprott_j = System(
+    "sprott_j", ("x", "y", "z"), _sprott_j,
+    ({"z": 2.0}, {"y": -2.0, "z": 1.0}, {"x": -1.0, "y": 1.0, "y**2": 1.0}),
+    (19.59, 0.8267, -3.822), 60.0, 800, 2)
+"""Sprott's case J (Phys. Rev. E 50, R647, 1994); started on the attractor (the state at
+t = 50 from (0.1, 0.1, 0.1)); 800 points on [0, 60]."""
+
+
+def _chen_lee(x: np.ndarray) -> np.ndarray:
+    return np.array([5.0 * x[0] - x[1] * x[2], -10.0 * x[1] + x[0] * x[2],
+                     -0.38 * x[2] + x[0] * x[1] / 3.0])
+
+
+chen_lee = System(
+    "chen_lee", ("x", "y", "z"), _chen_lee,
+    ({"x": 5.0, "y*z": -1.0}, {"y": -10.0, "x*z": 1.0}, {"z": -0.38, "x*y": 1.0 / 3.0}),
+    (-0.2653, -1.389, 12.06), 20.0, 1000, 2)
+"""Chen-Lee (H.-K. Chen and C.-I Lee, Chaos Solitons Fractals 21, 957, 2004), a = 5,
+b = -10, c = -0.38; started on the attractor (the state at t = 20 from (1, 1, 1)); 1000 points
+on [0, 20]."""
+
+
+def _coupled_duffing(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1], -x[0] - x[0] ** 3 - 0.1 * x[1] + 0.5 * x[2], x[3],
+                     -2.0 * x[2] - 0.3 * x[2] ** 3 - 0.1 * x[3] + 0.5 * x[0]])
+
+
+coupled_duffing = System(
+    "coupled_duffing", ("a", "b", "c", "d"), _coupled_duffing,
+    ({"b": 1.0}, {"a": -1.0, "b": -0.1, "c": 0.5, "a**3": -1.0}, {"d": 1.0},
+     {"a": 0.5, "c": -2.0, "d": -0.1, "c**3": -0.3}), (1.5, 0.0, -1.0, 0.5), 30.0, 600, 3)
+"""Two damped, linearly coupled Duffing oscillators of different stiffness (positions a, c;
+velocities b, d); 600 points on [0, 30]."""
+
+
+def _bouali(x: np.ndarray) -> np.ndarray:
+    return np.array([x[0] * (4.0 - x[1]) + 0.3 * x[2], -x[1] * (1.0 - x[0] ** 2),
+                     -x[0] * (1.5 - x[2]) - 0.05 * x[2]])
+
+
+bouali = System(
+    "bouali", ("x", "y", "z"), _bouali,
+    ({"x": 4.0, "z": 0.3, "x*y": -1.0}, {"y": -1.0, "x**2*y": 1.0},
+     {"x": -1.5, "z": -0.05, "x*z": 1.0}), (-0.595, 5.122, 1.277), 30.0, 1000, 3)
+"""Bouali's attractor with a stretched loop (S. Bouali, Nonlinear Dyn. 70, 2375, 2012),
+a = 0.3, s = 1; started on the attractor (the state at t = 20 from (1, 1, 0)); 1000 points on
+[0, 30]."""
+
+FRESH_SYSTEMS: dict[str, System] = {s.name: s for s in (
+    shimizu_morioka, sprott_d, burke_shaw, newton_leipnik, lorenz96_4, schnakenberg,
+    may_leonard, dadras, rossler_hyper, lorenz_stenflo, vdp_duffing, sprott_j, chen_lee,
+    coupled_duffing, bouali)}
+"""A fourth set (benchmark ``--systems fresh``), first run after the method's last change and
+recorded as it came: nothing was chosen or tuned on it."""
+
 ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS,
-                                  **CHECK_SYSTEMS}
+                                  **CHECK_SYSTEMS, **FRESH_SYSTEMS}
 
 
 def score_terms(found: list[dict[str, float]], truth: list[dict[str, float]]) -> dict:
