@@ -363,3 +363,33 @@ def test_bilinear_layers_trace_to_the_model() -> None:
 def test_bilinear_layers_decrypt_to_the_model() -> None:
     torch.manual_seed(0)
     _encrypted_roundtrip(_Bilinear().eval(), torch.rand(16, 3) * 2 - 1)
+
+
+# ----------------------------------------------------------------------------- float32 constants
+class _Float32Constants(nn.Module):
+    """A float32 model whose weights are a plain tensor attribute (neither a parameter nor a
+    buffer) and whose forward creates constants in the default dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.randn(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.proj + torch.tensor([0.5, -1.0, 0.25])
+        return h * h @ torch.ones(3, 2)
+
+
+def test_float32_constants_outside_parameters_trace_and_decrypt() -> None:
+    torch.manual_seed(0)
+    model = _Float32Constants().eval()
+    x = torch.rand(16, 4) * 2 - 1
+    prog = he.compile(model, x[:1], calibration=x)
+    assert torch.get_default_dtype() == torch.float32 and model.proj.dtype == torch.float32
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2].numpy())))
+    sim = prog.simulate(x[:2].numpy())
+    with torch.no_grad():
+        ref = model(x[:2]).numpy()
+    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
+    np.testing.assert_allclose(sim, ref, rtol=1e-5, atol=1e-5)

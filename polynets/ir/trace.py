@@ -20,10 +20,11 @@ module -- never a silently wrong program.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -850,8 +851,25 @@ def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Ten
     if not torch.all(torch.isfinite(example_input.float())):
         raise ShapeError("example_input contains NaN or infinite values")
     clone = copy.deepcopy(model).to("cpu").double().eval()
+    for module in clone.modules():  # .double() converts parameters and buffers only
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                setattr(module, name, value.detach().to("cpu", torch.float64))
     x = example_input[:1].detach().to("cpu", torch.float64).clone()
     return clone, x
+
+
+@contextlib.contextmanager
+def _float64() -> Iterator[None]:
+    """Run the traced float64 copy of a model with float64 as the default dtype, so that the
+    constants its forward creates (``torch.ones(4, 2)``, ``torch.tensor([0.5])``) are float64
+    too, as its parameters are."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _second_sample(example_input: Any, x: torch.Tensor) -> torch.Tensor:
@@ -873,7 +891,7 @@ def check_samples_separate(model: nn.Module, program: PolyProgram, pair: torch.T
     else on a batch. A model that cannot run on two samples at all is not judged.
     """
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _float64():
             ref = model(pair)
     except Exception:  # noqa: BLE001 -- a model written for one sample at a time
         return
@@ -919,7 +937,7 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
     rec.stack = [("", type(clone).__name__)]
     rec.bind(x, rec.add("input", (), tuple(x.shape)))
     try:
-        with torch.no_grad(), rec, _FunctionRecorder(rec):
+        with torch.no_grad(), _float64(), rec, _FunctionRecorder(rec):
             y = clone(x)
     except PolynetsError:
         raise
