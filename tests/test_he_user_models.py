@@ -393,3 +393,35 @@ def test_float32_constants_outside_parameters_trace_and_decrypt() -> None:
         ref = model(x[:2]).numpy()
     assert np.max(np.abs(y - sim)) <= prog.params.expected_error
     np.testing.assert_allclose(sim, ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- TorchScript
+#: torch.jit.trace is deprecated, and warns where a model reads shapes as Python ints
+_JIT_WARNINGS = pytest.mark.filterwarnings("ignore::FutureWarning",
+                                           "ignore::torch.jit.TracerWarning",
+                                           "ignore:The .grad attribute:UserWarning")
+
+
+@_JIT_WARNINGS
+def test_a_torchscript_traced_model_decrypts_to_the_model() -> None:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 6), pn.MuLayer(6, 2, shortcut=False)).eval()
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.trace(inner, torch.randn(1, 4))).eval()
+    x = torch.rand(16, 4) * 2 - 1
+    prog = he.compile(model, x[:1], calibration=x)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    y = client.decrypt(server.run(client.encrypt(x[:2].numpy())))
+    with torch.no_grad():
+        ref = model(x[:2]).numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:2].numpy()))) <= prog.params.expected_error
+    np.testing.assert_allclose(prog.simulate(x[:2].numpy()), ref, rtol=1e-5, atol=1e-5)
+
+
+@_JIT_WARNINGS
+def test_a_non_polynomial_torchscript_model_is_refused_by_name() -> None:
+    # TorchScript modules take no hooks: ops inside count as the nearest enclosing module's
+    traced = torch.jit.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(1, 4))
+    cert = pn.certify(traced, torch.randn(1, 4))
+    assert not cert.is_polynomial
+    assert [(o.path, o.op) for o in cert.offending] == [("", "aten.relu")]

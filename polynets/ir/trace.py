@@ -923,8 +923,8 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
     rec = _Recorder(strict=strict)
     handles = []
     for qualname, module in clone.named_modules():
-        if module is clone:
-            continue
+        if module is clone or isinstance(module, torch.jit.ScriptModule):
+            continue  # TorchScript runs its submodules without hooks: its ops count as its own
 
         def pre(mod, inputs, _q=qualname):  # noqa: ANN001
             rec.enter(_q, mod, inputs)
