@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from he.errors import InputShapeError
+
 __all__ = ["Report", "report"]
 
 
@@ -78,7 +80,11 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
     pa, da = plain.reshape(len(x), -1).argmax(1), dec.reshape(len(x), -1).argmax(1)
     acc_p = acc_e = None
     if y_true is not None:
-        y = np.asarray(y_true).reshape(-1)
+        y = np.asarray(y_true)
+        if y.size != len(x):
+            raise InputShapeError(f"report: y_true must hold one label per sample ({len(x)}), "
+                                  f"got shape {y.shape}")
+        y = y.reshape(-1)
         acc_p, acc_e = float(np.mean(pa == y)), float(np.mean(da == y))
     return Report(n=len(x), max_err_sim=float(np.max(np.abs(plain - sim))),
                   max_err_enc=float(np.max(np.abs(plain - dec))),

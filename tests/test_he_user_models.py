@@ -425,3 +425,17 @@ def test_a_non_polynomial_torchscript_model_is_refused_by_name() -> None:
     cert = pn.certify(traced, torch.randn(1, 4))
     assert not cert.is_polynomial
     assert [(o.path, o.op) for o in cert.offending] == [("", "aten.relu")]
+
+
+def test_report_refuses_labels_that_are_not_one_per_sample() -> None:
+    torch.manual_seed(0)
+    model = pn.MuLayer(4, 3, shortcut=False).eval()  # per-token scores (B, 5, 3)
+    x = torch.rand(8, 5, 4)
+    prog = he.compile(model, x[:1], calibration=x)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    with pytest.raises(he.InputShapeError, match=r"one label per sample \(2\), got shape "
+                                                 r"\(2, 5\)"):
+        he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 5), dtype=int))
+    rep = he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 1), dtype=int))
+    assert rep.max_err_enc_sim <= prog.params.expected_error
