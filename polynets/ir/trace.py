@@ -9,7 +9,11 @@ composite op (``F.linear``, ``einsum``, ``matmul``) is decomposed to a small, st
 concrete shapes and values, so Python control flow and user modules need no special support; and
 forward hooks give each op the qualified name of the module that issued it, for error messages.
 The price is that a trace is specialised to the example's per-sample shape, which is what an
-encrypted program needs anyway.
+encrypted program needs anyway, and blind to what the model does across the samples of a batch:
+the traced program is therefore checked against the model on a batch of two samples. A
+``TorchFunctionMode`` beside the recorder lowers the few functions whose ATen decomposition
+writes in place (padding by reflection, replication or wrapping around) as the selections they
+are.
 
 Ops that do not preserve polynomiality (LayerNorm, GELU, sigmoid, softmax, division by data, ...)
 are recorded as *offences* with their module path and a hint; :func:`trace` raises
@@ -89,6 +93,9 @@ _HINTS.update(dict.fromkeys(_MAX_POOL_OPS, "use average pooling (nn.AvgPool2d, "
 _HINTS.update(dict.fromkeys(_ATTENTION_OPS, "attention's softmax is not a polynomial; replace "
                                             "attention by pn.PoM or pn.PADRe"))
 _DEFAULT_HINT = "replace it by additions and multiplications (Mu-Layer, square, polynomial gate)"
+#: What an offence calls a norm by its input's statistics (a batch norm that uses no running
+#: statistics in eval mode, an instance norm)
+_INPUT_STATISTICS = "normalisation by its input's own statistics"
 
 _NONPOLY = {
     "native_layer_norm", "native_group_norm", "gelu", "relu", "silu", "tanh", "sigmoid",
@@ -247,7 +254,7 @@ class _Recorder(TorchDispatchMode):
             # normalises by statistics of its input. Recorded here, since PyTorch refuses a
             # batch of one sample before any op runs; the module (of the traced copy) then
             # runs with unit statistics, an affine map, so the trace goes on to the others.
-            self.offend("normalisation by its input's own statistics", _HINTS["native_batch_norm"])
+            self.offend(_INPUT_STATISTICS, _HINTS["native_batch_norm"])
             module.register_buffer("running_mean", torch.zeros(module.num_features,
                                                                dtype=torch.float64))
             module.register_buffer("running_var", torch.ones(module.num_features,
@@ -282,7 +289,7 @@ class _Recorder(TorchDispatchMode):
             return "pow with an input-dependent exponent" if self.traced(args[1]) \
                 else "pow with a non-integer or negative exponent"
         if name == "native_batch_norm":  # the model runs in eval mode: no running statistics
-            return "normalisation by its input's own statistics"
+            return _INPUT_STATISTICS
         return f"aten.{name}"
 
     def _integer_pow(self, args: Sequence[Any]) -> bool:
