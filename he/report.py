@@ -22,7 +22,9 @@ class Report:
     max_err_enc: float          # max |model - decrypted|
     max_err_enc_sim: float      # max |simulation - decrypted|
     expected_error: float       # what the parameters promise for |simulation - decrypted|
-    argmax_agreement: float     # fraction of samples whose decrypted argmax == plaintext argmax
+    #: fraction of samples whose decrypted argmax == plaintext argmax (None: one output value
+    #: per sample, a regression, which has no argmax)
+    argmax_agreement: float | None
     acc_plain: float | None
     acc_enc: float | None
     seconds: float
@@ -33,8 +35,9 @@ class Report:
                  f"  max |model - simulation|     {self.max_err_sim:.3e}",
                  f"  max |model - decrypted|      {self.max_err_enc:.3e}",
                  f"  max |simulation - decrypted| {self.max_err_enc_sim:.3e}  "
-                 f"(parameters promise ~{self.expected_error:.1e})",
-                 f"  argmax agreement             {100 * self.argmax_agreement:.2f}%"]
+                 f"(parameters promise ~{self.expected_error:.1e})"]
+        if self.argmax_agreement is not None:
+            lines.append(f"  argmax agreement             {100 * self.argmax_agreement:.2f}%")
         if self.acc_plain is not None:
             lines.append(f"  accuracy plaintext           {100 * self.acc_plain:.2f}%")
             lines.append(f"  accuracy encrypted           {100 * self.acc_enc:.2f}%  "
@@ -77,9 +80,13 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
     t0 = time.perf_counter()
     dec = client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
     seconds = time.perf_counter() - t0
+    scores = plain.reshape(len(x), -1).shape[1] > 1
     pa, da = plain.reshape(len(x), -1).argmax(1), dec.reshape(len(x), -1).argmax(1)
     acc_p = acc_e = None
     if y_true is not None:
+        if not scores:
+            raise InputShapeError("report: y_true holds class labels, but the model returns one "
+                                  "value per sample (no class scores to take the argmax of)")
         y = np.asarray(y_true)
         if y.size != len(x):
             raise InputShapeError(f"report: y_true must hold one label per sample ({len(x)}), "
@@ -90,5 +97,6 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
                   max_err_enc=float(np.max(np.abs(plain - dec))),
                   max_err_enc_sim=float(np.max(np.abs(sim - dec))),
                   expected_error=float(prog.params.expected_error),
-                  argmax_agreement=float(np.mean(pa == da)), acc_plain=acc_p, acc_enc=acc_e,
+                  argmax_agreement=float(np.mean(pa == da)) if scores else None,
+                  acc_plain=acc_p, acc_enc=acc_e,
                   seconds=seconds, params=str(prog.params))

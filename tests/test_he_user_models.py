@@ -439,3 +439,29 @@ def test_report_refuses_labels_that_are_not_one_per_sample() -> None:
         he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 5), dtype=int))
     rep = he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 1), dtype=int))
     assert rep.max_err_enc_sim <= prog.params.expected_error
+
+
+def test_report_on_a_regression_has_no_argmax_and_refuses_labels() -> None:
+    # one output value per sample: "argmax agreement" was always 100%, and labels were scored
+    # by the argmax of a single value
+    torch.manual_seed(0)
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) ** 2)
+
+    model = Regression().eval()
+    x = torch.rand(8, 3)
+    prog = he.compile(model, x[:1], calibration=x)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    rep = he.report(model, prog, client, server, x[:3])
+    assert rep.argmax_agreement is None and "argmax" not in str(rep)
+    assert rep.max_err_enc_sim <= prog.params.expected_error
+    with pytest.raises(he.InputShapeError, match="one value per sample"):
+        he.report(model, prog, client, server, x[:3], y_true=np.zeros(3, dtype=int))
+    with pytest.raises(he.InputShapeError, match=r"shape \(B, 3,\), got \(3,\)"):
+        client.encrypt(x[0])
