@@ -16,26 +16,18 @@ NumPy path (bit-identical results, only slower).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["kernels", "expected", "reason", "disabled", "numpy_loops"]
+from polynets._compiled import ENV_DISABLE, disabled, numpy_loops
+
+__all__ = ["kernels", "expected", "reason", "disabled", "numpy_loops", "ENV_DISABLE"]
 
 _STATE: dict[str, Any] = {}
 #: 1.5 * 2^52: ``(x + _ROUND) - _ROUND`` is ``x`` rounded to the nearest integer for |x| < 2^51
 _ROUND = 6755399441055744.0
-
-#: Set (to anything but ``0``) to use the NumPy path even where numba is installed (benchmarks
-#: measure both in one run with it).
-ENV_DISABLE = "POLYNETS_NO_COMPILED_KERNELS"
-
-
-def disabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "0") not in ("", "0")
 
 
 def reason() -> str:
@@ -43,21 +35,6 @@ def reason() -> str:
     if disabled():
         return f"{ENV_DISABLE} is set"
     return str(_STATE.get("reason", ""))
-
-
-@contextlib.contextmanager
-def numpy_loops() -> Iterator[None]:
-    """Within the block, fused maps use the NumPy path (sets :data:`ENV_DISABLE`, restored on
-    exit): the same-run baseline benchmarks time the compiled loops against."""
-    saved = os.environ.get(ENV_DISABLE)
-    os.environ[ENV_DISABLE] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_DISABLE, None)
-        else:
-            os.environ[ENV_DISABLE] = saved
 
 
 def expected() -> bool:

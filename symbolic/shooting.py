@@ -31,6 +31,7 @@ from scipy.integrate import solve_ivp
 from scipy.optimize import least_squares
 from threadpoolctl import threadpool_limits
 
+from symbolic import _kernels
 from symbolic.errors import FitError, SymbolicDataError
 
 __all__ = ["ShootingResult", "fit_trajectories", "group_windows", "make_windows",
@@ -118,10 +119,21 @@ class _Sensitivity:
         self.others = [np.delete(np.arange(self.d), j) for j in range(self.d)]
         self.shape = (windows, self.d, 1 + self.q + self.d)
         self.evaluations = 0
+        #: the compiled derivative (:mod:`symbolic._kernels`), None: NumPy's below
+        self.compiled = _kernels.rhs()
+        if self.compiled is not None:
+            self.Ec = np.ascontiguousarray(self.Ei)
+            self.Cc = np.ascontiguousarray(self.C)
+            self.kc = np.ascontiguousarray(self.k, dtype=np.int64)
+            self.ic = np.ascontiguousarray(self.i, dtype=np.int64)
 
     def __call__(self, t: float, flat: np.ndarray) -> np.ndarray:
         self.evaluations += 1
         s = flat.reshape(self.shape)
+        if self.compiled is not None:
+            out = np.empty(self.shape)
+            self.compiled(np.ascontiguousarray(s), self.Ec, self.Cc, self.kc, self.ic, out)
+            return out.reshape(-1)
         x = s[..., 0]                                                        # (W, d)
         powers = np.empty((self.degree + 1,) + x.shape)                      # x**0 .. x**deg
         powers[0] = 1.0

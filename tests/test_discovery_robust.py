@@ -839,3 +839,26 @@ def test_an_integration_past_its_budget_ends_quietly(method, capfd):
     assert rhs.evaluations <= 21
     err = capfd.readouterr().err
     assert "capi_return" not in err and "Call-back" not in err
+
+
+def test_the_compiled_right_hand_side_matches_numpy(monkeypatch):
+    # the trajectory fits' sensitivity derivative, compiled (numba) and in NumPy, on a cubic
+    # library in three variables with several windows and active coefficients
+    from polynets._compiled import ENV_DISABLE
+    from symbolic import _kernels
+    from symbolic.shooting import _Sensitivity
+
+    rng = np.random.default_rng(0)
+    exps = monomial_exponents(3, 3)
+    coef = rng.normal(size=(len(exps), 3))
+    active = rng.random(coef.shape) < 0.2
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    fast = _Sensitivity(exps, coef, active, 4)
+    assert fast.compiled is not None, _kernels.reason()
+    monkeypatch.setenv(ENV_DISABLE, "1")
+    slow = _Sensitivity(exps, coef, active, 4)
+    assert slow.compiled is None and ENV_DISABLE in _kernels.reason()
+    for _ in range(3):
+        s = rng.normal(size=fast.shape).reshape(-1)
+        np.testing.assert_allclose(fast(0.0, s), slow(0.0, s), rtol=1e-12, atol=1e-12)
+    assert fast.evaluations == slow.evaluations == 3
