@@ -862,3 +862,22 @@ def test_the_compiled_right_hand_side_matches_numpy(monkeypatch):
         s = rng.normal(size=fast.shape).reshape(-1)
         np.testing.assert_allclose(fast(0.0, s), slow(0.0, s), rtol=1e-12, atol=1e-12)
     assert fast.evaluations == slow.evaluations == 3
+
+
+@pytest.mark.slow
+def test_discovery_speed_benchmark_runs(tmp_path):
+    # the benchmark fits each cell with the compiled and the NumPy right-hand side and
+    # reports both; the two find the same model
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import discovery_speed
+
+    out = tmp_path / "speed.json"
+    assert discovery_speed.main(["--cells", "lotka_volterra:0.05:0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["same_model"] and row["compiled"]["missed"] == row["compiled"]["spurious"] == 0
+    assert row["compiled_s"] > 0 and row["numpy_s"] > 0
