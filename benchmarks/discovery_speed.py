@@ -4,7 +4,7 @@ The trajectory fits integrate each window's state with its sensitivities; the so
 right-hand side hundreds of thousands of times per fit. ``symbolic._kernels`` compiles it
 (numba); ``POLYNETS_NO_COMPILED_KERNELS=1`` keeps the NumPy path, the baseline. Each cell
 (a system, a noise level, a noise seed, a sample count) is fitted with both, in alternating
-order, by ``EquationDiscovery(degree)`` with defaults; the script reports the wall time of each,
+order after an untimed warm-up fit with each, by ``EquationDiscovery(degree)`` with defaults; the script reports the wall time of each,
 their ratio and whether both found the same terms with the same coefficients (to 1e-6).
 
     python benchmarks/discovery_speed.py [--cells lorenz:0.05:0,...] [--out PATH]
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the compiled right-hand side is not available: {_kernels.reason()}",
               file=sys.stderr)
         return 1
+    # one untimed fit with each path first: torch, the solvers and the compiled code loaded
+    fit_once("lotka_volterra:0.01:0")
+    with numpy_loops():
+        fit_once("lotka_volterra:0.01:0")
     rows = []
     for k, cell in enumerate(args.cells.split(",")):
         runs = {}
