@@ -40,3 +40,29 @@ def hand_built_program() -> tuple[pn.PolyProgram, np.ndarray]:
              pn.Node("mul_const", (2,), (1, 2), {"value": np.array(3.0)}),
              pn.Node("gather", (3, 0), (1, 4), {"index": np.array([[0, 2, -1, 3]])})]
     return pn.PolyProgram(nodes, 4), np.random.default_rng(0).standard_normal((4, 3))
+
+
+def _encrypted_roundtrip(model: torch.nn.Module, x: torch.Tensor, packing: str = "vector"
+                         ) -> None:
+    """Compile ``model`` with the defaults (calibrated on ``x``), run two samples under real
+    CKKS: the decryption is within the promised error of the simulation, and the simulation is
+    the float64 model's output."""
+    import he
+
+    prog = he.compile(model, x[:1], calibration=x, packing=packing)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    xs = x[:2].numpy()
+    y = client.decrypt(server.run(client.encrypt(xs).to_bytes()).to_bytes())
+    sim = prog.simulate(xs)
+    with torch.no_grad():
+        ref = model.double()(x[:2].double()).numpy()
+    assert y.shape == ref.shape
+    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
+    assert np.max(np.abs(sim - ref)) <= 1e-9 * max(1.0, float(np.max(np.abs(ref))))
+
+
+@pytest.fixture(scope="session")
+def encrypted_roundtrip():
+    """The check every model users build must pass (:func:`_encrypted_roundtrip`)."""
+    return _encrypted_roundtrip

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-import he
 import polynets as pn
 
 pytestmark = pytest.mark.slow
@@ -94,19 +92,9 @@ def _trained_stats(model: nn.Module, x: torch.Tensor) -> nn.Module:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_public_models_decrypt_to_their_simulation_and_the_model(name: str) -> None:
+def test_public_models_decrypt_to_their_simulation_and_the_model(name: str,
+                                                                 encrypted_roundtrip) -> None:
     make, shape = MODELS[name]
     torch.manual_seed(0)
     x = torch.rand(64, *shape)
-    model = _trained_stats(make(), x)
-    prog = he.compile(model, x[:1], calibration=x, packing="vector")
-    client = he.Client(prog)
-    server = he.Server(prog, client.public_context())
-    xs = x[:2].numpy()
-    y = client.decrypt(server.run(client.encrypt(xs).to_bytes()).to_bytes())
-    sim = prog.simulate(xs)
-    with torch.no_grad():
-        ref = model(x[:2]).double().numpy()
-    assert y.shape == ref.shape
-    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
-    assert np.max(np.abs(sim - ref)) <= 1e-6 * max(1.0, float(np.max(np.abs(ref))))
+    encrypted_roundtrip(_trained_stats(make(), x), x)

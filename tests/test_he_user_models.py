@@ -19,22 +19,6 @@ import he
 import polynets as pn
 
 
-def _encrypted_roundtrip(model: nn.Module, x: torch.Tensor, packing: str = "vector") -> None:
-    """Compile with the defaults, run two samples under CKKS: the decryption is within the
-    promised error of the simulation, and the simulation is the model's output."""
-    prog = he.compile(model, x[:1], calibration=x, packing=packing)
-    client = he.Client(prog)
-    server = he.Server(prog, client.public_context())
-    xs = x[:2].numpy()
-    y = client.decrypt(server.run(client.encrypt(xs).to_bytes()).to_bytes())
-    sim = prog.simulate(xs)
-    with torch.no_grad():
-        ref = model.double()(x[:2].double()).numpy()
-    assert y.shape == ref.shape
-    assert np.max(np.abs(y - sim)) <= prog.params.expected_error
-    assert np.max(np.abs(sim - ref)) <= 1e-9 * max(1.0, float(np.max(np.abs(ref))))
-
-
 # ----------------------------------------------------------------------------- padding modes
 class _CircularConv1d(nn.Module):
     """A sequence model whose convolutions pad circularly (PyTorch writes the padded tensor in
@@ -75,9 +59,9 @@ def test_padding_modes_trace_to_the_model(name: str) -> None:
     np.testing.assert_allclose(program(x.numpy()), ref, rtol=0, atol=1e-12)
 
 
-def test_circularly_padded_convolutions_decrypt_to_the_model() -> None:
+def test_circularly_padded_convolutions_decrypt_to_the_model(encrypted_roundtrip) -> None:
     torch.manual_seed(0)
-    _encrypted_roundtrip(_CircularConv1d().eval(), torch.rand(16, 2, 9) * 2 - 1)
+    encrypted_roundtrip(_CircularConv1d().eval(), torch.rand(16, 2, 9) * 2 - 1)
 
 
 # ----------------------------------------------------------------------------- variance
@@ -106,9 +90,9 @@ def test_variance_is_a_degree_two_polynomial() -> None:
     np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
 
 
-def test_variance_pooling_decrypts_to_the_model() -> None:
+def test_variance_pooling_decrypts_to_the_model(encrypted_roundtrip) -> None:
     torch.manual_seed(0)
-    _encrypted_roundtrip(_VariancePool().eval(), torch.rand(16, 5, 3) * 2 - 1)
+    encrypted_roundtrip(_VariancePool().eval(), torch.rand(16, 5, 3) * 2 - 1)
 
 
 def test_std_stays_refused_by_name() -> None:
@@ -250,7 +234,8 @@ def test_models_that_mix_the_samples_of_a_batch_are_refused(model: nn.Module, fo
         he.compile(model, x[:1], calibration=x)
 
 
-def test_a_model_that_squeezes_the_batch_axis_of_one_sample_still_compiles() -> None:
+def test_a_model_that_squeezes_the_batch_axis_of_one_sample_still_compiles(
+        encrypted_roundtrip) -> None:
     class Squeeze(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -260,7 +245,7 @@ def test_a_model_that_squeezes_the_batch_axis_of_one_sample_still_compiles() -> 
             return self.fc(x.squeeze())  # (B, 1, 4) -> (B, 4); (4,) for one sample
 
     torch.manual_seed(0)
-    _encrypted_roundtrip(Squeeze().eval(), torch.rand(16, 1, 4))
+    encrypted_roundtrip(Squeeze().eval(), torch.rand(16, 1, 4))
 
 
 def test_a_model_written_for_one_sample_at_a_time_is_not_judged_on_two() -> None:
@@ -306,7 +291,7 @@ def test_an_output_that_ignores_the_input_is_refused_as_such(how: str, packing: 
         he.compile(_Constant(how), x[:1], calibration=x, packing=packing)
 
 
-def test_an_output_partly_constant_decrypts_to_the_model() -> None:
+def test_an_output_partly_constant_decrypts_to_the_model(encrypted_roundtrip) -> None:
     class Half(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -316,7 +301,7 @@ def test_an_output_partly_constant_decrypts_to_the_model() -> None:
             return torch.cat([self.fc(x) ** 2, self.fc(x * 0.0)], -1)
 
     torch.manual_seed(0)
-    _encrypted_roundtrip(Half().eval(), torch.rand(16, 4) * 2 - 1)
+    encrypted_roundtrip(Half().eval(), torch.rand(16, 4) * 2 - 1)
 
 
 def test_an_error_in_the_model_names_the_module_it_left() -> None:
@@ -360,9 +345,9 @@ def test_bilinear_layers_trace_to_the_model() -> None:
     np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
 
 
-def test_bilinear_layers_decrypt_to_the_model() -> None:
+def test_bilinear_layers_decrypt_to_the_model(encrypted_roundtrip) -> None:
     torch.manual_seed(0)
-    _encrypted_roundtrip(_Bilinear().eval(), torch.rand(16, 3) * 2 - 1)
+    encrypted_roundtrip(_Bilinear().eval(), torch.rand(16, 3) * 2 - 1)
 
 
 # ----------------------------------------------------------------------------- float32 constants
