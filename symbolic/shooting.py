@@ -107,12 +107,12 @@ class _Sensitivity:
 
     def __init__(self, exps: np.ndarray, coef: np.ndarray, active: np.ndarray, windows: int):
         self.E = np.asarray(exps, dtype=np.float64)                          # (p, d)
-        self.Ei = np.asarray(exps, dtype=np.int64)
+        self.Ei = np.ascontiguousarray(exps, dtype=np.int64)
         self.Em1 = np.maximum(self.Ei - 1, 0)
         self.degree = int(self.Ei.max()) if self.Ei.size else 0
-        self.C = np.asarray(coef, dtype=np.float64)                          # (p, d)
+        self.C = np.ascontiguousarray(coef, dtype=np.float64)                # (p, d)
         self.CT = np.ascontiguousarray(self.C.T)                             # (d, p)
-        self.k, self.i = np.nonzero(active)
+        self.k, self.i = (np.ascontiguousarray(v) for v in np.nonzero(active))
         self.q = len(self.k)
         self.d = self.E.shape[1]
         self.cols = np.arange(self.d)[None, :]
@@ -121,18 +121,13 @@ class _Sensitivity:
         self.evaluations = 0
         #: the compiled derivative (:mod:`symbolic._kernels`), None: NumPy's below
         self.compiled = _kernels.rhs()
-        if self.compiled is not None:
-            self.Ec = np.ascontiguousarray(self.Ei)
-            self.Cc = np.ascontiguousarray(self.C)
-            self.kc = np.ascontiguousarray(self.k, dtype=np.int64)
-            self.ic = np.ascontiguousarray(self.i, dtype=np.int64)
 
     def __call__(self, t: float, flat: np.ndarray) -> np.ndarray:
         self.evaluations += 1
         s = flat.reshape(self.shape)
         if self.compiled is not None:
             out = np.empty(self.shape)
-            self.compiled(np.ascontiguousarray(s), self.Ec, self.Cc, self.kc, self.ic, out)
+            self.compiled(np.ascontiguousarray(s), self.Ei, self.C, self.k, self.i, out)
             return out.reshape(-1)
         x = s[..., 0]                                                        # (W, d)
         powers = np.empty((self.degree + 1,) + x.shape)                      # x**0 .. x**deg
