@@ -80,8 +80,9 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
     t0 = time.perf_counter()
     dec = client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
     seconds = time.perf_counter() - t0
-    scores = plain.reshape(len(x), -1).shape[1] > 1
-    pa, da = plain.reshape(len(x), -1).argmax(1), dec.reshape(len(x), -1).argmax(1)
+    flat = plain.reshape(len(x), -1)
+    scores = flat.shape[1] > 1
+    pa, da = flat.argmax(1), dec.reshape(len(x), -1).argmax(1)
     acc_p = acc_e = None
     if y_true is not None:
         if not scores:
