@@ -450,3 +450,41 @@ def test_report_on_a_regression_has_no_argmax_and_refuses_labels() -> None:
         he.report(model, prog, client, server, x[:3], y_true=np.zeros(3, dtype=int))
     with pytest.raises(he.InputShapeError, match=r"shape \(B, 3,\), got \(3,\)"):
         client.encrypt(x[0])
+
+
+# ----------------------------------------------------------------------------- in-place arithmetic
+class _InPlaceSubtraction(nn.Module):
+    """Centring and shifting written in place (``h -= ...``, ``h.sub_(...)``), on a model that
+    runs one sample at a time (so no batch of two can catch a wrong trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("centre", torch.tensor([0.5, -1.0, 0.25, 2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x.view(1, 4))
+        h -= self.centre
+        h.sub_(x.view(1, 4), alpha=2.0)
+        h -= 0.5
+        return h * h
+
+
+def test_in_place_subtraction_traces_as_subtraction(encrypted_roundtrip) -> None:
+    # in-place ops are lowered by their out-of-place packet, whose name read as "aten.sub"
+    # rather than "sub": every in-place subtraction was traced as an addition
+    torch.manual_seed(0)
+    model = _InPlaceSubtraction().eval()
+    program = pn.trace(model, torch.randn(1, 4))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref = np.concatenate([model.double()(row[None]).numpy() for row in x])
+    np.testing.assert_allclose(program(x.numpy()), ref, rtol=0, atol=1e-12)
+    model.float()
+    xs = torch.rand(16, 4) * 2 - 1
+    prog = he.compile(model, xs[:1], calibration=xs)
+    client = he.Client(prog)
+    y = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(xs[:1])))
+    with torch.no_grad():
+        ref = model.double()(xs[:1].double()).numpy()
+    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-9

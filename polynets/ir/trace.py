@@ -143,7 +143,10 @@ _INPLACE_ARITH = {"add_", "sub_", "mul_", "div_", "neg_", "pow_"}
 
 
 def _name(func: Any) -> str:
-    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    """The ATen name of an op overload (``aten.sub.Tensor``) or of an op packet
+    (``aten.sub``, which the in-place ops are lowered by): ``"sub"``."""
+    packet = getattr(func, "overloadpacket", func)
+    return getattr(packet, "__name__", str(func))
 
 
 def _np(t: Any) -> np.ndarray:
