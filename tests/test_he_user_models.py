@@ -488,3 +488,46 @@ def test_in_place_subtraction_traces_as_subtraction(encrypted_roundtrip) -> None
     with torch.no_grad():
         ref = model.double()(xs[:1].double()).numpy()
     assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-9
+
+
+# ----------------------------------------------------------------------------- fused arithmetic
+class _FusedArithmetic(nn.Module):
+    """A polynomial activation written with ``torch.addcmul``, a division by constants with
+    ``torch.addcdiv`` and a gated residual with ``torch.lerp`` (constant, learned and
+    input-dependent weights), out of place and in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.tensor([0.1, 0.5, 0.9, 0.3]))
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 4.0, 8.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a = torch.addcmul(h, h, h, value=0.25) + torch.addcdiv(x, h, self.scale, value=3.0)
+        b = torch.lerp(x, a, 0.3) + torch.lerp(x, h, self.gate) + torch.lerp(h, x, x)
+        b.addcmul_(x, h).lerp_(h, 0.5)
+        return b
+
+
+def test_addcmul_addcdiv_and_lerp_trace_to_the_model(encrypted_roundtrip) -> None:
+    torch.manual_seed(0)
+    model = _FusedArithmetic().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    cert = pn.certify(model, x[:1])
+    assert cert.is_polynomial and cert.degree == 2
+    with torch.no_grad():
+        ref = model.double()(x).numpy()
+    np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
+    encrypted_roundtrip(model.float(), torch.rand(16, 4) * 2 - 1)
+
+
+def test_addcdiv_by_the_input_is_refused_as_a_division() -> None:
+    class Divide(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.addcdiv(x, x, x * x + 1.0)
+
+    cert = pn.certify(Divide(), torch.randn(1, 4))
+    assert not cert.is_polynomial
+    assert cert.offending[0].op == "aten.addcdiv" and "divide by a constant" in \
+        cert.offending[0].hint

@@ -74,6 +74,7 @@ _HINTS: dict[str, str] = {
                 "replace attention by pn.PoM or pn.PADRe",
     "_log_softmax": "apply log-softmax outside the model (on decrypted logits)",
     "div": "division by a data-dependent value; divide by a constant instead",
+    "addcdiv": "division by a data-dependent value; divide by a constant instead",
     "reciprocal": "division by a data-dependent value; divide by a constant instead",
     "native_batch_norm": "use BatchNorm with running statistics (track_running_stats=True), "
                          "which folds into the affine map at inference",
@@ -139,7 +140,8 @@ _SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros"
                "new_empty", "new_full", "sym_size", "sym_stride", "sym_numel", "size", "stride",
                "rand_like", "randn_like", "randint_like", "_shape_as_tensor"}
 
-_INPLACE_ARITH = {"add_", "sub_", "mul_", "div_", "neg_", "pow_"}
+_INPLACE_ARITH = {"add_", "sub_", "mul_", "div_", "neg_", "pow_", "addcmul_", "addcdiv_",
+                  "lerp_"}
 
 
 def _name(func: Any) -> str:
@@ -224,6 +226,7 @@ class _Recorder(TorchDispatchMode):
         if name in _NONPOLY or (name in ("div", "true_divide") and self.traced(args[1])) \
                 or (name == "where" and self.traced(args[0])) \
                 or (name == "masked_fill" and self.traced(args[1])) \
+                or (name == "addcdiv" and self.traced(args[2])) \
                 or (name == "pow" and not self._integer_pow(args)) \
                 or (name in ("native_batch_norm",) and bool(args[5])):
             self.offend(self._offending_op(name, args), _HINTS.get(name, _DEFAULT_HINT))
@@ -501,21 +504,71 @@ def _h_add(r: _Recorder, func, args, kwargs, out) -> None:
         r.bind(out, r.shift(node, a, out.shape))
 
 
-def _h_mul(r: _Recorder, func, args, kwargs, out) -> None:
-    a, b = args[0], args[1]
-    na, nb = r.operand(a), r.operand(b)
-    if na is not None and nb is not None:
-        r.bind(out, r.binary("mul", na, nb, out.shape))
-    elif na is not None:
-        r.bind(out, r.scale(na, b, out.shape))
-    else:
-        r.bind(out, r.scale(nb, a, out.shape))
-
-
 def _h_div(r: _Recorder, func, args, kwargs, out) -> None:
     if kwargs.get("rounding_mode") is not None:
         raise UnsupportedOpError(f"rounded division in module '{r.path or '<model>'}'")
     r.bind(out, r.scale(r.operand(args[0]), 1.0 / _np(args[1]), out.shape))
+
+
+def _value(r: _Recorder, x: Any) -> int | np.ndarray:
+    """``x`` as an operand of :func:`_times` and :func:`_plus`: its node if input-dependent,
+    else its value."""
+    node = r.operand(x)
+    return node if node is not None else _np(x)
+
+
+def _times(r: _Recorder, a: int | np.ndarray, b: int | np.ndarray, shape: Sequence[int]
+           ) -> int | np.ndarray:
+    """``a * b`` with broadcasting to ``shape``: a product of nodes, a scaled node or a
+    constant."""
+    if isinstance(a, int) and isinstance(b, int):
+        return r.binary("mul", a, b, shape)
+    if isinstance(a, int):
+        return r.scale(a, b, shape)
+    if isinstance(b, int):
+        return r.scale(b, a, shape)
+    return np.broadcast_to(a * b, tuple(shape)).copy()
+
+
+def _plus(r: _Recorder, a: int | np.ndarray, b: int | np.ndarray, shape: Sequence[int]
+          ) -> int | np.ndarray:
+    """``a + b`` with broadcasting to ``shape``: a sum of nodes, a shifted node or a constant."""
+    if isinstance(a, int) and isinstance(b, int):
+        return r.binary("add", a, b, shape)
+    if isinstance(a, int):
+        return r.shift(a, b, shape)
+    if isinstance(b, int):
+        return r.shift(b, a, shape)
+    return np.broadcast_to(a + b, tuple(shape)).copy()
+
+
+def _h_mul(r: _Recorder, func, args, kwargs, out) -> None:
+    node = _times(r, _value(r, args[0]), _value(r, args[1]), out.shape)
+    assert isinstance(node, int)
+    r.bind(out, node)
+
+
+def _h_addcmul(r: _Recorder, func, args, kwargs, out) -> None:
+    """``addcmul(x, t1, t2, value)`` = ``x + value * t1 * t2`` and ``addcdiv`` = ``x + value *
+    t1 / t2`` (a constant ``t2``; division by an input-dependent one is an offence), any of the
+    operands input-dependent."""
+    x, t1, t2 = args[:3]
+    value = float(kwargs.get("value", args[3] if len(args) > 3 else 1.0))
+    other = _value(r, t2) if _name(func) == "addcmul" else 1.0 / _np(t2)
+    term = _times(r, _times(r, _value(r, t1), other, out.shape), np.asarray(value), out.shape)
+    node = _plus(r, _value(r, x), term, out.shape)
+    assert isinstance(node, int)
+    r.bind(out, node)
+
+
+def _h_lerp(r: _Recorder, func, args, kwargs, out) -> None:
+    """``lerp(start, end, weight)`` = ``start + weight * (end - start)``, any operand
+    input-dependent (an input-dependent weight makes a product)."""
+    start, end, weight = (_value(r, a) for a in args[:3])
+    step = _plus(r, end, _times(r, start, np.asarray(-1.0), out.shape), out.shape)
+    node = _plus(r, start, _times(r, weight, step, out.shape), out.shape)
+    assert isinstance(node, int)
+    r.bind(out, node)
 
 
 def _h_neg(r: _Recorder, func, args, kwargs, out) -> None:
@@ -843,6 +896,7 @@ _HANDLERS: dict[str, Callable] = {
     "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
     "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
     "dropout": _h_dropout, "masked_fill": _h_masked_fill, "where": _h_where,
+    "addcmul": _h_addcmul, "addcdiv": _h_addcmul, "lerp": _h_lerp,
 }
 
 
