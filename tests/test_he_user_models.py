@@ -531,3 +531,33 @@ def test_addcdiv_by_the_input_is_refused_as_a_division() -> None:
     assert not cert.is_polynomial
     assert cert.offending[0].op == "aten.addcdiv" and "divide by a constant" in \
         cert.offending[0].hint
+
+
+# ----------------------------------------------------------------------------- precision casts
+class _CastsItsInput(nn.Module):
+    """A float32 model that casts whatever it is given with ``x.float()`` (data sets often
+    yield float64 or integer tensors), and a value to half precision and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.lin(x) ** 2 + x.to(torch.float16).float()[:, :3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_precision_casts_trace_as_the_identity(dtype: torch.dtype) -> None:
+    # the trace runs a float64 copy of the model: x.float() made a float32 tensor that met the
+    # copy's float64 weights, and tracing failed with a dtype mismatch inside the Linear
+    torch.manual_seed(0)
+    model = _CastsItsInput().eval()
+    x = (torch.rand(16, 4) * 4 - 2).to(dtype)
+    prog = he.compile(model, x[:1], calibration=x)
+    client = he.Client(prog)
+    y = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(x[:2])))
+    with torch.no_grad():
+        ref = model(x[:2]).numpy()
+    assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-2)  # the model's own half precision

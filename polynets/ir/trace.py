@@ -213,6 +213,10 @@ class _Recorder(TorchDispatchMode):
     # ----------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
+        if not self.paused and self._precision_cast(func, args, kwargs):
+            # x.float(), x.half(), x.to(torch.float32): the trace computes in float64, as the
+            # encrypted program computes at CKKS precision whatever the model's dtype
+            kwargs = {**kwargs, "dtype": torch.float64}
         out = func(*args, **kwargs)
         if self.paused:
             return out
@@ -297,6 +301,14 @@ class _Recorder(TorchDispatchMode):
         if name == "native_batch_norm":  # the model runs in eval mode: no running statistics
             return _INPUT_STATISTICS
         return f"aten.{name}"
+
+    def _precision_cast(self, func: Any, args: Sequence[Any], kwargs: dict) -> bool:
+        """Whether ``func`` casts an input-dependent floating tensor to another floating
+        dtype (a change of precision, the identity of the polynomial)."""
+        dtype = kwargs.get("dtype")
+        return _name(func) == "_to_copy" and bool(args) and self.traced(args[0]) \
+            and args[0].is_floating_point() and isinstance(dtype, torch.dtype) \
+            and dtype.is_floating_point and dtype != torch.float64
 
     def _integer_pow(self, args: Sequence[Any]) -> bool:
         if self.traced(args[1]) if len(args) > 1 else False:
