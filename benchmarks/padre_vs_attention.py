@@ -35,7 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pom_vs_attention import (Attention, _atomic_write, _forward,  # noqa: E402
-                              _forward_backward, machine_info, memory_pool, time_call)
+                              _forward_backward, machine_info, measure_cuda_memory,
+                              memory_pool, time_call)
 
 from polynets.nn.padre import PADRe, CastlingAttention, Conv2Former  # noqa: E402
 from polynets.nn.pom import PoM  # noqa: E402
@@ -89,21 +90,6 @@ def measure_cpu_memory_here(mixer: str, side: int, threads: int) -> dict:
     return {"forward_bytes": after_forward - base, "forward_backward_bytes": after_backward - base}
 
 
-def measure_cuda_memory(module: nn.Module, mixer: str, side: int) -> dict:
-    out = {}
-    for key, fn in (("forward_bytes", _forward), ("forward_backward_bytes", _forward_backward)):
-        x = tokens(mixer, side, "cuda")
-        module.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn(module, x)
-        torch.cuda.synchronize()
-        out[key] = torch.cuda.max_memory_allocated() - base
-    module.zero_grad(set_to_none=True)
-    return out
-
-
 def run_device(device: str, sides: list[int], threads: int, budget_s: float,
                pool: ProcessPoolExecutor) -> dict:
     rows = []
@@ -116,7 +102,8 @@ def run_device(device: str, sides: list[int], threads: int, budget_s: float,
                 "forward": time_call(_forward, module, x, device, budget_s),
                 "forward_backward": time_call(_forward_backward, module, x, device, budget_s),
                 "memory": (pool.submit(measure_cpu_memory_here, mixer, side, threads).result()
-                           if device == "cpu" else measure_cuda_memory(module, mixer, side)),
+                           if device == "cpu" else measure_cuda_memory(
+                               module, lambda: tokens(mixer, side, "cuda"))),
                 "params": sum(p.numel() for p in module.parameters()),
             }
             print(f"[{device}] {side * side:>5} tokens {LABELS[mixer]:<26} forward "

@@ -35,6 +35,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,11 +149,12 @@ def memory_pool() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
 
 
-def measure_cuda_memory(module: nn.Module, n: int) -> dict:
-    """Peak CUDA allocation above the pre-run allocation for forward and forward+backward."""
+def measure_cuda_memory(module: nn.Module, make_input: Callable[[], torch.Tensor]) -> dict:
+    """Peak CUDA allocation above the pre-run allocation for forward and forward+backward, each
+    on a fresh input from ``make_input``."""
     out = {}
     for key, fn in (("forward_bytes", _forward), ("forward_backward_bytes", _forward_backward)):
-        x = torch.randn(1, n, WIDTH, device="cuda")
+        x = make_input()
         module.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -205,7 +207,8 @@ def run_device(device: str, lengths: list[int], threads: int, budget_s: float,
                 "forward": time_call(_forward, module, x, device, budget_s),
                 "forward_backward": time_call(_forward_backward, module, x, device, budget_s),
                 "memory": (measure_cpu_memory(pool, mixer, n, threads) if device == "cpu"
-                           else measure_cuda_memory(module, n)),
+                           else measure_cuda_memory(
+                               module, lambda: torch.randn(1, n, WIDTH, device="cuda"))),
             }
         for key in ("forward", "forward_backward"):
             row[f"speedup_{key}"] = row["sdpa"][key]["median_s"] / row["pom"][key]["median_s"]
