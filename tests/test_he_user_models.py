@@ -561,3 +561,68 @@ def test_precision_casts_trace_as_the_identity(dtype: torch.dtype) -> None:
         ref = model(x[:2]).numpy()
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-2)  # the model's own half precision
+
+
+# ----------------------------------------------------------------------------- rounding, lookups
+class _TextClassifier(nn.Module):
+    """Token ids in, class scores out: an embedding looks rows up by the input's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(x).mean(1) ** 2)
+
+
+class _Quantised(nn.Module):
+    """Rounds by casting to an integer type, on one sample at a time (so no batch of two can
+    catch a wrong trace)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.view(1, 4) * 4).long().float() * x.view(1, 4)
+
+
+class _FloorDivision(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x // 2 + torch.div(x, 3, rounding_mode="trunc")
+
+
+class _IndexedByInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(10, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[x.long()].flatten(1) + F.embedding(x.int(), self.table).flatten(1)
+
+
+#: name -> (model, example input, offences: (path, module type, op))
+_ROUNDING = {
+    "embedding": (_TextClassifier, torch.randint(0, 10, (1, 5)),
+                  [("emb", "Embedding", "aten.embedding with input-dependent indices")]),
+    "integer_cast": (_Quantised, torch.randn(1, 4), [("", "_Quantised", "a cast to int64")]),
+    "floor_division": (_FloorDivision, torch.randn(1, 4),
+                       [("", "_FloorDivision", "aten.floor_divide"),
+                        ("", "_FloorDivision", "division with rounding_mode='trunc'")]),
+    "indexed_by_input": (_IndexedByInput, torch.randint(0, 10, (1, 4)),
+                         [("", "_IndexedByInput", "a cast to int64"),
+                          ("", "_IndexedByInput", "a cast to int32")]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROUNDING))
+def test_rounding_and_lookups_by_the_input_are_refused_by_name(name: str) -> None:
+    # an integer cast was traced as the identity (a silently wrong program where no batch of
+    # two could catch it), a lookup failed inside PyTorch on the trace's float64 indices, and
+    # floor division was an unknown op
+    make, x, offences = _ROUNDING[name]
+    model = make().eval()
+    cert = pn.certify(model, x)
+    assert not cert.is_polynomial
+    assert [(o.path, o.module_type, o.op) for o in cert.offending] == offences
+    with pytest.raises(he.NotEncryptableError, match="not a polynomial") as info:
+        he.compile(model, x)
+    assert f"{offences[0][0] or '<model>'} ({offences[0][1]}): {offences[0][2]}" in \
+        str(info.value)

@@ -76,6 +76,11 @@ _HINTS: dict[str, str] = {
     "div": "division by a data-dependent value; divide by a constant instead",
     "addcdiv": "division by a data-dependent value; divide by a constant instead",
     "reciprocal": "division by a data-dependent value; divide by a constant instead",
+    "_to_copy": "a cast to an integer or boolean type rounds or thresholds its values; keep "
+                "them floating-point",
+    "floor_divide": "division with rounding; divide by a constant without rounding instead",
+    "embedding": "an encrypted input holds no indices to look rows up by; embed the tokens on "
+                 "the client and encrypt the vectors, or give one-hot vectors to an nn.Linear",
     "native_batch_norm": "use BatchNorm with running statistics (track_running_stats=True), "
                          "which folds into the affine map at inference",
 }
@@ -109,7 +114,7 @@ _NONPOLY = {
     "native_dropout", "bernoulli", "celu", "threshold", "hardshrink", "softshrink",
     "log_sigmoid_forward", "rrelu_with_noise", "softmax", "log_softmax", "tan", "atan", "atan2",
     "asin", "acos", "sinh", "cosh", "asinh", "acosh", "atanh", "exp2", "log2", "log10", "logit",
-    "trunc", "frac", "fmod", "remainder", "heaviside",
+    "trunc", "frac", "fmod", "remainder", "heaviside", "floor_divide",
 } | set(_MAX_POOL_OPS) | set(_ATTENTION_OPS)
 
 # Ops that only move, copy or select values: lowered to one gather by running them on indices.
@@ -217,6 +222,13 @@ class _Recorder(TorchDispatchMode):
             # x.float(), x.half(), x.to(torch.float32): the trace computes in float64, as the
             # encrypted program computes at CKKS precision whatever the model's dtype
             kwargs = {**kwargs, "dtype": torch.float64}
+        if not self.paused and _name(func) == "embedding" and self.traced(args[1]) \
+                and args[1].is_floating_point():
+            # the trace's float64 input cannot index the table: the lookup is refused by name
+            self.offend("aten.embedding with input-dependent indices", _HINTS["embedding"])
+            out = torch.zeros(tuple(args[1].shape) + (args[0].shape[-1],), dtype=args[0].dtype)
+            self._opaque(out)
+            return out
         out = func(*args, **kwargs)
         if self.paused:
             return out
@@ -231,9 +243,16 @@ class _Recorder(TorchDispatchMode):
                 or (name == "where" and self.traced(args[0])) \
                 or (name == "masked_fill" and self.traced(args[1])) \
                 or (name == "addcdiv" and self.traced(args[2])) \
+                or (name in ("div", "_to_copy") and self._rounds(name, kwargs)) \
                 or (name == "pow" and not self._integer_pow(args)) \
                 or (name in ("native_batch_norm",) and bool(args[5])):
-            self.offend(self._offending_op(name, args), _HINTS.get(name, _DEFAULT_HINT))
+            self.offend(*self._offence(name, args, kwargs))
+            self._opaque(out)
+            return out
+        if any(self.traced(a) and not (a.is_floating_point() or a.is_complex())
+               for a in flat_in):
+            # integers or booleans an offence (a cast, a comparison) made of the input: their
+            # uses (indices, masks) are no more a polynomial, and that offence is recorded
             self._opaque(out)
             return out
         if name in _INPLACE_ARITH or name.endswith("_") or name == "copy_":
@@ -293,14 +312,30 @@ class _Recorder(TorchDispatchMode):
         self.bind(out, self.gather([self.node_of[id(x)]], idx.numpy().astype(np.int64) - 1))
         return out
 
-    def _offending_op(self, name: str, args: Sequence[Any]) -> str:
-        """How an offence names the ATen op ``name`` called on ``args``."""
+    def _offence(self, name: str, args: Sequence[Any], kwargs: dict) -> tuple[str, str]:
+        """How an offence names the ATen op ``name`` called on ``args`` and ``kwargs``, and
+        its hint."""
+        hint = _HINTS.get(name, _DEFAULT_HINT)
+        if name == "_to_copy":
+            return f"a cast to {str(kwargs['dtype']).replace('torch.', '')}", hint
+        if name == "div" and kwargs.get("rounding_mode") is not None:
+            return f"division with rounding_mode={kwargs['rounding_mode']!r}", \
+                _HINTS["floor_divide"]
         if name == "pow":
-            return "pow with an input-dependent exponent" if self.traced(args[1]) \
-                else "pow with a non-integer or negative exponent"
+            return ("pow with an input-dependent exponent" if self.traced(args[1])
+                    else "pow with a non-integer or negative exponent"), hint
         if name == "native_batch_norm":  # the model runs in eval mode: no running statistics
-            return _INPUT_STATISTICS
-        return f"aten.{name}"
+            return _INPUT_STATISTICS, hint
+        return f"aten.{name}", hint
+
+    def _rounds(self, name: str, kwargs: dict) -> bool:
+        """Whether the ``div`` or ``_to_copy`` called with ``kwargs`` rounds its values: a
+        division with a rounding mode, a cast to an integer or boolean dtype."""
+        if name == "div":
+            return kwargs.get("rounding_mode") is not None
+        dtype = kwargs.get("dtype")
+        return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point
+                                                       or dtype.is_complex)
 
     def _precision_cast(self, func: Any, args: Sequence[Any], kwargs: dict) -> bool:
         """Whether ``func`` casts an input-dependent floating tensor to another floating
@@ -517,8 +552,6 @@ def _h_add(r: _Recorder, func, args, kwargs, out) -> None:
 
 
 def _h_div(r: _Recorder, func, args, kwargs, out) -> None:
-    if kwargs.get("rounding_mode") is not None:
-        raise UnsupportedOpError(f"rounded division in module '{r.path or '<model>'}'")
     r.bind(out, r.scale(r.operand(args[0]), 1.0 / _np(args[1]), out.shape))
 
 
