@@ -626,3 +626,33 @@ def test_rounding_and_lookups_by_the_input_are_refused_by_name(name: str) -> Non
         he.compile(model, x)
     assert f"{offences[0][0] or '<model>'} ({offences[0][1]}): {offences[0][2]}" in \
         str(info.value)
+
+
+class _HalfPrecisionPath(nn.Module):
+    """A model that computes a product in half precision, with weights kept in float64 and
+    cast to the input's float32 in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(4, 3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.proj.float()).half().float() ** 2
+
+
+def test_precision_casts_of_constants_and_in_the_batch_check_trace_as_the_identity() -> None:
+    # the check on a batch of two ran the model with its real casts, so a program traced with
+    # the identity differed from it by the half precision rounding and the model was refused
+    # as one that mixes the samples of a batch; a float64 buffer cast to float32 met the
+    # trace's float64 input with a dtype mismatch
+    torch.manual_seed(0)
+    model = _HalfPrecisionPath().eval()
+    x = torch.rand(8, 4) * 2 - 1
+    program = pn.trace(model, x[:2])
+    with torch.no_grad():
+        ref = (x.double() @ model.proj) ** 2
+    np.testing.assert_allclose(program(x.double().numpy()), ref.numpy(), rtol=0, atol=1e-12)
+    prog = he.compile(model, x[:2], calibration=x)
+    client = he.Client(prog)
+    y = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(x[:2])))
+    assert np.max(np.abs(y - ref[:2].numpy())) <= prog.params.expected_error + 1e-9

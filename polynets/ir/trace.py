@@ -218,10 +218,6 @@ class _Recorder(TorchDispatchMode):
     # ----------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        if not self.paused and self._precision_cast(func, args, kwargs):
-            # x.float(), x.half(), x.to(torch.float32): the trace computes in float64, as the
-            # encrypted program computes at CKKS precision whatever the model's dtype
-            kwargs = {**kwargs, "dtype": torch.float64}
         if not self.paused and _name(func) == "embedding" and self.traced(args[1]) \
                 and args[1].is_floating_point():
             # the trace's float64 input cannot index the table: the lookup is refused by name
@@ -336,14 +332,6 @@ class _Recorder(TorchDispatchMode):
         dtype = kwargs.get("dtype")
         return isinstance(dtype, torch.dtype) and not (dtype.is_floating_point
                                                        or dtype.is_complex)
-
-    def _precision_cast(self, func: Any, args: Sequence[Any], kwargs: dict) -> bool:
-        """Whether ``func`` casts an input-dependent floating tensor to another floating
-        dtype (a change of precision, the identity of the polynomial)."""
-        dtype = kwargs.get("dtype")
-        return _name(func) == "_to_copy" and bool(args) and self.traced(args[0]) \
-            and args[0].is_floating_point() and isinstance(dtype, torch.dtype) \
-            and dtype.is_floating_point and dtype != torch.float64
 
     def _integer_pow(self, args: Sequence[Any]) -> bool:
         if self.traced(args[1]) if len(args) > 1 else False:
@@ -968,15 +956,33 @@ def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Ten
     return clone, x
 
 
+class _Float64Casts(TorchDispatchMode):
+    """Keeps a cast of a floating tensor to another floating dtype (``x.float()``,
+    ``x.half()``, ``w.to(torch.float32)``) at float64: a change of precision is the identity
+    of the polynomial, which the encrypted program computes at CKKS precision whatever the
+    model's dtype."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if _name(func) == "_to_copy" and isinstance(dtype, torch.dtype) \
+                and dtype.is_floating_point and dtype != torch.float64 \
+                and args[0].is_floating_point():
+            kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _float64() -> Iterator[None]:
     """Run the traced float64 copy of a model with float64 as the default dtype, so that the
     constants its forward creates (``torch.ones(4, 2)``, ``torch.tensor([0.5])``) are float64
-    too, as its parameters are."""
+    too, as its parameters are, and with its casts to other floating dtypes kept at float64
+    (:class:`_Float64Casts`), when traced and when checked alike."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        yield
+        with _Float64Casts():
+            yield
     finally:
         torch.set_default_dtype(previous)
 
