@@ -29,7 +29,8 @@ validation systems ``lorenz_84``, ``halvorsen``, ``genesio_tesi`` may be named t
 ``--systems heldout`` runs the eleven held-out systems of ``symbolic.systems.HELDOUT_SYSTEMS``,
 e.g. with ``--seeds 3,4 --out benchmarks/results/equation_discovery_heldout.json``, and
 ``--systems check`` the five of ``symbolic.systems.CHECK_SYSTEMS``, ``--systems fresh`` the fifteen
-of ``symbolic.systems.FRESH_SYSTEMS``);
+of ``symbolic.systems.FRESH_SYSTEMS``, ``--systems novel`` the eleven of
+``symbolic.systems.NOVEL_SYSTEMS``);
 ``--quick`` is a smoke run of a few minutes.
 """
 
@@ -51,8 +52,8 @@ import torch
 from polynets.ir.program import atomic_write_bytes
 from symbolic import EquationDiscovery
 from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, FRESH_SYSTEMS, HELDOUT_SYSTEMS,
-                              PROJECT_SYSTEMS, SYSTEMS, VALIDATION_SYSTEMS, generate,
-                              score_terms)
+                              NOVEL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, VALIDATION_SYSTEMS,
+                              generate, score_terms)
 
 THRESHOLDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "equation_discovery.json"
@@ -60,7 +61,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "equation_discovery.
 
 GROUPS = {"benchmark": sorted(SYSTEMS), "validation": sorted(VALIDATION_SYSTEMS),
           "heldout": sorted(HELDOUT_SYSTEMS), "check": sorted(CHECK_SYSTEMS),
-          "fresh": sorted(FRESH_SYSTEMS)}
+          "fresh": sorted(FRESH_SYSTEMS), "novel": sorted(NOVEL_SYSTEMS)}
 """Names that ``--systems`` expands to a group of systems."""
 
 QUICK = {"systems": ["lotka_volterra", "sir", "brusselator"], "noise": [0.0, 0.05],
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="systems or groups: 'benchmark' (the default twelve), 'validation', "
                              "'heldout' (symbolic.systems.HELDOUT_SYSTEMS), 'check' "
                              "(symbolic.systems.CHECK_SYSTEMS), 'fresh' "
-                             "(symbolic.systems.FRESH_SYSTEMS)")
+                             "(symbolic.systems.FRESH_SYSTEMS), 'novel' "
+                             "(symbolic.systems.NOVEL_SYSTEMS)")
     parser.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.01, 0.05, 0.1])
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated noise seeds (default 0,1,2)")

@@ -17,8 +17,8 @@ from scipy.integrate import solve_ivp
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
-           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "FRESH_SYSTEMS", "ALL_SYSTEMS", "generate",
-           "score_terms",
+           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "FRESH_SYSTEMS", "NOVEL_SYSTEMS", "ALL_SYSTEMS",
+           "generate", "score_terms",
            "lotka_volterra", "van_der_pol", "lorenz",
            "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
            "duffing", "rossler", "chen", "hopf", "lorenz_84", "halvorsen", "genesio_tesi",
@@ -702,6 +702,141 @@ bouali = System(
 a = 0.3, s = 1; started on the attractor (the state at t = 20 from (1, 1, 0)); 1000 points on
 [0, 30]."""
 
+def _finance(x: np.ndarray) -> np.ndarray:
+    return np.array([x[2] + (x[1] - 0.9) * x[0], 1.0 - 0.2 * x[1] - x[0] ** 2, -x[0] - 1.2 * x[2]])
+
+
+finance = System(
+    "finance", ("x", "y", "z"), _finance,
+    ({"x": -0.9, "z": 1.0, "x*y": 1.0}, {"1": 1.0, "y": -0.2, "x**2": -1.0},
+     {"x": -1.0, "z": -1.2}), (0.4361, 1.631, -0.1364), 100.0, 1500, 2)
+"""Chaotic finance system (interest rate x, investment demand y, price index z; J. H. Ma and
+Y. S. Chen, Appl. Math. Mech. 22, 1240, 2001), a = 0.9, b = 0.2, c = 1.2; started on the
+attractor (the state at t = 100 from (1, 2, 0.5)); 1500 points on [0, 100]."""
+
+
+def _sprott_c(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] * x[2], x[0] - x[1], 1.0 - x[0] ** 2])
+
+
+def _sprott_e(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] * x[2], x[0] ** 2 - x[1], 1.0 - 4.0 * x[0]])
+
+
+def _sprott_f(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] + x[2], -x[0] + 0.5 * x[1], x[0] ** 2 - x[2]])
+
+
+def _sprott_g(x: np.ndarray) -> np.ndarray:
+    return np.array([0.4 * x[0] + x[2], x[0] * x[2] - x[1], -x[0] + x[1]])
+
+
+sprott_c = System(
+    "sprott_c", ("x", "y", "z"), _sprott_c,
+    ({"y*z": 1.0}, {"x": 1.0, "y": -1.0}, {"1": 1.0, "x**2": -1.0}),
+    (-0.7012, -0.5687, 0.5873), 50.0, 1500, 2)
+"""Sprott's case C (J. C. Sprott, Phys. Rev. E 50, R647, 1994); started on the attractor (the
+state at t = 100 from (0.1, 0.1, 0.1), as for cases E-G); 1500 points on [0, 50]."""
+
+sprott_e = System(
+    "sprott_e", ("x", "y", "z"), _sprott_e,
+    ({"y*z": 1.0}, {"y": -1.0, "x**2": 1.0}, {"1": 1.0, "x": -4.0}),
+    (0.0253, 0.0302, 3.346), 50.0, 1500, 2)
+"""Sprott's case E (same source); 1500 points on [0, 50]."""
+
+sprott_f = System(
+    "sprott_f", ("x", "y", "z"), _sprott_f,
+    ({"y": 1.0, "z": 1.0}, {"x": -1.0, "y": 0.5}, {"z": -1.0, "x**2": 1.0}),
+    (-0.8308, -0.7971, 0.8119), 50.0, 1500, 2)
+"""Sprott's case F (same source); 1500 points on [0, 50]."""
+
+sprott_g = System(
+    "sprott_g", ("x", "y", "z"), _sprott_g,
+    ({"x": 0.4, "z": 1.0}, {"y": -1.0, "x*z": 1.0}, {"x": -1.0, "y": 1.0}),
+    (-0.2173, -0.2291, 0.5958), 50.0, 1500, 2)
+"""Sprott's case G (same source); 1500 points on [0, 50]."""
+
+
+def _qi(x: np.ndarray) -> np.ndarray:
+    return np.array([10.0 * (x[1] - x[0]) + x[1] * x[2], 28.0 * x[0] - x[1] - x[0] * x[2],
+                     x[0] * x[1] - 8.0 / 3.0 * x[2]])
+
+
+qi = System(
+    "qi", ("x", "y", "z"), _qi,
+    ({"x": -10.0, "y": 10.0, "y*z": 1.0}, {"x": 28.0, "y": -1.0, "x*z": -1.0},
+     {"z": -8.0 / 3.0, "x*y": 1.0}), (-5.958, -0.3149, 23.78), 20.0, 2000, 2)
+"""The Qi system's form (G. Qi, S. Du, G. Chen, Z. Chen and Z. Yuan, Chaos Solitons Fractals
+23, 1671, 2005: Lorenz's equations with a y z term in the first) with Lorenz's parameters
+a = 10, b = 8/3, c = 28; started on the attractor (the state at t = 100 from (1, 1, 1));
+2000 points on [0, 20]."""
+
+
+def _sakarya(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[0] + x[1] + x[1] * x[2], -x[0] - x[1] + 0.4 * x[0] * x[2],
+                     x[2] - 0.3 * x[0] * x[1]])
+
+
+sakarya = System(
+    "sakarya", ("x", "y", "z"), _sakarya,
+    ({"x": -1.0, "y": 1.0, "y*z": 1.0}, {"x": -1.0, "y": -1.0, "x*z": 0.4},
+     {"z": 1.0, "x*y": -0.3}), (-1.457, -1.601, 3.830), 50.0, 1500, 2)
+"""The Sakarya attractor as the dysts collection writes it (W. Gilpin, NeurIPS Datasets and
+Benchmarks 2021), a = 0.4, b = 0.3; started on the attractor (the state at t = 100 from
+(1, -1, 1)); 1500 points on [0, 50]."""
+
+
+def _wang_sun(x: np.ndarray) -> np.ndarray:
+    return np.array([0.2 * x[0] + x[1] * x[2], -0.01 * x[0] - 0.4 * x[1] - x[0] * x[2],
+                     -x[2] - x[0] * x[1]])
+
+
+wang_sun = System(
+    "wang_sun", ("x", "y", "z"), _wang_sun,
+    ({"x": 0.2, "y*z": 1.0}, {"x": -0.01, "y": -0.4, "x*z": -1.0}, {"z": -1.0, "x*y": -1.0}),
+    (0.5695, -0.0108, 0.0040), 80.0, 1500, 2)
+"""The Wang-Sun attractor as the dysts collection writes it (same source), a = 0.2,
+b = -0.01, c = 1, d = -0.4, e = -1, f = -1 (a small coefficient beside unit ones); started on
+the attractor (the state at t = 100 from (0.5, 0.1, 0.1)); 1500 points on [0, 80]."""
+
+
+def _hyper_lorenz(x: np.ndarray) -> np.ndarray:
+    return np.array([10.0 * (x[1] - x[0]) + x[3], 28.0 * x[0] - x[1] - x[0] * x[2],
+                     x[0] * x[1] - 8.0 / 3.0 * x[2], -x[1] * x[2] - x[3]])
+
+
+hyper_lorenz = System(
+    "hyper_lorenz", ("x", "y", "z", "w"), _hyper_lorenz,
+    ({"x": -10.0, "y": 10.0, "w": 1.0}, {"x": 28.0, "y": -1.0, "x*z": -1.0},
+     {"z": -8.0 / 3.0, "x*y": 1.0}, {"w": -1.0, "y*z": -1.0}),
+    (0.8639, 1.592, 30.77, -66.24), 20.0, 2000, 2)
+"""Hyperchaotic Lorenz system (X. Wang and M. Wang, Chaos 17, 033106, 2007), r = -1; a fourth
+state of a much larger range than the others; started on the attractor (the state at t = 100
+from (1, 1, 1, 1)); 2000 points on [0, 20]."""
+
+
+def _rayleigh(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1], -x[0] + 1.5 * x[1] - 0.5 * x[1] ** 3])
+
+
+rayleigh = System(
+    "rayleigh", ("x", "y"), _rayleigh,
+    ({"y": 1.0}, {"x": -1.0, "y": 1.5, "y**3": -0.5}), (2.154, -1.159), 30.0, 800, 3)
+"""Rayleigh's oscillator (Lord Rayleigh, Phil. Mag. 15, 229, 1883), mu = 1.5, on its limit
+cycle (the state at t = 100 from (0.1, 0)); 800 points on [0, 30]."""
+
+
+def _logistic_predator(x: np.ndarray) -> np.ndarray:
+    return np.array([x[0] - 0.5 * x[0] ** 2 - x[0] * x[1], -0.6 * x[1] + 0.8 * x[0] * x[1]])
+
+
+logistic_predator = System(
+    "logistic_predator", ("x", "y"), _logistic_predator,
+    ({"x": 1.0, "x**2": -0.5, "x*y": -1.0}, {"y": -0.6, "x*y": 0.8}), (0.3, 0.8), 40.0, 600, 2)
+"""Predator and prey with logistic growth of the prey (J. D. Murray, Mathematical Biology I,
+3rd ed., 2002, ch. 3): a damped spiral into the coexistence point, not a cycle; 600 points on
+[0, 40] from (0.3, 0.8)."""
+
 FRESH_SYSTEMS: dict[str, System] = {s.name: s for s in (
     shimizu_morioka, sprott_d, burke_shaw, newton_leipnik, lorenz96_4, schnakenberg,
     may_leonard, dadras, rossler_hyper, lorenz_stenflo, vdp_duffing, sprott_j, chen_lee,
@@ -709,8 +844,14 @@ FRESH_SYSTEMS: dict[str, System] = {s.name: s for s in (
 """A fourth set (benchmark ``--systems fresh``), first run after the method's last change and
 recorded as it came: nothing was chosen or tuned on it."""
 
+NOVEL_SYSTEMS: dict[str, System] = {s.name: s for s in (
+    finance, sprott_c, sprott_e, sprott_f, sprott_g, qi, sakarya, wang_sun, hyper_lorenz,
+    rayleigh, logistic_predator)}
+"""A fifth set (benchmark ``--systems novel``), written and first run after the method's last
+change, like the fourth, and recorded as it came."""
+
 ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS,
-                                  **CHECK_SYSTEMS, **FRESH_SYSTEMS}
+                                  **CHECK_SYSTEMS, **FRESH_SYSTEMS, **NOVEL_SYSTEMS}
 
 
 def score_terms(found: list[dict[str, float]], truth: list[dict[str, float]]) -> dict:

@@ -294,16 +294,16 @@ def _result(rss: float, n_residuals: int, n_params: int, window: int | None = 50
                           window=window)
 
 
-@pytest.mark.parametrize("group", ["heldout", "check", "fresh"])
+@pytest.mark.parametrize("group", ["heldout", "check", "fresh", "novel"])
 def test_held_out_systems_have_consistent_truth_and_stay_bounded(group):
     import sympy
 
     from symbolic.field import PolyField
     from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, FRESH_SYSTEMS, HELDOUT_SYSTEMS,
-                                  VALIDATION_SYSTEMS)
+                                  NOVEL_SYSTEMS, VALIDATION_SYSTEMS)
 
     groups = {"heldout": HELDOUT_SYSTEMS, "check": CHECK_SYSTEMS, "fresh": FRESH_SYSTEMS,
-              "benchmark": SYSTEMS, "validation": VALIDATION_SYSTEMS}
+              "novel": NOVEL_SYSTEMS, "benchmark": SYSTEMS, "validation": VALIDATION_SYSTEMS}
     systems = groups.pop(group)
     others = {name for other in groups.values() for name in other}
     assert len(systems) >= 5 and not set(systems) & others
