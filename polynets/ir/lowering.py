@@ -267,6 +267,8 @@ def _with_bias(f: _Aff, b: np.ndarray) -> _Aff:
 
 
 def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
+    """The gather's value; an input it reads no element of adds no term (a map of zeros would
+    make its step read that input, at that input's level, for nothing)."""
     index = np.asarray(node.attrs["index"]).ravel()
     sizes = [program.nodes[j].numel for j in node.inputs]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -274,6 +276,8 @@ def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
     for k, f in enumerate(ins):
         sel = (index >= offsets[k]) & (index < offsets[k + 1])
         rows = np.nonzero(sel)[0]
+        if rows.size == 0 and (parts or np.any(index >= offsets[k + 1])):
+            continue  # another input is read: the gather is no constant zero of this one
         m = sp.csr_matrix((np.ones(rows.size), (rows, index[sel] - offsets[k])),
                           shape=(index.size, sizes[k]))
         parts.append(_compose(m, f, tuple(node.shape)))
