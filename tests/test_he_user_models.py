@@ -683,3 +683,31 @@ def test_a_selection_that_reads_one_of_its_sources_decrypts_to_the_model(
     torch.manual_seed(0)
     encrypted_roundtrip(_PairwiseProducts().eval(), torch.rand(16, 6) * 2 - 1)
     encrypted_roundtrip(_PairwiseProducts().eval(), torch.rand(16, 6) * 2 - 1, "batch")
+
+
+# ----------------------------------------------------------------------------- products
+class _ProductFeatures(nn.Module):
+    """Multiplicative interactions: the product of each group of features and their running
+    products (a cross network written with torch.prod and torch.cumprod)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.head = nn.Linear(2 + 3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.inp(x).view(-1, 2, 3)
+        return self.head(torch.cat([groups.prod(-1), torch.cumprod(groups[:, 0], dim=1)], -1))
+
+
+def test_products_over_a_dim_trace_with_logarithmic_depth(encrypted_roundtrip) -> None:
+    torch.manual_seed(0)
+    model = _ProductFeatures().eval()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    cert = pn.certify(model, x[:1])
+    # depth ceil(log2 3); the structural degree bounds the odd factor carried with a product
+    assert cert.is_polynomial and cert.depth == 2 and cert.degree == 4
+    with torch.no_grad():
+        ref = model.double()(x).numpy()
+    np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
+    encrypted_roundtrip(model.float(), torch.rand(16, 6) * 2 - 1)

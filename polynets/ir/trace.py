@@ -814,6 +814,52 @@ def _h_cumsum(r: _Recorder, func, args, kwargs, out) -> None:
     r.bind(out, r.linear(r.operand(x), dim, np.triu(np.ones((n, n))), None))
 
 
+def _h_prod(r: _Recorder, func, args, kwargs, out) -> None:
+    """``prod`` over one dim or all elements: the elements multiplied pairwise, half against
+    half, so a product of ``n`` has multiplicative depth ``ceil(log2 n)``."""
+    x = args[0]
+    node = r.operand(x)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if isinstance(dim, int) and x.dim() > 0:
+        dim %= x.dim()
+    else:  # prod of every element (aten.prod.default)
+        node, dim = r.reshape(node, (x.numel(),)), 0
+    shape = r.shape(node)
+    while shape[dim] > 1:
+        n, half = shape[dim], shape[dim] // 2
+        idx = np.arange(int(np.prod(shape))).reshape(shape)
+        first = r.gather([node], np.take(idx, np.arange(half), axis=dim))
+        second = r.gather([node], np.take(idx, np.arange(half, 2 * half), axis=dim))
+        pairs = r.binary("mul", first, second, r.shape(first))
+        if n % 2:  # the odd one out goes on to the next round
+            size = int(np.prod(r.shape(pairs)))
+            kept = np.concatenate([np.arange(size).reshape(r.shape(pairs)),
+                                   size + np.take(idx, [n - 1], axis=dim)], axis=dim)
+            pairs = r.gather([pairs, node], kept)
+        node, shape = pairs, r.shape(pairs)
+    r.bind(out, r.reshape(node, tuple(out.shape)))
+
+
+def _h_cumprod(r: _Recorder, func, args, kwargs, out) -> None:
+    """``cumprod`` as a parallel prefix product: ``ceil(log2 n)`` rounds, each multiplying
+    every element by the partial product ``2**k`` places before it (by 1 where there is none),
+    so its multiplicative depth is that of one product of all ``n``."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(x.dim(), 1)
+    node, shape = r.operand(x), tuple(x.shape)
+    n = shape[dim] if shape else 1
+    idx = np.arange(int(np.prod(shape))).reshape(shape)
+    step = 1
+    while step < n:
+        earlier = np.take(idx, np.arange(-step, n - step), axis=dim)
+        before = np.moveaxis(np.moveaxis(earlier, dim, 0).copy(), 0, dim)
+        np.moveaxis(before, dim, 0)[:step] = -1  # no element that far before: times 1
+        shifted = r.shift(r.gather([node], before), (before < 0).astype(np.float64), shape)
+        node = r.binary("mul", node, shifted, shape)
+        step *= 2
+    r.bind(out, node)
+
+
 def _h_batch_norm(r: _Recorder, func, args, kwargs, out) -> None:
     x, weight, bias, mean, var = args[:5]
     eps = args[-1] if _name(func) == "_native_batch_norm_legit_no_training" else args[7]
@@ -929,7 +975,8 @@ _HANDLERS: dict[str, Callable] = {
     "cumsum": _h_cumsum, "_native_batch_norm_legit_no_training": _h_batch_norm,
     "native_batch_norm": _h_batch_norm, "convolution": _h_convolution, "linear": _h_linear,
     "dropout": _h_dropout, "masked_fill": _h_masked_fill, "where": _h_where,
-    "addcmul": _h_addcmul, "addcdiv": _h_addcmul, "lerp": _h_lerp,
+    "addcmul": _h_addcmul, "addcdiv": _h_addcmul, "lerp": _h_lerp, "prod": _h_prod,
+    "cumprod": _h_cumprod,
 }
 
 
