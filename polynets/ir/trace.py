@@ -137,6 +137,9 @@ _AFFINE_PROBE = {
     "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_linear1d",
     "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
     "trace", "diag", "tril", "triu", "fft_r2c",
+    # scattered by constant indices: affine in the tensor scattered into and the values jointly
+    "scatter_add", "index_add", "scatter", "index_copy", "index_put", "index_fill",
+    "masked_scatter", "diag_embed",
 }
 _PROBE_LIMIT = 50_000_000  # entries of a dense probed matrix
 
@@ -418,30 +421,33 @@ class _Recorder(TorchDispatchMode):
             self.bind(o, node)
 
     def _probe(self, func: Any, args: Sequence[Any], kwargs: dict, out: torch.Tensor) -> None:
-        """Lower an op affine in its one traced operand by probing it with basis vectors."""
+        """Lower an op affine in its traced operands jointly (one, or several: the tensor
+        scattered into and the values scattered) by probing it with basis vectors of each."""
         flat_args, spec = tree_flatten((args, kwargs))
         traced = [i for i, a in enumerate(flat_args) if self.traced(a)]
-        if len(traced) != 1:
-            raise UnsupportedOpError(f"{_name(func)} with several input-dependent operands in "
-                                     f"module '{self.path or '<model>'}'")
-        x = flat_args[traced[0]]
-        n, m = x.numel(), out.numel()
+        sizes = [flat_args[i].numel() for i in traced]
+        n, m = sum(sizes), out.numel()
         if n * m > _PROBE_LIMIT:
             raise UnsupportedOpError(
                 f"aten.{_name(func)} in module '{self.path or '<model>'}' maps {n} to {m} values; "
                 f"too large to lower as a dense affine map (limit {_PROBE_LIMIT} entries)")
+        zeros = [torch.zeros(flat_args[i].shape, dtype=torch.float64) for i in traced]
 
-        def call(v: torch.Tensor) -> torch.Tensor:
+        def call(k: int = -1, v: torch.Tensor | None = None) -> torch.Tensor:
             fa = list(flat_args)
-            fa[traced[0]] = v
+            for j, i in enumerate(traced):
+                fa[i] = v if j == k else zeros[j]
             a, kw = tree_unflatten_pair(fa, spec)
-            return func(*a, **kw)
+            return func(*a, **kw).reshape(-1)
 
-        basis = torch.eye(n, dtype=torch.float64).reshape((n,) + tuple(x.shape))
-        zero = call(torch.zeros_like(x, dtype=torch.float64)).reshape(-1)
-        cols = torch.stack([call(basis[i]).reshape(-1) - zero for i in range(n)])  # (n, m)
-        node = self.reshape(self.node_of[id(x)], (n,))
-        node = self.add("linear", [node], (m,), axis=0, weight=cols.numpy().copy(),
+        zero = call()
+        cols = []
+        for k, i in enumerate(traced):
+            basis = torch.eye(sizes[k], dtype=torch.float64).reshape(
+                (sizes[k],) + tuple(flat_args[i].shape))
+            cols += [call(k, basis[e]) - zero for e in range(sizes[k])]
+        node = self.gather([self.node_of[id(flat_args[i])] for i in traced], np.arange(n))
+        node = self.add("linear", [node], (m,), axis=0, weight=torch.stack(cols).numpy().copy(),
                         bias=zero.numpy().copy() if torch.any(zero != 0) else None)
         self.bind(out, self.reshape(node, tuple(out.shape)))
 
