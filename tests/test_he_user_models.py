@@ -748,3 +748,50 @@ def test_scatters_by_constant_indices_decrypt_to_the_model(encrypted_roundtrip) 
         ref = model.double()(x).numpy()
     np.testing.assert_allclose(cert.program(x.numpy()), ref, rtol=0, atol=1e-12)
     encrypted_roundtrip(model.float(), torch.rand(16, 4, 3) * 2 - 1)
+
+
+# ----------------------------------------------------------------------------- one tensor in, out
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.fc(y)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> object:
+        h = self.fc(x)
+        return (h, h * h) if self.kind is tuple else {"logits": h * h, "features": h}
+
+
+@pytest.mark.parametrize("model, example, found", [
+    (_TwoInputs(), torch.randn(1, 4), r"_TwoInputs.forward takes 2 inputs \(x, y\)"),
+    (_TwoInputs(), (torch.randn(1, 4), torch.randn(1, 4)),
+     r"example_input must be one tensor \(B, \*sample\), got a tuple of 2"),
+    (nn.Linear(4, 3), [np.ones((1, 4)), np.ones((1, 2))],
+     r"example_input must be one tensor \(B, \*sample\), got a list of 2"),
+    (_TwoOutputs(tuple), torch.randn(1, 4), "must return one tensor to be traced, got tuple of 2"),
+    (_TwoOutputs(dict), torch.randn(1, 4), "must return one tensor to be traced, got dict of 2"),
+])
+def test_several_inputs_or_outputs_are_refused_saying_what_to_do(model: nn.Module,
+                                                                 example: object,
+                                                                 found: str) -> None:
+    # a tuple of inputs was stacked into one batch and the model failed on a missing argument
+    # (or on a ragged array inside NumPy)
+    with pytest.raises(pn.TraceError, match=found + ".*one input tensor and one output tensor"):
+        pn.trace(model, example)
+    with pytest.raises(he.NotEncryptableError, match=found):
+        he.compile(model, example)
+
+
+def test_a_batch_given_as_a_list_of_rows_still_traces() -> None:
+    model = nn.Linear(4, 3)
+    assert pn.trace(model, [np.ones(4), np.zeros(4)]).input_shape == (1, 4)
+    assert pn.trace(model, [torch.ones(4), torch.zeros(4)]).input_shape == (1, 4)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -987,12 +988,43 @@ _HANDLERS: dict[str, Callable] = {
 
 
 # --------------------------------------------------------------------------------- entry points
+#: what to do with a model of several inputs or outputs
+_ONE_TENSOR = "an encrypted program has one input tensor and one output tensor"
+
+
+def _check_one_input(model: nn.Module, example_input: Any) -> None:
+    """Raise :class:`TraceError` where the model takes several inputs or the example is
+    several tensors, saying how to make one."""
+    arrays = [t for t in example_input if isinstance(t, (torch.Tensor, np.ndarray))] \
+        if isinstance(example_input, (tuple, list)) else []
+    # a tuple of tensors is how PyTorch passes several inputs; rows of different shapes are no
+    # batch either (a list of equal rows is one)
+    if arrays and ((isinstance(example_input, tuple) and isinstance(arrays[0], torch.Tensor))
+                   or len({tuple(t.shape) for t in arrays}) > 1):
+        raise TraceError(
+            f"example_input must be one tensor (B, *sample), got a {type(example_input).__name__}"
+            f" of {len(example_input)}: {_ONE_TENSOR}; concatenate the model's inputs into one "
+            f"tensor and split them inside forward")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a TorchScript or builtin forward: not inspectable
+        return
+    required = [p.name for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise TraceError(
+            f"{type(model).__name__}.forward takes {len(required)} inputs "
+            f"({', '.join(required)}): {_ONE_TENSOR}; concatenate the inputs into one tensor and "
+            f"split them inside forward (or give the others defaults)")
+
+
 def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise TraceError(f"expected an nn.Module to trace, got {type(model).__name__}")
     as_polynomial = getattr(model, "as_polynomial", None)
     if callable(as_polynomial):  # vector fields f(t, x) expose their one-input polynomial
         model = as_polynomial()
+    _check_one_input(model, example_input)
     if not isinstance(example_input, torch.Tensor):
         example_input = torch.as_tensor(np.asarray(example_input))
     if example_input.dim() < 1 or example_input.shape[0] < 1:
@@ -1119,7 +1151,10 @@ def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
         for h in handles:
             h.remove()
     if not isinstance(y, torch.Tensor):
-        raise TraceError(f"the model must return one tensor to be traced, got {type(y).__name__}")
+        size = f" of {len(y)}" if isinstance(y, (tuple, list, dict)) else ""
+        raise TraceError(f"the model must return one tensor to be traced, got "
+                         f"{type(y).__name__}{size}: {_ONE_TENSOR}; return the output to "
+                         f"encrypt (the logits, say), or wrap the model in a module that does")
     meta = {"model": type(model).__name__, "input_shape": list(x.shape),
             "output_shape": list(y.shape)}
     out = rec.node_of.get(id(y))
