@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from he.errors import InputShapeError, NotEncryptableError, SecretKeyError, SerializationError
+from he.errors import (InputShapeError, NotEncryptableError, SecretKeyError, SerializationError,
+                       batch_of)
 from polynets._io import (MAX_FILE_BYTES, atomic_write_bytes, load_npy_bytes,
                           loads_json_strict, read_bytes_limited)
 from polynets.errors import CheckpointError, ConfigError, WriteError
@@ -85,8 +86,8 @@ def _as_batch(arr: np.ndarray, shape: tuple[int, ...], path: str, what: str) -> 
     size = math.prod(shape)
     if path.endswith(".csv") and arr.ndim == 2 and arr.shape[1] == size:
         return arr.reshape((arr.shape[0],) + tuple(shape))
-    dims = ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
-    raise InputShapeError(f"{what} in {path!r} has shape {arr.shape}; expected (B, {dims})"
+    raise InputShapeError(f"{what} in {path!r} has shape {arr.shape}; expected "
+                          f"{batch_of(tuple(shape))}"
                           + (f" or, for .csv, rows of {size} values" if path.endswith(".csv")
                              else ""))
 

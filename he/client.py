@@ -21,7 +21,8 @@ from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import CompiledProgram, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
-                       ParameterError, ResourceError, SecretKeyError, SerializationError)
+                       ParameterError, ResourceError, SecretKeyError, SerializationError,
+                       batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import Pool, default_threads
 from he.runtime import (VectorKernels, available_memory, note_pool, pool_held, run_batch,
@@ -208,8 +209,7 @@ class Client:
         x = np.asarray(x, dtype=np.float64)
         want = self.program.input_shape
         if x.ndim != len(want) + 1 or tuple(x.shape[1:]) != want:
-            dims = ", ".join(map(str, want)) + ("," if len(want) == 1 else "")
-            raise InputShapeError(f"encrypt expects a batch of shape (B, {dims}), got "
+            raise InputShapeError(f"encrypt expects a batch of shape {batch_of(want)}, got "
                                   f"{tuple(x.shape)}")
         if x.shape[0] < 1:
             raise InputShapeError("encrypt needs at least one sample")

@@ -21,7 +21,8 @@ from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.native import default_threads
-from he.errors import NotEncryptableError, SerializationError, TooDeepError
+from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
+                       TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
@@ -566,7 +567,13 @@ def _calibration_data(program: PolyProgram, example_input: Any, calibration: Any
         data = rng.standard_normal((16,) + tuple(program.input_shape[1:]))
     if hasattr(data, "detach"):
         data = data.detach().cpu().double().numpy()
-    return np.asarray(data, dtype=np.float64)
+    data = np.asarray(data, dtype=np.float64)
+    sample = tuple(program.input_shape[1:])
+    if data.ndim != len(sample) + 1 or tuple(data.shape[1:]) != sample or data.shape[0] < 1:
+        what = "calibration" if calibration is not None else "example_input"
+        raise InputShapeError(f"{what} must be a batch of at least one sample of the traced "
+                              f"shape, {batch_of(sample)}, got {tuple(data.shape)}")
+    return data
 
 
 def _objective_cost(predicted: dict[str, Any], objective: str, batch_size: int | None,

@@ -39,7 +39,14 @@ class ParameterError(HEError):
 
 
 class InputShapeError(HEError, ShapeError):
-    """Data given to encrypt has the wrong shape; the message gives the expected one."""
+    """Data given to encrypt (or to calibrate with) has the wrong shape; the message gives the
+    expected one (:func:`batch_of`)."""
+
+
+def batch_of(sample: tuple[int, ...]) -> str:
+    """How a message writes the shape of a batch of samples of shape ``sample``:
+    ``"(B, 3, 4)"``, ``"(B, 6,)"``."""
+    return "(B, " + ", ".join(map(str, sample)) + ("," if len(sample) == 1 else "") + ")"
 
 
 class SerializationError(HEError):

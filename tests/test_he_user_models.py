@@ -795,3 +795,16 @@ def test_a_batch_given_as_a_list_of_rows_still_traces() -> None:
     model = nn.Linear(4, 3)
     assert pn.trace(model, [np.ones(4), np.zeros(4)]).input_shape == (1, 4)
     assert pn.trace(model, [torch.ones(4), torch.zeros(4)]).input_shape == (1, 4)
+
+
+@pytest.mark.parametrize("calibration, got", [(np.zeros((4, 5)), r"\(4, 5\)"),
+                                              (np.zeros(6), r"\(6,\)"),
+                                              (np.zeros((0, 6)), r"\(0, 6\)")])
+def test_calibration_of_another_shape_is_refused_naming_it(calibration: np.ndarray,
+                                                           got: str) -> None:
+    # it failed inside the program's interpreter with a message that named no calibration
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    with pytest.raises(he.InputShapeError, match=r"calibration must be a batch of at least one "
+                                                 r"sample of the traced shape, \(B, 6,\), got "
+                                                 + got):
+        he.compile(model, torch.randn(1, 6), calibration=calibration)
