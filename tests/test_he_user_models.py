@@ -808,3 +808,30 @@ def test_calibration_of_another_shape_is_refused_naming_it(calibration: np.ndarr
                                                  r"sample of the traced shape, \(B, 6,\), got "
                                                  + got):
         he.compile(model, torch.randn(1, 6), calibration=calibration)
+
+
+# ----------------------------------------------------------------------------- computed weights
+class _PrunedWeightNormed(nn.Module):
+    """A pruned layer (torch.nn.utils.prune) and one under the older
+    torch.nn.utils.weight_norm: both compute their weight in a forward pre-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torch.nn.utils.prune as prune
+
+        self.a = prune.l1_unstructured(nn.Linear(4, 6), "weight", amount=0.5)
+        with pytest.warns(FutureWarning):
+            self.b = nn.utils.weight_norm(nn.Conv1d(2, 2, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) ** 2
+        return self.b(h.view(-1, 2, 3)).flatten(1)
+
+
+def test_weights_computed_by_hooks_trace_and_decrypt(encrypted_roundtrip) -> None:
+    # they are not leaf tensors, which deepcopy refuses: tracing failed with PyTorch's
+    # RuntimeError about graph leaves, before any op ran
+    torch.manual_seed(0)
+    model = _PrunedWeightNormed().eval()
+    assert not model.a.weight.is_leaf and not model.b.weight.is_leaf
+    encrypted_roundtrip(model, torch.rand(16, 4) * 2 - 1)

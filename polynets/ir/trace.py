@@ -1032,7 +1032,12 @@ def _prepare(model: nn.Module, example_input: Any) -> tuple[nn.Module, torch.Ten
                          f"shape {tuple(example_input.shape)}")
     if not torch.all(torch.isfinite(example_input.float())):
         raise ShapeError("example_input contains NaN or infinite values")
-    clone = copy.deepcopy(model).to("cpu").double().eval()
+    # tensors a forward pre-hook computes from parameters (pruning's weight_orig * weight_mask,
+    # torch.nn.utils.weight_norm's g * v / |v|) are not leaves, which deepcopy refuses: the
+    # copy holds them detached, and its hooks compute them again on every forward
+    computed = {id(t): t.detach().clone() for module in model.modules()
+                for t in vars(module).values() if isinstance(t, torch.Tensor) and not t.is_leaf}
+    clone = copy.deepcopy(model, computed).to("cpu").double().eval()
     for module in clone.modules():  # .double() converts parameters and buffers only
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
