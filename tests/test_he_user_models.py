@@ -835,3 +835,33 @@ def test_weights_computed_by_hooks_trace_and_decrypt(encrypted_roundtrip) -> Non
     model = _PrunedWeightNormed().eval()
     assert not model.a.weight.is_leaf and not model.b.weight.is_leaf
     encrypted_roundtrip(model, torch.rand(16, 4) * 2 - 1)
+
+
+# ----------------------------------------------------------------------------- zero weights
+class _ZeroInitialisedGate(nn.Module):
+    """A gate initialised to zero (adaLN-zero, zero-init residual branches) and a polynomial
+    activation written as a sum of powers from 0 (``h ** 0`` is the constant 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 3)
+        self.gate = nn.Linear(3, 3)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.gate.bias)
+        self.coef = nn.Parameter(torch.tensor([0.5, 1.0, 0.25]))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + self.gate(h) * h
+        return self.head(sum(self.coef[k] * h ** k for k in range(3)))
+
+
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_zero_weights_and_powers_of_zero_decrypt_to_the_model(encrypted_roundtrip,
+                                                             packing: str) -> None:
+    # a value multiplied by zero is a constant: vector packing multiplied a ciphertext by the
+    # integer 0 (SEAL refused the transparent result as a key mismatch), planned rotations for
+    # a map of zeros (a ValueError inside NumPy) or multiplied by a constant as by a ciphertext
+    torch.manual_seed(0)
+    encrypted_roundtrip(_ZeroInitialisedGate().eval(), torch.rand(16, 3) * 2 - 1, packing)

@@ -244,8 +244,16 @@ def _bias_along(shape: tuple[int, ...], axis: int, bias: np.ndarray) -> np.ndarr
     return np.broadcast_to(bias.reshape(view), shape).ravel().astype(np.float64)
 
 
+def _read(terms: dict[int, sp.csr_matrix]) -> dict[int, sp.csr_matrix]:
+    """The terms that read their step: a map of zeros (a zero weight, a selection of none of
+    its elements, a scaling by 0) is no term, so a value of none is a constant (its bias)."""
+    for m in terms.values():
+        m.eliminate_zeros()
+    return {k: m for k, m in terms.items() if m.nnz}
+
+
 def _compose(a: sp.csr_matrix, x: _Aff, shape: tuple[int, ...]) -> _Aff:
-    terms = {k: (a @ m).tocsr() for k, m in x.terms.items()}
+    terms = _read({k: (a @ m).tocsr() for k, m in x.terms.items()})
     bias = None if x.bias is None else a @ x.bias
     return _Aff(terms, bias, shape, x.linears)
 
@@ -259,7 +267,14 @@ def _sum(shape: tuple[int, ...], *affs: _Aff) -> _Aff:
             terms[k] = (terms[k] + m).tocsr() if k in terms else m
         if f.bias is not None:
             bias = f.bias.copy() if bias is None else bias + f.bias
-    return _Aff(terms, bias, shape, linears)
+    return _Aff(_read(terms), bias, shape, linears)
+
+
+def _constant(f: _Aff) -> np.ndarray | None:
+    """The value of ``f`` if it reads no step (flat), else None."""
+    if f.terms:
+        return None
+    return np.zeros(f.n) if f.bias is None else np.asarray(f.bias, dtype=np.float64)
 
 
 def _with_bias(f: _Aff, b: np.ndarray) -> _Aff:
@@ -267,8 +282,6 @@ def _with_bias(f: _Aff, b: np.ndarray) -> _Aff:
 
 
 def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
-    """The gather's value; an input it reads no element of adds no term (a map of zeros would
-    make its step read that input, at that input's level, for nothing)."""
     index = np.asarray(node.attrs["index"]).ravel()
     sizes = [program.nodes[j].numel for j in node.inputs]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -276,8 +289,6 @@ def _gather(node: Node, program: PolyProgram, ins: list[_Aff]) -> _Aff:
     for k, f in enumerate(ins):
         sel = (index >= offsets[k]) & (index < offsets[k + 1])
         rows = np.nonzero(sel)[0]
-        if rows.size == 0 and (parts or np.any(index >= offsets[k + 1])):
-            continue  # another input is read: the gather is no constant zero of this one
         m = sp.csr_matrix((np.ones(rows.size), (rows, index[sel] - offsets[k])),
                           shape=(index.size, sizes[k]))
         parts.append(_compose(m, f, tuple(node.shape)))
@@ -322,6 +333,9 @@ class _Lowering(Interpreter):
             (src, m), = f.terms.items()
             if is_identity(m) and self.steps[src].n == f.n:
                 return src
+        if not f.terms:  # a constant output (which a compiler refuses)
+            self.add_step(Step("affine", (), f.shape, [], _constant(f)))
+            return len(self.steps) - 1
         f = self._through_local_input_map(f)
         self._note_dense_join(f)
         self.add_step(Step("affine", tuple(f.terms), f.shape, list(f.terms.values()), f.bias))
@@ -391,7 +405,7 @@ class _Lowering(Interpreter):
         f = self._operand(node.inputs[0], x, shape)
         k = integer_factor(node.attrs["value"])
         src = next(iter(f.terms)) if len(f.terms) == 1 else None
-        if k is not None and src is not None and f.bias is None and is_identity(f.terms[src]):
+        if k and src is not None and f.bias is None and is_identity(f.terms[src]):
             return self.add_step(Step("mul_int", (src,), shape, factor=k))
         v = np.broadcast_to(np.asarray(node.attrs["value"], dtype=np.float64), shape).ravel()
         return _compose(sp.diags(v, format="csr"), f, shape)
@@ -403,15 +417,22 @@ class _Lowering(Interpreter):
 
     def mul(self, i: int, node: Node, a: _Aff, b: _Aff) -> _Aff:
         shape = tuple(node.shape)
-        xa = self.materialise(self._operand(node.inputs[0], a, shape))
-        xb = xa if node.inputs[0] == node.inputs[1] else \
-            self.materialise(self._operand(node.inputs[1], b, shape))
+        fa = self._operand(node.inputs[0], a, shape)
+        fb = self._operand(node.inputs[1], b, shape)
+        ca, cb = _constant(fa), _constant(fb)
+        if ca is not None or cb is not None:  # a product with a constant is a scaling
+            if ca is not None and cb is not None:
+                return _Aff({}, ca * cb, shape)
+            c, f = (ca, fb) if ca is not None else (cb, fa)
+            return _compose(sp.diags(c, format="csr"), f, shape)
+        xa = self.materialise(fa)
+        xb = xa if node.inputs[0] == node.inputs[1] else self.materialise(fb)
         return self.add_step(Step("mul", (xa, xb), shape))
 
     def finish(self, i: int, node: Node, value: _Aff) -> _Aff:
         """A value read by several nodes is materialised once, as its own step (and one the
         caller keeps apart, see :func:`lower`)."""
-        if len(self.users[i]) > 1 or i in self.keep:
+        if (len(self.users[i]) > 1 or i in self.keep) and value.terms:
             j = self.materialise(value)
             return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
         return value
