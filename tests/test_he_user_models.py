@@ -865,3 +865,21 @@ def test_zero_weights_and_powers_of_zero_decrypt_to_the_model(encrypted_roundtri
     # a map of zeros (a ValueError inside NumPy) or multiplied by a constant as by a ciphertext
     torch.manual_seed(0)
     encrypted_roundtrip(_ZeroInitialisedGate().eval(), torch.rand(16, 3) * 2 - 1, packing)
+
+
+def test_a_program_that_differs_from_a_separate_model_is_not_blamed_on_the_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a wrong trace (here a negation traced as the identity) was reported as a model that mixes
+    # the samples of a batch, sending users to look for a reduction over the batch axis
+    from polynets.ir import trace as tracing
+
+    monkeypatch.setitem(tracing._HANDLERS, "neg",
+                        lambda r, func, args, kwargs, out: r.bind(out, r.operand(args[0])))
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    model.append(type("Negate", (nn.Module,), {"forward": lambda self, x: -x})())
+    with pytest.raises(pn.TraceError, match="the program traced from the model differs from the "
+                                            "model by up to .* which the model computes "
+                                            "separately: an op on an input-dependent value"):
+        pn.trace(model, torch.randn(2, 4))
+    with pytest.raises(pn.TraceError, match="mixes the samples of a batch"):
+        pn.trace(_CentredOverBatch(), torch.randn(2, 4))
