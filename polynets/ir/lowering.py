@@ -29,6 +29,9 @@ and the CKKS compiler:
   padding), which is a reindexing of ciphertexts;
 * :func:`step_levels`: ``mul`` costs one level above the higher operand, ``mul_int`` none;
 * a value read by several consumers is materialised once as its own step;
+* a map of zeros (a zero weight, a scaling by 0, a selection of none of a step's elements) is
+  no term: a value of no term is a constant, never a step, and a product with a constant is a
+  scaling composed into the affine map that reads it;
 * a map that reads the input only through a local affine map (each output reads at most
   :data:`LOCAL_ROW_NNZ` input elements: a convolution, a patch embedding) is composed with it and
   reads the input directly, one level earlier -- the client can then pre-arrange the input for it
