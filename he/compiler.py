@@ -699,9 +699,10 @@ def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
 def _vector_gain(lowered: Lowered, msq: list[np.ndarray], params: CKKSParams,
                  hops: float = 1.0) -> tuple[float, float]:
     """The noise gains of a vector program on ``params``' chain (a wide chain's weights at
-    pending levels encoded at ``2^(prime - scale)``), ``hops`` key switchings per rotation."""
+    pending levels encoded at ``2^(prime - scale)``, its key switchings as noisy as its
+    special prime makes them), ``hops`` key switchings per rotation."""
     pending = (params.pending, params.weight_rounding) if params.pending >= 0 else None
-    return noise_gain(lowered, msq, "vector", pending, hops)
+    return noise_gain(lowered, msq, "vector", pending, hops, params.switching_noise)
 
 
 def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict[str, Any],

@@ -54,16 +54,22 @@ def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
 
 def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                pending: tuple[int, float] | None = None,
-               rotation_hops: float = 1.0) -> tuple[float, float]:
+               rotation_hops: float = 1.0, switching: float = 0.0) -> tuple[float, float]:
     """``(g_in, g_rs)`` of the output: the noise standard deviation of its noisiest element per
     unit of encryption noise and per unit of rescale noise (see the module docstring).
     ``pending=(parity, a)``: on a wide chain whose levels of that parity are pending, the
     weights multiplied there are encoded at ``1/a`` of the scale, so they round ``a`` times
     more (:func:`he.params.wide_variant`). ``rotation_hops``: key switchings per rotation (more
-    than one where rotations are composed from a key basis, :func:`he.plan.rotation_path`)."""
+    than one where rotations are composed from a key basis, :func:`he.plan.rotation_path`).
+    ``switching``: what one key switching adds beyond :data:`ROTATION` to a value at the scale,
+    in units of the rescale noise (the part that grows with the primes over the special prime,
+    :attr:`he.params.CKKSParams.switching_noise`; a value at the squared scale gets it
+    relatively 2^-scale_bits as large, so nothing there): added to each rotated input of a map
+    and to both operands of a product (one may be a stacked map's half, rotated into place)."""
     steps = lowered.steps
     levels = step_levels(steps, packing)
     base = ROUNDING[packing]
+    switching = switching if ROTATION[packing] else 0.0     # batch packing rotates nothing
     v_in: list[np.ndarray] = []
     v_rs: list[np.ndarray] = []
     for si, st in enumerate(steps):
@@ -80,7 +86,7 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
             r = np.zeros(st.n)
             free = affine_is_free(st, packing)
             squared = pending is not None and level % 2 == pending[0]
-            rot = 0.0 if free or squared else ROTATION[packing] * rotation_hops
+            rot = 0.0 if free or squared else (ROTATION[packing] + switching) * rotation_hops
             for m, (ai, ri), j in zip(st.terms, ins, st.inputs):
                 m2 = m.multiply(m).tocsr()
                 a += m2 @ ai
@@ -95,6 +101,10 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                     r += rounding ** 2 * (pattern @ msq[j])
         elif st.kind == "mul":
             (a0, r0), (a1, r1) = ins
+            if switching and not (pending is not None and level % 2 == pending[0]):
+                # either operand may be the second half of a stacked pair of maps, rotated
+                # into place at the scale (he.plan: a ``half`` step)
+                r0, r1 = r0 + switching * rotation_hops, r1 + switching * rotation_hops
             m0, m1 = (np.sqrt(msq[j]) for j in st.inputs)
             a = (m0 * np.sqrt(a1) + m1 * np.sqrt(a0)) ** 2
             r = (m0 * np.sqrt(r1) + m1 * np.sqrt(r0)) ** 2 + 1.0

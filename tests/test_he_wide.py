@@ -15,7 +15,7 @@ import polynets as pn
 from he.backend import Engine
 from he.compiler import wide_phases
 from he.errors import ParameterError
-from he.params import CKKSParams, wide_variant
+from he.params import KEY_SWITCHING, CKKSParams, wide_variant
 
 
 class _TokenNet(nn.Module):
@@ -86,30 +86,49 @@ def test_a_wide_chain_holds_two_levels_per_prime():
         dataclasses.replace(wide, coeff_mod_bit_sizes=(36, 40, 52, 52, 60)).check()
 
 
-def test_a_scale_above_28_bits_gets_56_bit_primes_and_the_noise_analysis_decides():
-    """Twice a 31-bit scale would leave the 60-bit special prime too little margin: the primes
-    stay at 56 bits, the weights of maps from pending levels are encoded at 2^25 (rounding 2^6
-    times more), and the chain is taken only if the noise analysis keeps the precision."""
+def test_a_scale_above_30_bits_gets_60_bit_primes_and_the_noise_analysis_decides():
+    """Twice a 31-bit scale exceeds SEAL's widest prime: the primes are at most 60 bits, the
+    weights of maps from pending levels are encoded below the scale (2^29 at 60 bits, rounding
+    2^2 times more), a special prime hardly wider switches keys noisily (counted rotation by
+    rotation), and the chain is taken only if the noise analysis keeps the precision."""
     base = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(41,) + (31,) * 5 + (41,),
                       scale_bits=31, levels=5, security_bits=128, expected_error=1e-3,
                       max_abs=4.0, why="")
-    seen: list[float] = []
+    seen: list[tuple[float, float]] = []
 
     def gain(p: CKKSParams) -> tuple[float, float]:
-        seen.append(p.weight_rounding)
+        seen.append((p.weight_rounding, p.switching_noise))
         return (1.0, p.weight_rounding)
 
     wide = wide_variant(base, 0, gain, 1.0)
-    assert wide is not None and seen == [2.0 ** 6]
-    assert wide.coeff_mod_bit_sizes == (41, 56, 56, 56, 60)
-    assert "encoded at 2^25" in wide.why
+    # every prime size from 60 bits down to the weights' 16 bits is priced, the special prime
+    # 60 bits throughout: wider primes round the weights less, narrower ones switch keys
+    # more quietly; with these gains the least rounding wins
+    assert seen[0] == (2.0 ** 2, KEY_SWITCHING) and len(seen) == 7
+    assert seen[-1] == (2.0 ** 14, KEY_SWITCHING * 2.0 ** -12)
+    assert wide is not None and wide.coeff_mod_bit_sizes == (41, 60, 60, 60, 60)
+    assert "encoded at 2^29" in wide.why and "(+0)" in wide.why
     eng = Engine(wide)
-    assert 2 ** 24 < eng.plain_scales[0] < 2 ** 26
+    assert 2 ** 28 < eng.plain_scales[0] < 2 ** 30
     # the same chain is refused where the amplified rounding breaks the promise
     assert wide_variant(base, 0, lambda p: (1.0, p.weight_rounding * 1e9), 1e-3) is None
-    # at 41 bits the weights would get 15 bits: not tried
-    big = dataclasses.replace(base, scale_bits=41, coeff_mod_bit_sizes=(51,) + (41,) * 5 + (51,))
+    # at 45 bits the weights would get 15 bits: not tried
+    big = dataclasses.replace(base, scale_bits=45, coeff_mod_bit_sizes=(55,) + (45,) * 5 + (55,))
     assert wide_variant(big, 0, lambda p: (1.0, 1.0), 1.0) is None
+
+
+def test_a_special_prime_wider_than_the_wide_primes_quiets_key_switching():
+    """Key switching adds :data:`KEY_SWITCHING` (its heavy tail over the promise's safety
+    factor) where the special prime is as wide as the widest data prime, halved per bit it is
+    wider; none is added on a chain of one prime per level, whose rescales carry its share."""
+    narrow = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(36,) + (25,) * 5 + (45,),
+                        scale_bits=25, levels=5, security_bits=128, expected_error=1e-3,
+                        max_abs=4.0, why="")
+    assert narrow.switching_noise == 0.0
+    flush = dataclasses.replace(narrow, coeff_mod_bit_sizes=(36, 50, 50, 50, 50), pending=0)
+    wider = dataclasses.replace(flush, coeff_mod_bit_sizes=(36, 50, 50, 50, 60))
+    assert flush.switching_noise == KEY_SWITCHING
+    assert wider.switching_noise == pytest.approx(KEY_SWITCHING / 2 ** 10)
 
 
 def test_engine_scales_on_a_wide_chain_land_products_on_the_next_level():
