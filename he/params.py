@@ -294,8 +294,9 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
     leaves room for ``levels``, or none when even that does not fit."""
     boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
     for boost in boosts:
-        # key switching adds ~N * 2^-boost (in units of the scale) per rotated value
-        rot = ring * 2.0 ** -boost if rotations else 0.0
+        # key switching's heavy tail, KEY_SWITCHING * 2^-boost rescales' noise per rotated
+        # value, counted on every rescale (one prime per level rotates at the scale throughout)
+        rot = ring * _RESCALE_NOISE * KEY_SWITCHING * 2.0 ** -boost if rotations else 0.0
         if scale_bits is None:
             want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
             sb = max(_MIN_SCALE_BITS, math.ceil(want))
