@@ -199,8 +199,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     ring = params.poly_modulus_degree
     seconds = 0.0
     plaintexts: list[tuple[int, int]] = []
-    for st, c in zip(plan.steps, counts):
-        lin = max((plan.steps[j].level for j in st.inputs), default=0)
+    for si, c in enumerate(counts):
+        lin = plan.runs_at(si)
         seconds += _threaded_seconds(
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
             costs.parallel_efficiency(ring))

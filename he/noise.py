@@ -64,8 +64,8 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
     ``switching``: what one key switching adds beyond :data:`ROTATION` to a value at the scale,
     in units of the rescale noise (the part that grows with the primes over the special prime,
     :attr:`he.params.CKKSParams.switching_noise`; a value at the squared scale gets it
-    relatively 2^-scale_bits as large, so nothing there): added to each rotated input of a map
-    and to both operands of a product (one may be a stacked map's half, rotated into place)."""
+    relatively 2^-scale_bits as large, so nothing there): added to each input a map rotates
+    (a stacked map's half is rotated before its rescale, at the product's scale: nothing)."""
     steps = lowered.steps
     levels = step_levels(steps, packing)
     base = ROUNDING[packing]
@@ -101,10 +101,6 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                     r += rounding ** 2 * (pattern @ msq[j])
         elif st.kind == "mul":
             (a0, r0), (a1, r1) = ins
-            if switching and not (pending is not None and level % 2 == pending[0]):
-                # either operand may be the second half of a stacked pair of maps, rotated
-                # into place at the scale (he.plan: a ``half`` step)
-                r0, r1 = r0 + switching * rotation_hops, r1 + switching * rotation_hops
             m0, m1 = (np.sqrt(msq[j]) for j in st.inputs)
             a = (m0 * np.sqrt(a1) + m1 * np.sqrt(a0)) ** 2
             r = (m0 * np.sqrt(r1) + m1 * np.sqrt(r0)) ** 2 + 1.0

@@ -762,6 +762,14 @@ class VectorPlan:
         """Physical rotation steps the client makes Galois keys for."""
         return list(self.key_steps) if self.key_steps is not None else self.rotations()
 
+    def runs_at(self, si: int) -> int:
+        """The level at which step ``si``'s operations run: the highest of its inputs' levels;
+        a ``half`` rotates its stacked map's sum before that map's rescale (at the product's
+        scale, where key switching adds no noise worth counting), a level below."""
+        s = self.steps[si]
+        lin = max((self.steps[j].level for j in s.inputs), default=0)
+        return lin - 1 if s.kind == "half" else lin
+
     def rotation_weight(self, step: int) -> int:
         """Key switchings one rotation by ``step`` (virtual slots) takes with this key set."""
         return len(rotation_path(step * self.interleave, self.slots, self.key_steps))
@@ -814,8 +822,9 @@ class VectorPlan:
                 c["rescale"] += 1
             elif s.kind == "mul_int":
                 c["mul_plain"] += 1
-            elif s.kind == "half":
+            elif s.kind == "half":                  # rotated before the rescale: its own
                 c["rotate"] += w(s.shift)
+                c["rescale"] += 1
             if s.bias is not None:
                 c["add"] += 1
                 c["plaintexts"] += 1
@@ -1248,7 +1257,8 @@ def _stacking_pays(lowered: Lowered, a: int, b: int, mi: int, reach: set[int],
     steps = lowered.steps
     p = periods[a]
     apart: list[tuple[dict[str, int], int]] = []
-    stacked: list[tuple[dict[str, int], int]] = [({"rotate": 1}, levels[a])]
+    # the half's rotation, of the stacked sum before its rescale, then its own rescale
+    stacked: list[tuple[dict[str, int], int]] = [({"rotate": 1, "rescale": 1}, levels[a] - 1)]
 
     def counts(rows: np.ndarray, cols: np.ndarray, p_in: int, p_out: int) -> dict[str, int]:
         c = _counts_of(rows, cols, p_in, p_out)
@@ -1295,7 +1305,16 @@ def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray
     for si, st in enumerate(steps):
         vs = vsteps[si]
         if si in halves:            # the stacked map's second half, rotated into place
-            vs.kind, vs.inputs, vs.shift = "half", (halves[si],), periods[si] // 2
+            a, p = halves[si], periods[si] // 2
+            vs.kind, vs.inputs, vs.shift = "half", (a,), p
+            # rotated before the stacked map's bias is added: its own bias, the stacked one
+            # rotated ([b; a] of [a; b])
+            parts = [(st.bias, maps[si]), (steps[a].bias, maps[a] + p)]
+            if any(v is not None and np.any(v) for v, _ in parts):
+                vs.bias = np.zeros(periods[si])
+                for v, at in parts:
+                    if v is not None:
+                        vs.bias[at] = v
             continue
         if st.kind == "affine" and si not in planes_at:
             step_mats[si] = _affine_terms(lowered, si, pairs.get(si), maps, widths, periods, vs)

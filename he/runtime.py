@@ -525,11 +525,15 @@ def _summed_inputs(eng: Engine, st: Any, xs: list[Any]) -> list[Any]:
 
 
 def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[Any],
-            xs: list[Any], rotated: dict[tuple[int, int, int], Any]) -> Any:
+            xs: list[Any], rotated: dict[tuple[int, int, int], Any],
+            halves: dict[int, Any] | None = None, half_shift: int = 0) -> Any:
     """An affine step by the BSGS diagonal method: baby-step rotations of an input shared with
     every map that reads it (``rotated``), giant-step rotations shared by the terms of one input
     period, one rescale, the folds of the widest term shared (folding is linear), then the
-    identity terms added."""
+    identity terms added. A stacked map (``half_shift``: its ``half`` step's rotation) also
+    leaves in ``halves[si]`` its sum rotated by that before the rescale, at the product's
+    scale, where key switching adds no noise worth counting (after the rescale it would add
+    a heavy-tailed error where the special prime is hardly wider than the primes)."""
     k = kern.interleave
     lin = max(eng.level(x) for x in xs if x is not None)
     # (period, giant) -> the baby-step terms summed before the giant rotation, in order
@@ -578,7 +582,10 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
     if out is not None:
         # folded before the rescale: at the product's scale a rotation's key-switching noise
         # and the copies' rescale noise (summed over the blocks) are negligible
-        out = eng.to_level(_fold(eng, out, folds, k), lin + 1)
+        out = _fold(eng, out, folds, k)
+        if halves is not None and half_shift:
+            halves[si] = eng.rotate(out, half_shift * k)
+        out = eng.to_level(out, lin + 1)
     for mv, x in zip(st.matvecs, xs):
         if mv is None and x is not None:
             out = x if out is None else eng.add(out, x)
@@ -590,6 +597,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
     output ciphertext."""
     vals: list[Any] = [None] * len(plan.steps)
     rotated: dict[tuple[int, int, int], Any] = {}
+    # stacked maps' sums rotated by their half's shift before the rescale, until the half runs
+    halves: dict[int, Any] = {}
+    shift_of = {a: plan.steps[b].shift for a, b in plan.stacked}
     for si in plan.order():
         st = plan.steps[si]
         if st.kind == "input":
@@ -604,11 +614,11 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             lin = max(plan.steps[s].level for s in st.inputs)
             out = _affine(eng, kern, si, st, st.sources(),
                           _summed_inputs(eng, st, [eng.lift(vals[s], lin) for s in st.inputs]),
-                          rotated)
+                          rotated, halves, shift_of.get(si, 0))
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         elif st.kind == "half":
-            out = eng.rotate(vals[st.inputs[0]], st.shift * kern.interleave)
+            out = eng.to_level(halves.pop(st.inputs[0]), st.level)
         else:
             out = eng.mul_int(vals[st.inputs[0]], st.factor)
         if ("b", si) in kern.store:
