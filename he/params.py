@@ -151,10 +151,15 @@ class CKKSParams:
         return 2.0 ** max(0, 2 * self.scale_bits - self.coeff_mod_bit_sizes[1])
 
     @property
+    def special_margin(self) -> int:
+        """Bits the special (key-switching) prime has above the widest data prime."""
+        return self.coeff_mod_bit_sizes[-1] - max(self.coeff_mod_bit_sizes[:-1])
+
+    @property
     def switching_noise(self) -> float:
         """On a wide chain, what one key switching adds to a value at the scale beyond the
         modulus switch down's rounding, in units of the rescale noise: :data:`KEY_SWITCHING`
-        times ``2^-boost``, ``boost`` the bits the special prime has above the widest data prime
+        times ``2^-boost``, ``boost`` the :attr:`special_margin`
         (:func:`he.noise.noise_gain` adds it to every value rotated at the scale; values at the
         squared scale get it 2^-scale_bits as large). 0 on a chain of one prime per level,
         whose special prime is kept :data:`_ROTATION_BITS` bits wider where the ring allows
@@ -162,8 +167,7 @@ class CKKSParams:
         (:func:`noise_unit`)."""
         if self.pending < 0 or len(self.coeff_mod_bit_sizes) < 2:
             return 0.0
-        boost = self.coeff_mod_bit_sizes[-1] - max(self.coeff_mod_bit_sizes[:-1])
-        return KEY_SWITCHING * 2.0 ** -boost
+        return KEY_SWITCHING * 2.0 ** -self.special_margin
 
     @property
     def data_primes(self) -> int:
@@ -342,30 +346,29 @@ def wide_variant(params: CKKSParams, pending: int,
         return None
     n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
     budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
-    best: tuple[float, CKKSParams, int, int, int] | None = None
+    best: tuple[float, CKKSParams, int] | None = None
     for wide in wide_prime_bits(sb):
         data = (params.coeff_mod_bit_sizes[0],) + (wide,) * n
         # the widest special prime the budget leaves (key-switching noise falls with it)
-        special = min(_MAX_PRIME_BITS, budget - sum(data))
-        boost = special - max(data)
-        if boost < 0:
-            continue
-        chain = data + (special,)
+        chain = data + (min(_MAX_PRIME_BITS, budget - sum(data)),)
         out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending)
+        if out.special_margin < 0:
+            continue
         # key switching is in the gains, rotation by rotation (values at the squared scale
         # rotate almost noiselessly), not added to every rescale as on a narrow chain
         error = noise_unit(params.poly_modulus_degree, sb, gain(out))
         if best is None or error < best[0]:
-            best = (error, out, wide, special, boost)
+            best = (error, out, wide)
     if best is None or best[0] > max(err_target, params.expected_error):
         return None
-    error, out, wide, special, boost = best
+    error, out, wide = best
     chain = out.coeff_mod_bit_sizes
     why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "
            f"by a rescale by a {wide}-bit prime: {n} primes for {params.levels} levels; "
            + (f"weights of maps from pending levels encoded at 2^{wide - sb}; "
               if wide < 2 * sb else "")
-           + f"special prime {special} bits (+{boost}); {sum(chain)} bits <= {budget}; the "
+           + f"special prime {chain[-1]} bits (+{out.special_margin}); {sum(chain)} bits <= "
+           f"{budget}; the "
            f"scale and first prime as for one prime per level: " + params.why)
     out = dataclasses.replace(out, expected_error=error, why=why)
     out.check()
