@@ -631,6 +631,13 @@ class VStep:
         return [tuple(self.inputs[u] for u in g) if g else None for g in self.sums]
 
 
+def half_runs_at(stacked_level: int) -> int:
+    """The level at which a stacked pair's ``half`` step runs, given the stacked value's: it
+    rotates the stacked sum before that sum's rescale (at the product's scale, where key
+    switching adds no noise worth counting), a level below, then rescales on its own."""
+    return stacked_level - 1
+
+
 def key_basis(slots: int) -> list[int]:
     """Rotation steps of a power-of-two key basis: ``2^i`` and ``-2^i`` (mod ``slots``), from
     which :func:`rotation_path` composes every rotation (about ``2 log2(slots)`` Galois keys
@@ -763,12 +770,11 @@ class VectorPlan:
         return list(self.key_steps) if self.key_steps is not None else self.rotations()
 
     def runs_at(self, si: int) -> int:
-        """The level at which step ``si``'s operations run: the highest of its inputs' levels;
-        a ``half`` rotates its stacked map's sum before that map's rescale (at the product's
-        scale, where key switching adds no noise worth counting), a level below."""
+        """The level at which step ``si``'s operations run: the highest of its inputs' levels
+        (a ``half``'s: :func:`half_runs_at`)."""
         s = self.steps[si]
         lin = max((self.steps[j].level for j in s.inputs), default=0)
-        return lin - 1 if s.kind == "half" else lin
+        return half_runs_at(lin) if s.kind == "half" else lin
 
     def rotation_weight(self, step: int) -> int:
         """Key switchings one rotation by ``step`` (virtual slots) takes with this key set."""
@@ -1258,7 +1264,8 @@ def _stacking_pays(lowered: Lowered, a: int, b: int, mi: int, reach: set[int],
     p = periods[a]
     apart: list[tuple[dict[str, int], int]] = []
     # the half's rotation, of the stacked sum before its rescale, then its own rescale
-    stacked: list[tuple[dict[str, int], int]] = [({"rotate": 1, "rescale": 1}, levels[a] - 1)]
+    stacked: list[tuple[dict[str, int], int]] = [({"rotate": 1, "rescale": 1},
+                                                  half_runs_at(levels[a]))]
 
     def counts(rows: np.ndarray, cols: np.ndarray, p_in: int, p_out: int) -> dict[str, int]:
         c = _counts_of(rows, cols, p_in, p_out)
