@@ -338,6 +338,11 @@ class Engine:
         self.evaluator.add_plain(ct, pt, out)
         return out
 
+    def add_scalar_inplace(self, ct: Any, value: float) -> None:
+        """``ct += value`` (encoded at ``ct``'s level and scale), in ``ct``'s storage."""
+        self.evaluator.add_plain_inplace(ct, self.encode_scalar(value, self.level(ct),
+                                                                ct.scale))
+
     def add_plain_scalar(self, ct: Any, value: float) -> Any:
         level = self.level(ct)
         out = seal.Ciphertext()

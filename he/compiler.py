@@ -864,8 +864,8 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                 compared = True
                 (ws, won), (ls, lost) = sorted([best, (score, prog)], key=lambda t: t[0])
                 won.options["why"] += (
-                    f"; chosen against {_layout_words(lost)}: predicted {ws[1]:.3g} s against "
-                    f"{ls[1]:.3g} s" + (" (over the memory budget)" if ls[0] and not ws[0]
+                    f"; chosen against {_layout_words(lost)}: predicted {ws[-1]:.3g} s against "
+                    f"{ls[-1]:.3g} s" + (" (over the memory budget)" if ls[0] and not ws[0]
                                         else ""))
             if best is None or score < best[0]:
                 best = (score, prog)
@@ -915,12 +915,14 @@ def _check_settings(packing: str, objective: str, batch_size: int | None, securi
 
 
 def _rank(prog: "CompiledProgram", objective: str, batch_size: int | None, budget: int
-          ) -> tuple[bool, float]:
-    """Sort key of candidate programs: those whose server fits ``budget`` bytes first (a plan
-    over it is chosen only when none fits), then the predicted cost for ``objective``."""
-    over = float(prog.plan.predicted.get("server_memory_bytes", 0)) > budget
-    return over, _objective_cost(prog.plan.predicted, objective, batch_size,
-                                 prog.options.get("bandwidth"))
+          ) -> tuple[bool, float, float]:
+    """Sort key of candidate programs, ``(over, memory over, cost)``: those whose server fits
+    ``budget`` bytes first, by the predicted cost for ``objective`` (the last item); where none
+    fits, the one that needs the least memory (a server refuses a group it cannot hold)."""
+    memory = float(prog.plan.predicted.get("server_memory_bytes", 0))
+    over = memory > budget
+    return over, memory if over else 0.0, _objective_cost(
+        prog.plan.predicted, objective, batch_size, prog.options.get("bandwidth"))
 
 
 def _with_why(prog: "CompiledProgram", why: str) -> "CompiledProgram":
@@ -939,7 +941,7 @@ def _choose(found: list["CompiledProgram"], packing: str, objective: str,
     ``memory_budget`` (any, when none fits); with ``packing="auto"`` its ``why`` says so."""
     budget = available_memory() if memory_budget is None else int(memory_budget)
     ranked = [_rank(p, objective, batch_size, budget) for p in found]
-    scores = [r[1] for r in ranked]
+    scores = [r[-1] for r in ranked]
     memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
     fits = [not r[0] for r in ranked]
     best = found[min(range(len(found)), key=lambda i: ranked[i])]
@@ -1111,7 +1113,7 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     if len(tried) == 1:
         return tried[0]
     budget = available_memory() if memory_budget is None else int(memory_budget)
-    ((_, best_s), best), ((_, other_s), other) = sorted(
+    ((*_, best_s), best), ((*_, other_s), other) = sorted(
         ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
     joins = best.options.get("kept_apart") or other.options.get("kept_apart")
     kept = bool(best.options.get("kept_apart"))

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan
-from he.tiling import Segment, tile_masks
-from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor
+from he.tiling import Segment, tile_plan
+from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
 __all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
 
@@ -185,13 +185,14 @@ class _Buffers:
 
 def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                 level: int, min_fanin: int, cache: dict[Any, Any],
-                buffers: _Buffers) -> dict[int, Elem]:
+                buffers: _Buffers, partial: np.ndarray | None = None) -> dict[int, Elem]:
     """The rows of a weighted affine step computed as one integer matrix product
     (:mod:`he.fused`), constants added, rescaled once; rows left to SEAL's chain are absent.
 
     Inputs below ``level`` are read at ``level``'s limbs (a switch down without rescaling) with
     their weights encoded at the scale that brings each product to the common one, so no input
-    is lifted or copied."""
+    is lifted or copied. ``partial``: a part of the rows' sums (:func:`_affine_batch`): left at
+    the product's scale, without the bias; the clear inputs' share is added to ``partial``."""
     if min_fanin <= 0:
         return {}
     cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
@@ -212,17 +213,26 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
     if fmap is None:
         return {}
     inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
-    template = next(e for e in inputs if eng.level(e) == level)
+    template = next((e for e in inputs if eng.level(e) == level), None)
+    if template is None:                # a tile's part of the inputs, none at the step's level
+        template = eng.lift(inputs[0], level)
     outputs = [buffers.like(eng, template) for _ in range(covered.size)]
     # clear values (constants, padding) and the bias join at the product's scale
     const = np.zeros(covered.size)
-    if st.bias is not None:
+    if st.bias is not None and partial is None:
         const += np.asarray(st.bias, dtype=np.float64)[covered]
     for x, m, c in zip(srcs, st.terms, cts):
         if (~c).any():
             clear = np.array([0.0 if is_ct else float(e) for e, is_ct in zip(x, c)])
             const += m.tocsr()[covered] @ clear
+    if partial is not None:
+        partial[covered] += const
+        const[:] = 0.0
     fmap.apply(raw, inputs, outputs, moduli, [round(v * product) for v in const], eng.pool)
+    if partial is not None:
+        for out in outputs:
+            out.scale = product
+        return {int(r): out for r, out in zip(covered, outputs)}
 
     def prepare(out: Any) -> tuple[Any, int, Callable[[Any], Any]]:
         out.scale = product
@@ -234,17 +244,25 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
 
 def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                   plains: dict[tuple[float, int], Any], min_fanin: int,
-                  fused_maps: dict[Any, Any], buffers: _Buffers) -> list[Elem]:
+                  fused_maps: dict[Any, Any], buffers: _Buffers, level: int | None = None,
+                  partial: np.ndarray | None = None) -> list[Elem]:
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
     products rescaled once (or a plain sum when the step is a selection). Rows with several
     ciphertext terms are one fused integer matrix product (:mod:`he.fused`) where the process
-    allows it; the rest use SEAL's multiply/add chain on inputs lifted to a common level."""
-    level = max((eng.level(e) for x in srcs for e in x if _is_ct(e)), default=0)
+    allows it; the rest use SEAL's multiply/add chain on inputs lifted to a common level
+    (``level``: the step's, where not every input is given, as in a tile).
+
+    ``partial`` (a weighted step): ``srcs`` hold a part of the inputs (the rest ``0.0``); the
+    rows' sums over that part are returned at the product's scale, not rescaled, without the
+    bias (``0.0`` where the part has no ciphertext), and the clear inputs' share is added to
+    ``partial`` (per row): parts summed and finished by :func:`_finish_sums` give the step."""
+    if level is None:
+        level = max((eng.level(e) for x in srcs for e in x if _is_ct(e)), default=0)
     mats = [m.tocsr() for m in st.terms]
     free = affine_is_free(st, "batch")
     out: list[Elem] = [0.0] * st.n
     fused = {} if free else _fused_rows(eng, si, st, srcs, rows, level, min_fanin, fused_maps,
-                                        buffers)
+                                        buffers, partial)
     for r, e in fused.items():
         out[r] = e
     rest = np.array([r for r in np.flatnonzero(rows) if r not in fused], dtype=np.int64)
@@ -266,7 +284,7 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
     for r in rest:
-        const = float(st.bias[r]) if st.bias is not None else 0.0
+        const = float(st.bias[r]) if st.bias is not None and partial is None else 0.0
         acc, summed = None, False
         for t, m in enumerate(mats):
             lo, hi = m.indptr[r], m.indptr[r + 1]
@@ -289,20 +307,68 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
                         if len(plains) >= _plain_cache_size(eng, level):
                             plains.clear()
                         plains[key] = eng.encode_scalar(float(w), level, scale)
-                    if acc is None:
-                        acc = eng.mul_plain(e, plains[key])
+                    if acc is None:         # the row's sum, in a recycled buffer
+                        acc = buffers.take(eng, level)
+                        eng.mul_plain_into(e, plains[key], acc)
                     else:
                         eng.mul_plain_into(e, plains[key], term)
                         eng.add_inplace(acc, term)
+        if partial is not None:
+            partial[r] += const
+            out[r] = acc if acc is not None else 0.0
+            continue
         if acc is None:
             out[r] = const
             continue
-        res = acc if free else eng.rescale(acc)
-        out[r] = eng.add_plain_scalar(res, const) if const != 0.0 else res
+        if free and not summed:             # the input itself: a constant needs a copy
+            out[r] = eng.add_plain_scalar(acc, const) if const != 0.0 else acc
+            continue
+        res = acc
+        if not free:                        # rescaled into a recycled buffer
+            into = buffers.take(eng, level + 1)
+            res = eng.to_level(acc, level + 1, into=into)
+            buffers.recycle(acc if res is into else into)
+        if const != 0.0:
+            eng.add_scalar_inplace(res, const)
+        out[r] = res
     kept = {id(e) for e in out if _is_ct(e)}
     for e in copies:
         if id(e) not in kept:
             buffers.recycle(e)
+    return out
+
+
+def _add_sums(eng: Engine, sums: dict[int, Any], part: list[Elem], buffers: _Buffers) -> None:
+    """Add a part's sums (:func:`_affine_batch` with ``partial``) into ``sums`` (by row)."""
+    for r, e in enumerate(part):
+        if not _is_ct(e):
+            continue
+        if r in sums:
+            eng.add_inplace(sums[r], e)
+            buffers.recycle(e)
+        else:
+            sums[r] = e
+
+
+def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
+                 rows: np.ndarray, level: int, buffers: _Buffers) -> list[Elem]:
+    """A weighted step from its summed parts: each row's sum rescaled once, its bias and clear
+    inputs' share added (a row with no ciphertext is that constant)."""
+    const = clear + (np.asarray(st.bias, dtype=np.float64) if st.bias is not None else 0.0)
+    out: list[Elem] = [0.0] * st.n
+    for r in np.flatnonzero(rows):
+        if int(r) not in sums:
+            out[r] = float(const[r])
+    have = sorted(sums)
+
+    def prepare(r: int) -> tuple[Any, int, Callable[[Any], Any]]:
+        acc = sums[r]
+        return acc, level + 1, lambda into: eng.to_level(acc, level + 1, into=into)
+
+    for r, res in zip(have, _threaded(eng, buffers, have, prepare)):
+        if const[r] != 0.0:
+            eng.add_scalar_inplace(res, float(const[r]))
+        out[r] = res
     return out
 
 
@@ -333,37 +399,71 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     # the caller's: never recycled
     pinned = set() if own_inputs else {id(e) for e in inputs if _is_ct(e)}
 
-    def compute(si: int, ins: list[list[Elem]], rows: np.ndarray) -> list[Elem]:
+    levels = step_levels(steps, "batch")
+
+    def compute(si: int, ins: list[list[Elem]], rows: np.ndarray, part: bool = False,
+                partial: np.ndarray | None = None) -> list[Elem]:
+        """Step ``si``'s ``rows``; ``part``: ``ins`` hold a tile's rows only (the step's level
+        is its own, not that of the rows given); ``partial``: a reduction's part
+        (:func:`_affine_batch`)."""
         st = steps[si]
         if st.kind == "affine":
+            level = max((levels[j] for j in st.inputs if live[j].any()), default=0) \
+                if part else None
             return _affine_batch(eng, si, st, ins, rows, plains,
                                  FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
-                                 fused_maps, buffers)
+                                 fused_maps, buffers, level, partial)
         if st.kind == "mul":
             return _mul_step(eng, ins[0], ins[1], rows, buffers)
         return [_scale_elem(eng, p, float(st.factor)) if r else 0.0
                 for p, r in zip(ins[0], rows)]
 
     def segment(seg: Segment, k: int) -> None:
-        """Runs the segment's steps tile by tile; its kept values go to ``vals`` whole."""
-        whole: dict[int, list[Elem]] = {s: [0.0] * steps[s].n for s in seg.keep}
-        # the values from before the segment do not change while it runs
-        kept = pinned | {id(e) for x in vals if x is not None for e in x if _is_ct(e)}
-        for masks in tile_masks(seg, k):
-            part: dict[int, list[Elem]] = {}
+        """Runs the segment's steps tile by tile (:func:`he.tiling.tile_plan`): each tile's
+        rows, then a reduction's part, then the inner rows no later tile reads are freed; its
+        kept values go to ``vals`` whole."""
+        end = steps[seg.end]
+        held: dict[int, list[Elem]] = {s: [0.0] * steps[s].n for s in seg.steps
+                                       if not (seg.reduce and s == seg.end)}
+        # the values from before the segment do not change while it runs (the inputs a server
+        # owns may be freed in it)
+        outside = pinned | {id(e) for s, x in enumerate(vals) if x is not None
+                            and not (s == 0 and own_inputs and 0 in seg.last)
+                            for e in x if _is_ct(e)}
+        sums: dict[int, Any] = {}
+        clear = np.zeros(end.n)
+        for i, tile in enumerate(tile_plan(seg, k)):
             for s in seg.steps:
-                ins = [part[j] if j in part else whole[j] if j in whole else vals[j]
-                       for j in steps[s].inputs]
-                out = compute(s, ins, live[s] & masks[s])
-                if s not in whole:
-                    part[s] = out
+                if s not in held or not tile.compute[s].any():
                     continue
-                for r in np.flatnonzero(live[s] & masks[s]):
-                    whole[s][r] = out[r]
-            for s in seg.inner:
-                buffers.release(part.pop(s), [*whole.values(), *part.values()], kept)
-        for s, value in whole.items():
-            vals[s] = value
+                ins = [held[j] if j in held else vals[j] for j in steps[s].inputs]
+                out = compute(s, ins, tile.compute[s], part=True)
+                for r in np.flatnonzero(tile.compute[s]):
+                    held[s][r] = out[r]
+            if seg.reduce:
+                # the rows this tile computed (and, once, the inputs from before the segment)
+                srcs = [[e if m else 0.0 for e, m in zip(held[j], tile.compute[j])]
+                        if j in held else (vals[j] if i == 0 else [0.0] * steps[j].n)
+                        for j in end.inputs]
+                part = compute(seg.end, srcs, live[seg.end], part=True, partial=clear)
+                _add_sums(eng, sums, part, buffers)
+            dead: list[Elem] = []
+            for s, rows in tile.free.items():
+                if s == 0 and not own_inputs:
+                    continue                    # the caller's
+                value = held[s] if s else vals[0]
+                for r in np.flatnonzero(rows):
+                    dead.append(value[r])
+                    value[r] = 0.0
+                    if s == 0:
+                        inputs[r] = 0.0
+            if dead:
+                buffers.release(dead, [*held.values(), vals[0]], outside)
+        if seg.reduce:
+            level = max((levels[j] for j in end.inputs if live[j].any()), default=0)
+            held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], level, buffers)
+        for s in seg.keep:
+            vals[s] = held[s]
 
     # no bar object at all without progress: this also runs in forked workers
     order = tqdm(range(len(steps)), desc="batch steps", leave=False) if progress else \

@@ -2,16 +2,26 @@
 
 In batch packing every element of a value is a ciphertext, so a group's memory is that of the
 values alive at once: a Mu-Layer's hidden values (``AX``, ``BDX`` and their product, three
-times the channels of its input over every token) dominate it. Most of them are read only by
-the next few steps, and row by row: the product of two rows, a channel map of one token's rows.
+times the channels of its input over every token) dominate it. Most rows are read only by a few
+rows of the next steps: a product of two rows, a channel map of one token's rows, a spatial
+shift of a token's neighbours'.
 
 A **segment** is a run of consecutive steps: those read after it (or the output) are *kept*
-whole, the others are *inner*. Its live rows fall into independent **components**: rows with
-the rows of the segment they read, transitively, no row shared between two components (for a
-Mu-Layer on tokens: one per token; a spatial shift joins neighbours when the value it reads is
-in the segment, so segments end there). Run tile by tile (a few components at a time), the
-inner values live one tile at a time, and every row is computed exactly as it would be in one
-pass: the results are bit-identical, only the memory differs.
+whole, the others are *inner*. It runs tile by tile, as a wavefront: every live row of the
+program has a **position** in one order of all rows in which rows that read one another sit
+close (reverse Cuthill-McKee on the graph of reads: on a grid of tokens, a sweep across it), and
+the segment's **sinks** (its kept rows) are cut into tiles by position. A tile computes every row
+of the segment's steps that its sinks need and no earlier tile computed; an inner row is freed
+after the last tile that reads it. So each row is computed once, exactly as in one pass (the
+results are bit-identical), and the inner values alive at once are those of a band of tiles:
+for a Mu-Layer on tokens, the tokens of a tile; with a spatial shift, also those whose
+neighbours are still to come.
+
+A segment may end with a **reduction**: a weighted map whose rows read the whole segment (a
+classifier's head over every token) is summed tile by tile, each tile adding the products of the
+rows it computed, and rescaled once at the end. Its inputs in the segment become inner values,
+freed in the tile that computed them, where otherwise they would be kept whole. The sums are
+those of one pass in another order: modular sums, so the same words up to where constants join.
 
 :func:`find_segments` cuts the program into single steps and segments so that the peak with the
 most tiles is lowest, by :func:`batch_memory` (every value at its own level's size, so that the
@@ -23,35 +33,49 @@ budget (none where the group fits whole: fewer, larger matrix products).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.sparse.csgraph import connected_components
+from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
-__all__ = ["Segment", "find_segments", "tile_masks", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES"]
+__all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
+           "choose_tiles", "row_bytes_of", "MAX_TILES", "reduces"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
+
+#: A row reading more than this share of a value's live rows (and more than
+#: :data:`_DENSE_MIN` of them) reads "everything" (a head over all tokens): its reads do not
+#: place rows close to one another in the order of rows
+_DENSE_SHARE = 0.25
+_DENSE_MIN = 64
+
+_NONE = np.iinfo(np.int64).max
 
 
 @dataclass
 class Segment:
     """Consecutive steps run tile by tile: ``keep`` (read after the segment, or the output)
-    assembled whole, ``inner`` (read only inside it) held one tile at a time.
+    assembled whole, ``inner`` (read only inside it) held a band of tiles at a time.
 
-    ``labels[s]``: the component of every live row of step ``s`` (``-1``: not live), components
-    numbered by their first row of the last step; ``components``: how many.
+    ``rank[s]``: per row of step ``s``, the position at which it is computed (the earliest
+    position of a sink it leads to; ``-1``: not live); ``last[s]``: per row of an inner step
+    (and of the group's inputs, ``last[0]``, where a server that owns them frees them tile by
+    tile), the latest position of a row that reads it (it is freed after that position's tile);
+    ``sinks``: the sorted distinct positions of the sinks, cut into tiles. ``reduce``: the end
+    is a weighted map summed tile by tile (its rank and last are not used).
     """
 
     keep: tuple[int, ...]
     inner: tuple[int, ...]
-    labels: dict[int, np.ndarray]
-    components: int
+    rank: dict[int, np.ndarray]
+    last: dict[int, np.ndarray]
+    sinks: np.ndarray
+    reduce: bool = False
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -62,6 +86,55 @@ class Segment:
         """The step at whose place the segment runs (its last)."""
         return max(self.keep)
 
+    @property
+    def components(self) -> int:
+        """The most tiles the segment can be cut into (its distinct sink positions)."""
+        return int(self.sinks.size)
+
+
+@dataclass
+class Tile:
+    """One tile of a segment: per step, the rows it computes (``compute``) and, per inner step,
+    the rows freed once it has run (``free``)."""
+
+    compute: dict[int, np.ndarray] = field(default_factory=dict)
+    free: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+def reduces(lowered: Lowered, s: int) -> bool:
+    """Whether step ``s`` can end a segment as a reduction: a weighted map (its rows are sums of
+    products rescaled once, which can be summed in parts)."""
+    st = lowered.steps[s]
+    return st.kind == "affine" and not affine_is_free(st, "batch")
+
+
+
+def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
+                                                      dict[int, np.ndarray]]:
+    """``(tiles, tile_of, free_at)``: per step of the segment, the tile computing each row and,
+    per inner step, the tile after which each row is freed (``-1``: not live)."""
+    tiles = max(1, min(int(tiles), seg.components))
+    cut = np.linspace(0, seg.sinks.size, tiles + 1).round().astype(np.int64)
+    bounds = seg.sinks[cut[1:-1]]
+    tile_of = {s: np.where(r >= 0, np.searchsorted(bounds, r, side="right"), -1)
+               for s, r in seg.rank.items()}
+    free_at = {s: np.where(v >= 0, np.searchsorted(bounds, v, side="right"), -1)
+               for s, v in seg.last.items()}
+    return tiles, tile_of, free_at
+
+
+def tile_plan(seg: Segment, tiles: int) -> list[Tile]:
+    """The segment cut into ``tiles`` tiles (at most its :attr:`~Segment.components`), its
+    sinks split as evenly as their positions allow."""
+    tiles, tile_of, free_at = _tile_indices(seg, tiles)
+    return [Tile({s: t == i for s, t in tile_of.items()},
+                 {s: f == i for s, f in free_at.items()}) for i in range(tiles)]
+
+
+def _per_tile(index: np.ndarray, tiles: int) -> np.ndarray:
+    """Rows per tile of a row -> tile index (``-1`` rows not counted)."""
+    return np.bincount(index[index >= 0], minlength=tiles)[:tiles].astype(np.float64)
+
 
 def _readers(lowered: Lowered) -> list[set[int]]:
     out: list[set[int]] = [set() for _ in lowered.steps]
@@ -71,44 +144,137 @@ def _readers(lowered: Lowered) -> list[set[int]]:
     return out
 
 
-def _components(lowered: Lowered, live: Sequence[np.ndarray], members: Sequence[int]
-                ) -> tuple[dict[int, np.ndarray], int]:
-    """Connected components of the live rows of ``members``: a row joins the rows of members
-    it reads (an affine map's nonzero weights, a product's or scaling's own row)."""
+class _Reads:
+    """Who reads which row: per step ``j``, ``(reader, indptr, indices)`` for every term of a
+    step reading it, the live rows of the reader reading each live row of ``j`` (compressed by
+    columns; ``None`` for a product's or scaling's row-for-row read); and a position for every
+    row (:func:`_positions`)."""
+
+    def __init__(self, lowered: Lowered, live: Sequence[np.ndarray]):
+        steps = lowered.steps
+        self.by_input: list[list[tuple[int, np.ndarray | None, np.ndarray | None]]] = \
+            [[] for _ in steps]
+        self.readers = _readers(lowered)
+        edges: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        for k, st in enumerate(steps):
+            for t, j in enumerate(st.inputs):
+                if st.kind != "affine":
+                    self.by_input[j].append((k, None, None))
+                    rows = np.flatnonzero(live[k] & live[j])
+                    edges.append((k, j, rows, rows))
+                    continue
+                m = st.terms[t].tocoo()
+                ok = live[k][m.row] & live[j][m.col]
+                rows, cols = m.row[ok].astype(np.int64), m.col[ok].astype(np.int64)
+                pat = sp.csc_matrix((np.ones(rows.size, dtype=np.int8), (rows, cols)),
+                                    shape=m.shape)
+                self.by_input[j].append((k, pat.indptr, pat.indices.astype(np.int64)))
+                fan = np.bincount(rows, minlength=st.n)
+                dense = fan > max(_DENSE_MIN, _DENSE_SHARE * float(live[j].sum()))
+                near = ~dense[rows]
+                edges.append((k, j, rows[near], cols[near]))
+        self.position = _positions(lowered, edges)
+
+
+def _positions(lowered: Lowered, edges: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
+               ) -> list[np.ndarray]:
+    """Per step, the position of each row in one order of all the program's rows, reverse
+    Cuthill-McKee on the graph of reads (``edges``: reader step, read step, rows, their rows):
+    rows that read one another sit close, so that a band of positions is a band of tokens."""
+    offset = np.cumsum([0] + [st.n for st in lowered.steps])
+    total = int(offset[-1])
+    r = np.concatenate([offset[k] + rows for k, _, rows, _ in edges] or [np.zeros(0, np.int64)])
+    c = np.concatenate([offset[j] + cols for _, j, _, cols in edges] or [np.zeros(0, np.int64)])
+    graph = sp.coo_matrix((np.ones(r.size, dtype=np.int8), (r, c)), shape=(total, total)).tocsr()
+    graph = ((graph + graph.T) != 0).astype(np.int8).tocsr()
+    order = reverse_cuthill_mckee(graph, symmetric_mode=True)
+    pos = np.empty(total, dtype=np.int64)
+    pos[order] = np.arange(total, dtype=np.int64)
+    return [pos[offset[s]:offset[s + 1]] for s in range(len(lowered.steps))]
+
+
+def _gather(indptr: np.ndarray | None, indices: np.ndarray | None, values: np.ndarray,
+            fill: int, ufunc: np.ufunc) -> np.ndarray:
+    """Per row of the read step, ``ufunc`` over ``values`` of the rows reading it."""
+    if indptr is None:
+        return values
+    out = np.full(indptr.size - 1, fill, dtype=np.int64)
+    starts = indptr[:-1]
+    some = starts < indptr[1:]
+    if some.any():
+        out[some] = ufunc.reduceat(values[indices], starts[some])
+    return out
+
+
+def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int,
+           reduce: bool) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray],
+                                  dict[int, np.ndarray]]:
+    """For segments ending at ``end``: per step before it (and ``end`` itself unless it is a
+    reduction), every row's rank and last reader's rank, and the positions of its sinks
+    (``-1``/empty where none). A step's ranks depend only on the steps after it up to the end,
+    so every segment ending there shares them."""
     steps = lowered.steps
-    offset, base = {}, 0
-    for s in members:
-        offset[s] = base
-        base += steps[s].n
-    rows_i: list[np.ndarray] = []
-    cols_i: list[np.ndarray] = []
-    for k in members:
-        st, lk = steps[k], live[k]
+    consumed: dict[int, np.ndarray] = {}
+    if reduce:
+        st = steps[end]
         for t, j in enumerate(st.inputs):
-            if j not in offset:
+            used = np.asarray(abs(st.terms[t].tocsr()[live[end]]).sum(axis=0)).ravel() > 0
+            consumed[j] = consumed.get(j, np.zeros(steps[j].n, dtype=bool)) | (used & live[j])
+    rank: dict[int, np.ndarray] = {}
+    last: dict[int, np.ndarray] = {}
+    sinks: dict[int, np.ndarray] = {}
+    for s in range(end - 1 if reduce else end, 0, -1):
+        if steps[s].kind == "input":
+            break
+        lv = live[s]
+        r = np.full(steps[s].n, _NONE, dtype=np.int64)
+        hi = np.full(steps[s].n, -1, dtype=np.int64)
+        kept = s == end or s == lowered.output or any(k > end for k in reads.readers[s])
+        sink = lv.copy() if kept else consumed.get(s, np.zeros(steps[s].n, dtype=bool))
+        r[sink] = reads.position[s][sink]
+        sinks[s] = reads.position[s][sink]
+        for k, indptr, indices in reads.by_input[s]:
+            if k > end or (reduce and k == end) or k not in rank:
                 continue
-            if st.kind == "affine":
-                coo = st.terms[t].tocoo()
-                keep = lk[coo.row] & live[j][coo.col]
-                r, c = coo.row[keep], coo.col[keep]
-            else:
-                r = c = np.flatnonzero(lk & live[j])
-            rows_i.append(offset[k] + r)
-            cols_i.append(offset[j] + c)
-    r = np.concatenate(rows_i) if rows_i else np.zeros(0, dtype=np.int64)
-    c = np.concatenate(cols_i) if cols_i else np.zeros(0, dtype=np.int64)
-    graph = sp.coo_matrix((np.ones(r.size, dtype=np.int8), (r, c)), shape=(base, base))
-    _, label = connected_components(graph, directed=False)
-    last = members[-1]
-    live_labels = [label[offset[s] + np.flatnonzero(live[s])] for s in (last, *members)]
-    order = {lab: i for i, lab in enumerate(dict.fromkeys(np.concatenate(live_labels).tolist()))}
-    labels = {}
-    for s in members:
-        lab = np.full(steps[s].n, -1, dtype=np.int64)
-        rows = np.flatnonzero(live[s])
-        lab[rows] = [order[v] for v in label[offset[s] + rows].tolist()]
-        labels[s] = lab
-    return labels, len(order)
+            rk = rank[k]
+            r = np.minimum(r, _gather(indptr, indices, np.where(rk >= 0, rk, _NONE), _NONE,
+                                      np.minimum))
+            hi = np.maximum(hi, _gather(indptr, indices, rk, -1, np.maximum))
+        ok = lv & (r != _NONE)
+        rank[s] = np.where(ok, r, -1)
+        last[s] = np.where(ok, np.maximum(hi, r), -1)
+    # the group's inputs: freed after their last reader where every reader is in the segment
+    # (what a reduction reads of them joins its first part)
+    if max(reads.readers[0], default=end + 1) <= end:
+        hi = np.full(steps[0].n, -1, dtype=np.int64)
+        for k, indptr, indices in reads.by_input[0]:
+            if k in rank:
+                hi = np.maximum(hi, _gather(indptr, indices, rank[k], -1, np.maximum))
+        if reduce and 0 in consumed:
+            first = min((int(v.min()) for v in sinks.values() if v.size), default=-1)
+            hi = np.where(consumed[0], np.maximum(hi, first), hi)
+        last[0] = np.where(live[0], hi, -1)
+    return rank, last, sinks
+
+
+def _segment(lowered: Lowered, reads: _Reads, swept: tuple[dict, dict, dict], start: int,
+             end: int, reduce: bool, free_inputs: bool) -> Segment | None:
+    """The segment of steps ``start..end`` (None where it would have no inner step);
+    ``free_inputs``: the group's inputs, when every reader is in it, are freed tile by tile
+    (``last[0]``)."""
+    rank, last, sinks = swept
+    members = range(start, end + 1)
+    keep = tuple(s for s in members
+                 if s == end or s == lowered.output or any(k > end for k in reads.readers[s]))
+    inner = tuple(s for s in members if s not in keep)
+    if not inner:
+        return None
+    ranked = [s for s in members if not (reduce and s == end)]
+    found = np.unique(np.concatenate([sinks[s] for s in ranked]))
+    frees = {s: last[s] for s in inner}
+    if free_inputs and start == 1 and 0 in last:
+        frees[0] = last[0]
+    return Segment(keep, inner, {s: rank[s] for s in ranked}, frees, found, reduce)
 
 
 def _last_use(lowered: Lowered, keep_inputs: bool, at: dict[int, int] | None = None
@@ -131,14 +297,16 @@ def _last_use(lowered: Lowered, keep_inputs: bool, at: dict[int, int] | None = N
 class _Memory:
     """The memory rule of one batch group: a step's value lives from when it runs until its
     last reader has (the output until the end, and the group's inputs too unless
-    ``keep_inputs`` is false: a server that loaded them from bytes frees them); a weighted map's rows are computed at its inputs' level (``scratch``: a prime wider
-    than the values they are rescaled into). A segment runs all its steps at its end; since its
-    steps are consecutive and its inner values read only inside it, what is alive around a step
-    or a segment does not depend on how the other steps are grouped."""
+    ``keep_inputs`` is false: a server that loaded them from bytes frees them); a weighted
+    map's rows are computed at its inputs' level (``scratch``: a prime wider than the values
+    they are rescaled into). A segment runs all its steps at its end; since its steps are
+    consecutive and its inner values read only inside it, what is alive around a step or a
+    segment does not depend on how the other steps are grouped."""
 
     def __init__(self, lowered: Lowered, live: Sequence[np.ndarray],
                  row_bytes: Callable[[int], float], keep_inputs: bool = True):
         self.lowered, self.live, self.row_bytes = lowered, live, row_bytes
+        self.keep_inputs = keep_inputs
         steps = lowered.steps
         last = _last_use(lowered, keep_inputs)
         self.full = [row_bytes(j) * float(live[j].sum()) for j in range(len(steps))]
@@ -146,82 +314,70 @@ class _Memory:
         self.before = [sum(self.full[j] for j in range(a) if last[j] >= a)
                        for a in range(len(steps) + 1)]
 
-    def scratch(self, s: int, rows: np.ndarray) -> float:
+    def scratch_row(self, s: int) -> float:
         st = self.lowered.steps[s]
         if st.kind == "affine" and not affine_is_free(st, "batch"):
-            return self.row_bytes(-s - 1) * float(rows.sum())
+            return self.row_bytes(-s - 1)
         return 0.0
 
     def step(self, si: int) -> float:
-        return self.before[si] + self.full[si] + self.scratch(si, self.live[si])
+        return self.before[si] + self.full[si] + self.scratch_row(si) * float(
+            self.live[si].sum())
 
     def segment(self, seg: Segment, tiles: int) -> float:
-        """What the segment's values from before, its kept values and its inner values of the
-        largest tile hold (every inner value of a tile counted as alive at once)."""
-        return self.before[min(seg.steps)] + sum(self.full[s] for s in seg.keep) + max(
-            sum(self.row_bytes(s) * float(m[s].sum()) for s in seg.inner)
-            + max(self.scratch(s, m[s]) for s in seg.steps)
-            for m in tile_masks(seg, tiles))
-
-
-def _candidates(lowered: Lowered, live: Sequence[np.ndarray]) -> dict[tuple[int, int], Segment]:
-    """Every run of consecutive steps ``[a, e]`` whose live rows split into two or more
-    components and that has inner steps. For each end, runs reach back until their rows stop
-    splitting (a step reading its neighbours' rows, such as a spatial shift, joins them once
-    the value it reads is in the run; reaching further only joins more)."""
-    steps = lowered.steps
-    readers = _readers(lowered)
-    found: dict[tuple[int, int], Segment] = {}
-    for end in range(1, len(steps)):
-        if steps[end].kind == "input" or not live[end].any():
-            continue
-        for a in range(end - 1, 0, -1):
-            if steps[a].kind == "input" or not live[a].any():
-                break
-            members = list(range(a, end + 1))
-            inside = set(members)
-            keep = tuple(s for s in members
-                         if s == lowered.output or not readers[s] <= inside)
-            inner = tuple(s for s in members if s not in keep)
-            if not inner:
-                continue
-            labels, count = _components(lowered, live, members)
-            if count < 2:
-                break
-            found[a, end] = Segment(keep, inner, labels, count)
-    return found
+        """What the segment's values from before, its rows computed and not yet freed (the
+        kept ones to its end), a reduction's sums and the largest scratch of a tile hold, at
+        the end of the tile where they are most."""
+        tiles, tile_of, free_at = _tile_indices(seg, tiles)
+        made = np.zeros(tiles)
+        freed = np.zeros(tiles)
+        scratch = np.zeros(tiles)
+        for s, t in tile_of.items():
+            rows = _per_tile(t, tiles)
+            made += self.row_bytes(s) * rows
+            scratch = np.maximum(scratch, self.scratch_row(s) * rows)
+        for s, f in free_at.items():
+            if s or not self.keep_inputs:
+                freed += self.row_bytes(s) * _per_tile(f, tiles)
+        held = np.cumsum(made) - np.concatenate([[0.0], np.cumsum(freed)[:-1]])
+        peak = float(np.max(held + scratch))
+        if seg.reduce:
+            sums = self.scratch_row(seg.end) * float(self.live[seg.end].sum())
+            # the sums, and a tile's part of them; at the end, the rescaled result
+            peak = max(peak + 2 * sums, float(held[-1] - freed[-1]) + sums + self.full[seg.end])
+        return self.before[min(seg.steps)] + peak
 
 
 def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
                   row_bytes: Callable[[int], float], keep_inputs: bool = True) -> list[Segment]:
     """The segments that give a batch group the lowest peak memory when each runs in as many
     tiles as it can (:data:`MAX_TILES`): the program's steps are cut into single steps and runs
-    of :func:`_candidates` by dynamic programming on the peak, which each piece contributes to
-    independently (:class:`_Memory`). Empty where no segment lowers the peak."""
+    of consecutive steps (every run with an inner step, ending as a reduction or not) by dynamic
+    programming on the peak, which each piece contributes to independently (:class:`_Memory`).
+    Empty where no segment lowers the peak."""
     mem = _Memory(lowered, live, row_bytes, keep_inputs)
-    cands = _candidates(lowered, live)
     n = len(lowered.steps)
+    if n < 3:
+        return []
+    reads = _Reads(lowered, live)
     # best[i]: (lowest peak of steps 0..i-1 cut into pieces, the pieces)
     best: list[tuple[float, list[Segment]]] = [(0.0, [])]
-    for i in range(n):
-        options = [(max(best[i][0], mem.step(i)), best[i][1])]
-        for (a, e), seg in cands.items():
-            if e == i:
-                peak = mem.segment(seg, min(seg.components, MAX_TILES))
-                options.append((max(best[a][0], peak), [*best[a][1], seg]))
+    for end in range(n):
+        options = [(max(best[end][0], mem.step(end)), best[end][1])]
+        if end > 0 and live[end].any():
+            for reduce in (False, True) if reduces(lowered, end) else (False,):
+                swept = _sweep(lowered, live, reads, end, reduce)
+                for start in range(end - 1, 0, -1):
+                    seg = _segment(lowered, reads, swept, start, end, reduce,
+                                   not keep_inputs)
+                    if seg is None or seg.components < 2:
+                        continue
+                    peak = mem.segment(seg, MAX_TILES)
+                    options.append((max(best[start][0], peak), [*best[start][1], seg]))
         best.append(min(options, key=lambda o: (o[0], len(o[1]))))
     peak, segments = best[n]
     untiled = max(mem.step(i) for i in range(n))
     return segments if peak < untiled else []
-
-
-def tile_masks(seg: Segment, tiles: int) -> list[dict[int, np.ndarray]]:
-    """Rows of every step of the segment computed in each of ``tiles`` tiles (consecutive
-    components, as even as the components allow)."""
-    tiles = max(1, min(int(tiles), seg.components))
-    bounds = np.linspace(0, seg.components, tiles + 1).round().astype(np.int64)
-    return [{s: (lab >= lo) & (lab < hi) for s, lab in seg.labels.items()}
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
@@ -248,9 +404,10 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
     whatever was allocated, so the peak is everything allocated. A recycled buffer keeps the
     primes of the level it was first allocated at, which :func:`batch_memory` does not see:
     values of low levels written into buffers of high ones. Simulated step by step (tile by
-    tile in segments) with counts of buffers per size: a weighted map's rows computed at its
-    inputs' level then rescaled into new ones, a product's in three-polynomial scratch a few
-    at a time."""
+    tile in segments, rows freed after the tile that last reads them) with counts of buffers per
+    size: a weighted map's rows computed at its inputs' level then rescaled into new ones, a
+    product's in three-polynomial scratch a few at a time, a reduction's sums held to the
+    segment's end."""
     steps = lowered.steps
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
@@ -277,8 +434,19 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
         for cap, k in held.items():
             free[cap] = free.get(cap, 0) + k
 
-    def compute(s: int, rows: np.ndarray) -> dict[float, int]:
-        st, n = steps[s], int(rows.sum())
+    def part(held: dict[float, int], n: int) -> dict[float, int]:
+        """``n`` of the buffers of ``held`` (taken out of it), largest first."""
+        out: dict[float, int] = {}
+        for cap in sorted(held, reverse=True):
+            k = min(n, held[cap])
+            if k:
+                held[cap] -= k
+                out[cap] = k
+                n -= k
+        return out
+
+    def compute(s: int, n: int) -> dict[float, int]:
+        st = steps[s]
         if st.kind == "affine" and not affine_is_free(st, "batch"):
             scratch = take(row_bytes(-s - 1), n)
         elif st.kind == "mul":
@@ -289,6 +457,13 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
         release(scratch)
         return out
 
+    def merge(parts: Sequence[dict[float, int]]) -> dict[float, int]:
+        out: dict[float, int] = {}
+        for held in parts:
+            for cap, k in held.items():
+                out[cap] = out.get(cap, 0) + k
+        return out
+
     end_of = {seg.end: seg for seg in tiled}
     deferred = {s for seg in tiled for s in seg.steps if s != seg.end}
     vals: dict[int, dict[float, int]] = {0: take(row_bytes(0), int(live[0].sum()))}
@@ -297,22 +472,32 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
             continue
         seg = end_of.get(si)
         if seg is None:
-            vals[si] = compute(si, live[si])
+            vals[si] = compute(si, int(live[si].sum()))
             ran: tuple[int, ...] = (si,)
         else:
-            kept: dict[int, dict[float, int]] = {s: {} for s in seg.keep}
-            for masks in tile_masks(seg, tiles[si]):
-                part = []
+            count, tile_of, free_at = _tile_indices(seg, tiles[si])
+            held: dict[int, list[dict[float, int]]] = {s: [] for s in tile_of}
+            n_end = int(live[seg.end].sum())
+            sums = take(row_bytes(-seg.end - 1), n_end) if seg.reduce else {}
+            for i in range(count):
                 for s in seg.steps:
-                    out = compute(s, live[s] & masks[s])
-                    if s in kept:
-                        for cap, k in out.items():
-                            kept[s][cap] = kept[s].get(cap, 0) + k
-                    else:
-                        part.append(out)
-                for held in part:
-                    release(held)
-            vals.update(kept)
+                    if s in tile_of:
+                        held[s].append(compute(s, int(np.count_nonzero(tile_of[s] == i))))
+                if seg.reduce:
+                    release(take(row_bytes(-seg.end - 1), n_end))
+                for s, f in free_at.items():
+                    k = int(np.count_nonzero(f == i)) if s or not keep_inputs else 0
+                    for h in held[s] if s else [vals[0]]:
+                        if k == 0:
+                            break
+                        got = part(h, k)
+                        k -= sum(got.values())
+                        release(got)
+            for s in seg.keep:
+                vals[s] = merge(held.get(s, []))
+            if seg.reduce:
+                vals[seg.end] = take(row_bytes(seg.end), n_end)
+                release(sums)
             ran = seg.steps
         for j in [j for j in vals if last[j] <= si and j != lowered.output and j not in ran]:
             release(vals.pop(j))
