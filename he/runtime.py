@@ -243,7 +243,7 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
 
 
 def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
-                  plains: dict[tuple[float, int], Any], min_fanin: int,
+                  plains: dict[tuple[float, int, float], Any], min_fanin: int,
                   fused_maps: dict[Any, Any], buffers: _Buffers, level: int | None = None,
                   partial: np.ndarray | None = None) -> list[Elem]:
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
@@ -273,13 +273,21 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     def elem(t: int, c: int) -> Elem:
         if (t, c) not in lifted:
             e = srcs[t][c]
-            if _is_ct(e) and eng.level(e) != level:
-                e = eng.lift(e, level, out=buffers.take(eng, level))
+            if _is_ct(e) and eng.level(e) != level and free:
+                # lifted (computed a prime above the step's level, so in a buffer of that size)
+                e = eng.lift(e, level, out=buffers.take(eng, max(level - 1, 0)))
+                copies.append(e)
+            elif _is_ct(e) and eng.level(e) != level:
+                # its primes dropped to the step's level, its scale kept: its weights are
+                # encoded at the scale that brings its products to the others' (as fused rows)
+                down = buffers.take(eng, level)
+                eng.evaluator.mod_switch_to(e, eng.parms_ids[level], down)
+                e = down
                 copies.append(e)
             lifted[(t, c)] = e
         return lifted[(t, c)]
 
-    copies: list[Any] = []         # inputs lifted to the step's level, in buffers
+    copies: list[Any] = []         # inputs brought to the step's level, in buffers
 
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
@@ -302,11 +310,14 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
                     else:           # the first sum of the row goes to a buffer of its own
                         acc, summed = eng.add(acc, e, out=buffers.take(eng, level)), True
                 else:
-                    key = (float(w), level)
+                    # the products' common scale is scale^2 (an input switched down keeps
+                    # its own scale)
+                    at = scale if e.scale == scale else scale * scale / e.scale
+                    key = (float(w), level, at)
                     if key not in plains:
                         if len(plains) >= _plain_cache_size(eng, level):
                             plains.clear()
-                        plains[key] = eng.encode_scalar(float(w), level, scale)
+                        plains[key] = eng.encode_scalar(float(w), level, at)
                     if acc is None:         # the row's sum, in a recycled buffer
                         acc = buffers.take(eng, level)
                         eng.mul_plain_into(e, plains[key], acc)
@@ -393,7 +404,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         for j in set(st.inputs):
             remaining[j] += 1
     vals: list[list[Elem] | None] = [None] * len(steps)
-    plains: dict[tuple[float, int], Any] = {}
+    plains: dict[tuple[float, int, float], Any] = {}
     fused_maps: dict[Any, Any] = {}
     buffers = _Buffers()
     # the caller's: never recycled
