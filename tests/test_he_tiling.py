@@ -294,3 +294,25 @@ def test_inputs_handed_over_are_freed_after_their_readers_with_the_same_results(
         assert (a == b) if isinstance(a, float) else save_object(a) == save_object(b)
     # the memory rule counts them only until their last reader
     assert batch_memory(low, live, rb, keep_inputs=False) <= batch_memory(low, live, rb)
+
+
+def test_candidates_over_the_memory_budget_rank_by_the_memory_they_need():
+    """Programs whose server fits the budget rank by predicted time; where none fits, the one
+    needing least memory comes first (a server refuses a group it cannot hold)."""
+    from types import SimpleNamespace
+
+    from he.compiler import _rank
+
+    def prog(seconds: float, memory: float) -> SimpleNamespace:
+        return SimpleNamespace(options={}, plan=SimpleNamespace(predicted={
+            "round_trip_seconds": seconds, "server_memory_bytes": memory,
+            "samples_per_ciphertext": 1}))
+
+    fast_big, slow_small = prog(1.0, 30e9), prog(2.0, 9e9)
+    over = sorted([fast_big, slow_small], key=lambda p: _rank(p, "latency", None, int(4e9)))
+    assert over[0] is slow_small
+    fits = sorted([fast_big, slow_small], key=lambda p: _rank(p, "latency", None, int(40e9)))
+    assert fits[0] is fast_big
+    one = sorted([fast_big, slow_small], key=lambda p: _rank(p, "latency", None, int(10e9)))
+    assert one[0] is slow_small
+    assert _rank(fast_big, "latency", None, int(40e9))[-1] == 1.0      # the cost comes last
