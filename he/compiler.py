@@ -938,7 +938,8 @@ def _with_why(prog: "CompiledProgram", why: str) -> "CompiledProgram":
 def _choose(found: list["CompiledProgram"], packing: str, objective: str,
             batch_size: int | None, memory_budget: int | None) -> "CompiledProgram":
     """The candidate packing with the lowest predicted cost for ``objective`` whose server fits
-    ``memory_budget`` (any, when none fits); with ``packing="auto"`` its ``why`` says so."""
+    ``memory_budget`` (the one needing least memory, when none fits); with ``packing="auto"``
+    its ``why`` says so."""
     budget = available_memory() if memory_budget is None else int(memory_budget)
     ranked = [_rank(p, objective, batch_size, budget) for p in found]
     scores = [r[-1] for r in ranked]

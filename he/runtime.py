@@ -249,8 +249,9 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     """One affine step on batch-packed elements: each live output is a sum of plaintext-scalar
     products rescaled once (or a plain sum when the step is a selection). Rows with several
     ciphertext terms are one fused integer matrix product (:mod:`he.fused`) where the process
-    allows it; the rest use SEAL's multiply/add chain on inputs lifted to a common level
-    (``level``: the step's, where not every input is given, as in a tile).
+    allows it; the rest use SEAL's multiply/add chain at a common level, inputs below it read
+    at its primes as the fused rows read them (``level``: the step's, where not every input is
+    given, as in a tile).
 
     ``partial`` (a weighted step): ``srcs`` hold a part of the inputs (the rest ``0.0``); the
     rows' sums over that part are returned at the product's scale, not rescaled, without the
@@ -412,6 +413,11 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
 
     levels = step_levels(steps, "batch")
 
+    def in_level(si: int) -> int:
+        """The level a weighted step's rows are computed at: its inputs' (read in a tile, some
+        of them may be absent)."""
+        return max((levels[j] for j in steps[si].inputs if live[j].any()), default=0)
+
     def compute(si: int, ins: list[list[Elem]], rows: np.ndarray, part: bool = False,
                 partial: np.ndarray | None = None) -> list[Elem]:
         """Step ``si``'s ``rows``; ``part``: ``ins`` hold a tile's rows only (the step's level
@@ -419,11 +425,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         (:func:`_affine_batch`)."""
         st = steps[si]
         if st.kind == "affine":
-            level = max((levels[j] for j in st.inputs if live[j].any()), default=0) \
-                if part else None
             return _affine_batch(eng, si, st, ins, rows, plains,
                                  FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
-                                 fused_maps, buffers, level, partial)
+                                 fused_maps, buffers, in_level(si) if part else None, partial)
         if st.kind == "mul":
             return _mul_step(eng, ins[0], ins[1], rows, buffers)
         return [_scale_elem(eng, p, float(st.factor)) if r else 0.0
@@ -471,8 +475,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             if dead:
                 buffers.release(dead, [*held.values(), vals[0]], outside)
         if seg.reduce:
-            level = max((levels[j] for j in end.inputs if live[j].any()), default=0)
-            held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], level, buffers)
+            held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], in_level(seg.end),
+                                         buffers)
         for s in seg.keep:
             vals[s] = held[s]
 
