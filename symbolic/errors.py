@@ -31,3 +31,9 @@ class NotFittedError(SymbolicError, SklearnNotFittedError, RuntimeError):
 class FitError(SymbolicError, RuntimeError):
     """A numerical fit could not produce a finite result (diverged or singular); the message
     says why and what to change."""
+
+
+class IdentifiabilityWarning(UserWarning):
+    """The data do not determine the model: they satisfy an exact linear relation among the
+    library's monomials (e.g. a conserved quantity), so models that differ by multiples of it
+    fit equally well and the one returned is one choice among them."""

@@ -8,7 +8,8 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError as SklearnNotFittedError
 from sklearn.utils.validation import check_is_fitted
 
-from symbolic import EquationDiscovery, ExpressionError, NotFittedError
+from symbolic import (EquationDiscovery, ExpressionError, IdentifiabilityWarning,
+                      NotFittedError)
 from symbolic.discovery import noise_scale, unequal_noise
 from symbolic.errors import FitError
 from symbolic.field import monomial_exponents
@@ -129,9 +130,17 @@ def test_new_benchmark_systems_have_consistent_truth():
 
 
 def test_conservation_law_sir_is_recovered_exactly_despite_its_collinear_library():
+    import sympy
+
     traj = generate("sir")                     # S + I + R = 1: the library is collinear
     model = EquationDiscovery(degree=2, variables=traj.system.variables, node_steps=30,
-                              progress=False).fit(traj.t, traj.X)
+                              progress=False)
+    with pytest.warns(IdentifiabilityWarning, match=r"S \+ I \+ R = 1 \(up to"):
+        model.fit(traj.t, traj.X)
+    S, I, R = sympy.symbols("S I R")
+    assert len(model.relations_) == 1
+    rest = sympy.Poly(model.relations_[0] - (S + I + R - 1), S, I, R)
+    assert max(abs(float(c)) for c in rest.coeffs()) < 1e-12
     rel, missed, spurious = _errors(model.coefficients(), traj.truth)
     assert (missed, spurious) == (0, 0) and rel < 1e-6
 
