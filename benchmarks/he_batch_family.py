@@ -113,10 +113,15 @@ def _each_in_a_process(args: argparse.Namespace, names: list[str],
             result["data"] = child.get("data")
             result["models"].update(child["models"])
             atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
+    return _finish(result, args.output)
+
+
+def _finish(result: dict, output: str) -> dict:
+    """The summary, the load average at the end, and the file written."""
     _summarise(result)
     result["machine"]["load_average_at_end"] = os.getloadavg()
-    atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
-    print(f"wrote {args.output}")
+    atomic_write_bytes(output, json.dumps(result, indent=1).encode())
+    print(f"wrote {output}")
     return result
 
 
@@ -224,11 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"({row['prediction_error_one_thread']:+.0%}); error {err:.1e} <= "
               f"{row['promised_error']:.1e}: {row['within_promise']}", flush=True)
         atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
-    _summarise(result)
-    result["machine"]["load_average_at_end"] = os.getloadavg()
-    atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
-    print(f"wrote {args.output}")
-    return result
+    return _finish(result, args.output)
 
 
 if __name__ == "__main__":
