@@ -106,7 +106,8 @@ from symbolic.errors import (ExpressionError, FitError, IdentifiabilityWarning, 
                              SymbolicDataError)
 from symbolic.expand import default_variables, to_sympy
 from symbolic.export import derivative_symbol, to_latex, to_python, to_string
-from symbolic.field import PolyField, as_symbols, as_trajectories, monomial_exponents
+from symbolic.field import (PolyField, as_symbols, as_trajectories, monomial_exponents,
+                            monomial_values)
 from symbolic.prune import lstsq_integral, snap_coefficients, term_scales
 from symbolic.shooting import (BUDGET_FACTOR, EXACT_RMS, ShootingResult, fit_trajectories,
                                local_quadratic, make_windows, residual_scale, state_noise)
@@ -354,7 +355,7 @@ def drop_roundoff(coef: np.ndarray, exps: np.ndarray,
     contributes nothing to the fit)."""
     stacked = np.concatenate([X for _, X in trajectories])
     with np.errstate(over="ignore", invalid="ignore"):      # an overflowing term is kept
-        reach = np.abs(np.prod(stacked[:, None, :] ** exps[None, :, :], axis=2)).max(axis=0)
+        reach = np.abs(monomial_values(stacked, exps)).max(axis=0)
     span = max(float(t[-1] - t[0]) for t, _ in trajectories)
     size = np.abs(stacked).max(axis=0)
     moves = np.abs(coef) * reach[:, None] * span
@@ -485,11 +486,11 @@ def library_relations(exps: np.ndarray, trajectories: list[tuple[np.ndarray, np.
     n, dim = stacked.shape
     p = len(exps)
     with np.errstate(over="ignore", invalid="ignore"):
-        theta = np.prod(stacked[:, None, :] ** exps[None, :, :], axis=2)
+        theta = monomial_values(stacked, exps)
     if not np.all(np.isfinite(theta)):
         return []
-    dtheta = [np.prod(stacked[:, None, :] ** np.maximum(exps - (np.arange(dim) == j), 0)[None],
-                      axis=2) * exps[:, j] for j in range(dim)]
+    dtheta = [monomial_values(stacked, np.maximum(exps - (np.arange(dim) == j), 0)) * exps[:, j]
+              for j in range(dim)]
     norm = np.sqrt(np.mean(theta**2, axis=0))
     norm = np.where(norm > 0, norm, 1.0)
     A = theta / norm

@@ -17,7 +17,8 @@ import sympy
 
 from symbolic.errors import ExpressionError, SymbolicDataError
 
-__all__ = ["PolyField", "monomial_exponents", "as_symbols", "as_trajectories"]
+__all__ = ["PolyField", "monomial_exponents", "monomial_values", "as_symbols",
+           "as_trajectories"]
 
 
 def as_symbols(variables: Sequence[str | sympy.Symbol]) -> list[sympy.Symbol]:
@@ -110,12 +111,18 @@ class PolyField:
 
     def theta(self, X: np.ndarray) -> np.ndarray:
         """Monomials evaluated on samples ``X`` (N, dim) -> (N, p)."""
-        X = np.asarray(X, dtype=np.float64)
-        return np.prod(X[:, None, :] ** self.exps[None, :, :], axis=2)
+        return monomial_values(X, self.exps)
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
         """``f(X)`` for samples ``X`` (N, dim) -> (N, n_out)."""
         return self.theta(X) @ self.coef
+
+
+def monomial_values(X: np.ndarray, exps: np.ndarray) -> np.ndarray:
+    """The monomials of exponents ``exps`` (p, dim) evaluated on samples ``X`` (N, dim) ->
+    (N, p)."""
+    X = np.asarray(X, dtype=np.float64)
+    return np.prod(X[:, None, :] ** np.asarray(exps)[None, :, :], axis=2)
 
 
 def as_trajectories(t: Any, X: Any, *, dim: int | None = None,
