@@ -251,16 +251,17 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     group's input ciphertexts are the caller's and live to the end (a server frees those it
     loaded from bytes once read)."""
     row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs)
+    room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
+    untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
+    if untiled <= room:             # whole: no segments to look for
+        return {}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES
     if segments is None:
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
-    room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
-    untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) + \
-        PLAIN_CACHE_BYTES
     working = allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
         PLAIN_CACHE_BYTES
-    return {e: k for e, k in tiles.items() if k > 1}, working, untiled
+    return {e: k for e, k in tiles.items() if k > 1}, working, untiled + PLAIN_CACHE_BYTES
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,

@@ -43,7 +43,7 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES", "reduces"]
+           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -101,12 +101,18 @@ class Tile:
     free: dict[int, np.ndarray] = field(default_factory=dict)
 
 
-def reduces(lowered: Lowered, s: int) -> bool:
-    """Whether step ``s`` can end a segment as a reduction: a weighted map (its rows are sums of
-    products rescaled once, which can be summed in parts)."""
+def weighted(lowered: Lowered, s: int) -> bool:
+    """Whether step ``s`` is a weighted map in batch packing: its rows are sums of products
+    computed at its inputs' level (a scratch row each) and rescaled once, so they can also be
+    summed in parts (a segment may end with it as a reduction)."""
     st = lowered.steps[s]
     return st.kind == "affine" and not affine_is_free(st, "batch")
 
+
+def _kept(lowered: Lowered, reads: "_Reads", s: int, end: int) -> bool:
+    """Whether step ``s`` of a segment ending at ``end`` is kept whole: read after the segment,
+    the output, or the end itself."""
+    return s == end or s == lowered.output or any(k > end for k in reads.readers[s])
 
 
 def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
@@ -229,8 +235,7 @@ def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int
         lv = live[s]
         r = np.full(steps[s].n, _NONE, dtype=np.int64)
         hi = np.full(steps[s].n, -1, dtype=np.int64)
-        kept = s == end or s == lowered.output or any(k > end for k in reads.readers[s])
-        sink = lv.copy() if kept else consumed.get(s, np.zeros(steps[s].n, dtype=bool))
+        sink = lv.copy() if _kept(lowered, reads, s, end) else consumed.get(s, np.zeros(steps[s].n, dtype=bool))
         r[sink] = reads.position[s][sink]
         sinks[s] = reads.position[s][sink]
         for k, indptr, indices in reads.by_input[s]:
@@ -264,8 +269,7 @@ def _segment(lowered: Lowered, reads: _Reads, swept: tuple[dict, dict, dict], st
     (``last[0]``)."""
     rank, last, sinks = swept
     members = range(start, end + 1)
-    keep = tuple(s for s in members
-                 if s == end or s == lowered.output or any(k > end for k in reads.readers[s]))
+    keep = tuple(s for s in members if _kept(lowered, reads, s, end))
     inner = tuple(s for s in members if s not in keep)
     if not inner:
         return None
@@ -315,10 +319,7 @@ class _Memory:
                        for a in range(len(steps) + 1)]
 
     def scratch_row(self, s: int) -> float:
-        st = self.lowered.steps[s]
-        if st.kind == "affine" and not affine_is_free(st, "batch"):
-            return self.row_bytes(-s - 1)
-        return 0.0
+        return self.row_bytes(-s - 1) if weighted(self.lowered, s) else 0.0
 
     def step(self, si: int) -> float:
         return self.before[si] + self.full[si] + self.scratch_row(si) * float(
@@ -365,7 +366,7 @@ def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
     for end in range(n):
         options = [(max(best[end][0], mem.step(end)), best[end][1])]
         if end > 0 and live[end].any():
-            for reduce in (False, True) if reduces(lowered, end) else (False,):
+            for reduce in (False, True) if weighted(lowered, end) else (False,):
                 swept = _sweep(lowered, live, reads, end, reduce)
                 for start in range(end - 1, 0, -1):
                     seg = _segment(lowered, reads, swept, start, end, reduce,
@@ -446,10 +447,9 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
         return out
 
     def compute(s: int, n: int) -> dict[float, int]:
-        st = steps[s]
-        if st.kind == "affine" and not affine_is_free(st, "batch"):
+        if weighted(lowered, s):
             scratch = take(row_bytes(-s - 1), n)
-        elif st.kind == "mul":
+        elif steps[s].kind == "mul":
             scratch = take(1.5 * row_bytes(-s - 1), min(n, 8))
         else:
             scratch = {}
