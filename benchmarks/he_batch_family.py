@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 
 import he  # noqa: E402
 from he import _kernels  # noqa: E402
+from he.runtime import eager_products  # noqa: E402
 from he_family import MODELS, chosen_models  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
@@ -48,14 +49,17 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
                   "stack_x3,p7_pos_d64")
 
 
-#: server variants timed: this version (the compiler's threads); the same on one thread; its
-#: fused maps' NumPy loops on one thread (``--numpy``)
-VARIANTS = ("threads", "one_thread", "numpy")
+#: server variants timed: this version (the compiler's threads); the same on one thread; the
+#: same on the compiler's threads with every product finished (where the program leaves some
+#: lazy, :func:`he.runtime.eager_products`); its fused maps' NumPy loops on one thread
+#: (``--numpy``)
+VARIANTS = ("threads", "one_thread", "eager", "numpy")
 
 
 def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) -> float:
-    server = servers["threads" if variant == "threads" else "one_thread"]
-    with _kernels.numpy_loops() if variant == "numpy" else contextlib.nullcontext():
+    server = servers["threads" if variant in ("threads", "eager") else "one_thread"]
+    with _kernels.numpy_loops() if variant == "numpy" else \
+            eager_products() if variant == "eager" else contextlib.nullcontext():
         t0 = time.perf_counter()
         server.run(request).to_bytes()
         return time.perf_counter() - t0
@@ -68,7 +72,8 @@ def _one_thread_prediction(prog: he.CompiledProgram) -> float:
 
     lowered = prog.lowered
     return _predict_batch(lowered, live_rows(lowered), prog.params, he.costmodel.default_model(),
-                          prog.options["fused_fanin"], 1)["seconds_per_ciphertext"]
+                          prog.options["fused_fanin"], 1,
+                          lazy=prog.options.get("lazy_products", ()))["seconds_per_ciphertext"]
 
 
 def _each_in_a_process(args: argparse.Namespace, names: list[str],
@@ -191,7 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "predicted_one_thread_s": _one_thread_prediction(prog)})
         images = xte[torch.arange(slots) % len(xte)]
         request = client.encrypt(images).to_bytes()
-        variants = VARIANTS if args.numpy else VARIANTS[:2]
+        variants = [v for v in VARIANTS if v in ("threads", "one_thread")
+                    or (v == "numpy" and args.numpy)
+                    or (v == "eager" and prog.options.get("lazy_products"))]
         times: dict[str, list[float]] = {v: [] for v in variants}
         try:
             # in turns: the first pass also page-faults the process's ciphertext memory in
@@ -216,10 +223,17 @@ def main(argv: list[str] | None = None) -> dict:
                     "promised_error": prog.params.expected_error,
                     "within_promise": err <= prog.params.expected_error})
         numpy_note = ""
+        if "eager" in times:
+            eager_s = min(times["eager"])
+            row.update({"lazy_products": prog.options["lazy_products"],
+                        "server_s_eager_products": eager_s,
+                        "speedup_vs_eager_products": eager_s / fast})
+            numpy_note += (f", every product finished {eager_s:.1f} s -> "
+                           f"{row['speedup_vs_eager_products']:.2f}x")
         if "numpy" in times:
             numpy_s = min(times["numpy"])
             row.update({"server_s_numpy": numpy_s, "speedup_vs_numpy": numpy_s / fast})
-            numpy_note = f", NumPy loops {numpy_s:.1f} s -> {row['speedup_vs_numpy']:.2f}x"
+            numpy_note += f", NumPy loops {numpy_s:.1f} s -> {row['speedup_vs_numpy']:.2f}x"
         result["models"][name] = row
         print(f"{name:12s} N={row['ring']} {row['levels']} levels: {threads} threads "
               f"{fast:.1f} s ({slots / fast:.0f} img/s), one thread {one:.1f} s "

@@ -18,7 +18,7 @@ import tenseal.sealapi as seal
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
-from he.compiler import CompiledProgram, batch_group_memory
+from he.compiler import CompiledProgram, batch_group_memory, lazy_fits
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
@@ -408,6 +408,8 @@ class Server:
             if program.packing == "vector" else None
         self.threads_note = ""
         self._tiles: dict[int, int] = {}
+        #: product steps the last request left unrelinearised (a group run whole)
+        self._lazy: tuple[int, ...] = ()
         self._segments: list[Any] = []
         self._memory_budget = memory_budget
         #: the ciphertext sizes this server allocates (see he.runtime.pool_held)
@@ -439,6 +441,13 @@ class Server:
         ran in tiles, and in how many (:mod:`he.tiling`; empty where a group fit whole)."""
         return dict(self._tiles)
 
+    @property
+    def lazy_products(self) -> tuple[int, ...]:
+        """Batch packing: the product steps the last request left unrelinearised and unrescaled
+        for the maps that read them (``program.options["lazy_products"]`` where the group ran
+        whole; empty in tiles)."""
+        return () if self._tiles else tuple(self._lazy)
+
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine
         pt = eng.encode_vector(np.full(eng.slots, value), 0, eng.scales[0])
@@ -464,7 +473,8 @@ class Server:
             by_end = {seg.end: seg for seg in self._segments}
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
-                                               fanin=fanin, tiles=tiles, own_inputs=owned),
+                                               fanin=fanin, tiles=tiles, own_inputs=owned,
+                                               lazy=() if tiles else self._lazy),
                              "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
@@ -500,9 +510,12 @@ class Server:
                 free = min(free, self._memory_budget)
             # inputs given as SEAL objects are the caller's; those loaded here are freed
             keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
+            lazy = tuple(self.program.options.get("lazy_products", ()))
+            self._lazy = lazy if lazy_fits(self.program.lowered, self.program.plan.live,
+                                           self.program.params, free, lazy, keep) else ()
             self._tiles, working, _ = batch_group_memory(
                 self.program.lowered, self.program.plan.live, self.program.params, free,
-                self._segments, keep_inputs=keep)
+                self._segments, keep_inputs=keep, lazy=self._lazy)
             try:
                 n_workers = memory_workers(
                     workers, len(ct._groups), working, free,

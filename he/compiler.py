@@ -13,7 +13,7 @@ import hashlib
 import math
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
-                     choose_fanin, choose_plane_packing, key_basis, next_pow2,
+                     choose_fanin, choose_lazy, lazy_candidates, choose_plane_packing, key_basis, next_pow2,
                      padded_layouts_fit, planes_readers, rotation_path, search_layouts,
                      widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
@@ -236,20 +236,47 @@ def _batch_fanin(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                         lambda counts, level: costs.price(counts, ring, params.limbs(level)))
 
 
+def _batch_lazy(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
+                costs: CostModel, fanin: list[int]) -> list[int]:
+    """The product steps batch packing leaves unrelinearised and unrescaled, chosen by the cost
+    model (:func:`he.plan.choose_lazy`)."""
+    ring = params.poly_modulus_degree
+    return choose_lazy(lowered, live, _level_moduli(params), params.scale, fanin,
+                       lambda counts, level: costs.price(counts, ring, params.limbs(level)))
+
+
 #: Batch packing's primitives that a server spreads over its threads: ciphertext products with
 #: their relinearisations, and rescales (:func:`he.runtime._threaded`), and the fused maps'
 #: compiled loops and products (:meth:`he.fused.FusedMap.apply`); the rest run in one thread
 _BATCH_THREADED = ("mul_ct", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
+def lazy_fits(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
+              budget: float | None, lazy: Sequence[int], keep_inputs: bool = False) -> bool:
+    """Whether one batch group with the products of ``lazy`` left unrelinearised and
+    unrescaled (larger ciphertexts) fits ``budget`` bytes whole (a group in tiles finishes
+    every product)."""
+    if not lazy:
+        return False
+    room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
+    row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs, lazy)
+    return allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) <= room
+
+
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                        budget: float | None, segments: list[Segment] | None = None,
-                       keep_inputs: bool = False) -> tuple[dict[int, int], float, float]:
+                       keep_inputs: bool = False, lazy: Sequence[int] = ()
+                       ) -> tuple[dict[int, int], float, float]:
     """Tiles per segment (:mod:`he.tiling`) that keep one batch group within ``budget`` bytes
     of free memory (None: no limit, no tiles), and the group's working memory (ciphertexts at
     their peak and the encoded weights' cache) with them and without. ``keep_inputs``: the
     group's input ciphertexts are the caller's and live to the end (a server frees those it
-    loaded from bytes once read)."""
+    loaded from bytes once read). ``lazy``: product steps left unrelinearised where the group
+    fits whole with them (:func:`lazy_fits`), else finished as usual."""
+    if lazy_fits(lowered, live, params, budget, lazy, keep_inputs):
+        row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs, lazy)
+        whole = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
+        return {}, whole + PLAIN_CACHE_BYTES, whole + PLAIN_CACHE_BYTES
     row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs)
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
@@ -266,8 +293,12 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                    costs: CostModel, fanin: list[int], threads: int = 1,
-                   budget: float | None = None) -> dict[str, Any]:
-    counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin)
+                   budget: float | None = None, lazy: Sequence[int] = ()) -> dict[str, Any]:
+    """Predicted time, work and memory of one batch group; ``lazy`` products are left
+    unrelinearised only where the group fits ``budget`` whole with them (as a server does)."""
+    if not lazy_fits(lowered, live, params, budget, lazy):
+        lazy = ()
+    counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin, lazy)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
     # products and rescales on several threads run at the rotations' measured efficiency
@@ -280,7 +311,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         seconds += costs.price(rest, ring, params.limbs(lin)) + \
             costs.price(par, ring, params.limbs(lin)) / speedup
     # ciphertexts held at once, in tiles where the whole group would not fit the budget
-    tiles, working, untiled = batch_group_memory(lowered, live, params, budget)
+    tiles, working, untiled = batch_group_memory(lowered, live, params, budget, lazy=lazy)
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = int(live[0].sum())
@@ -392,6 +423,11 @@ class CompiledProgram:
                     not isinstance(fanin, list) or len(fanin) != len(self.lowered.steps)
                     or any(type(f) is not int or f < 0 for f in fanin)):
                 raise ValueError("fused_fanin must hold one non-negative integer per step")
+            lazy = self.options.get("lazy_products", [])
+            if not isinstance(lazy, list) or any(type(m) is not int for m in lazy) \
+                    or not set(lazy) <= set(lazy_candidates(self.lowered)):
+                raise ValueError("lazy_products must list product steps read only by "
+                                 "weighted maps")
         self.plan.predicted = dict(self.options.get("predicted", {}))
         self.plan.why = str(self.options.get("why", ""))
         meta = json.dumps({"params": params.to_dict(), "packing": packing,
@@ -745,14 +781,24 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
     fanin = _batch_fanin(lowered, live, params, costs)
     fused = sum(f > 0 for f in fanin)
     room = budget - _server_memory(params, [], 0)
-    serial = _predict_batch(lowered, live, params, costs, fanin, budget=room)
+    lazy = _batch_lazy(lowered, live, params, costs, fanin)
+    serial = _predict_batch(lowered, live, params, costs, fanin, budget=room, lazy=lazy)
     threads, threads_why, predicted = _chosen_threads(
         _threads(options), serial,
-        lambda n: _predict_batch(lowered, live, params, costs, fanin, n, budget=room),
+        lambda n: _predict_batch(lowered, live, params, costs, fanin, n, budget=room,
+                                 lazy=lazy),
         "a group's products, rescales and fused maps")
     why = (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted steps as "
            f"fused integer matrix products (rows from the fan-in the cost model chose); "
            f"{threads_why}")
+    if lazy:
+        n_lazy = sum(int(live[m].sum()) for m in lazy)
+        why += (f"; the {n_lazy} products of {len(lazy)} product step(s) left unrelinearised "
+                f"and unrescaled, read at their primes by the maps that read them, which "
+                f"relinearise and rescale their own outputs instead (cheaper under the cost "
+                f"model)")
+        if not lazy_fits(lowered, live, params, room, lazy):
+            why += ", where a group fits whole: not at this memory budget (tiles)"
     if predicted["tiles"]:
         gib = 2.0 ** 30
         why += (f"; a group would hold {predicted['untiled_memory_bytes'] / gib:.1f} GiB of "
@@ -760,8 +806,11 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                 f"segment(s) of steps run in tiles "
                 f"({', '.join(f'{k} at step {e}' for e, k in predicted['tiles'].items())}), "
                 f"{predicted['working_memory_bytes'] / gib:.1f} GiB")
-    return {**options, "fused_fanin": fanin, "server_threads": threads,
-            "threads_why": threads_why, "predicted": predicted, "why": why}
+    out = {**options, "fused_fanin": fanin, "server_threads": threads,
+           "threads_why": threads_why, "predicted": predicted, "why": why}
+    if lazy:
+        out["lazy_products"] = [int(m) for m in lazy]
+    return out
 
 
 def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int

@@ -29,6 +29,7 @@ vectors:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -46,7 +47,7 @@ __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map"
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
            "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms",
            "padded_layouts_fit", "input_patches", "value_orders", "planes_readers",
-           "MAX_PLANES"]
+           "MAX_PLANES", "lazy_candidates", "choose_lazy"]
 
 Order = tuple[int, ...] | None
 
@@ -1486,19 +1487,119 @@ def batch_step_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
 
 def batch_counts(lowered: Lowered, live: list[np.ndarray],
                  moduli: Sequence[Sequence[int]] | None = None, scale: float | None = None,
-                 fanin: Sequence[int] | None = None) -> list[dict[str, float]]:
+                 fanin: Sequence[int] | None = None, lazy: Sequence[int] = (),
+                 only: set[int] | None = None) -> list[dict[str, float]]:
     """:func:`batch_step_counts` of every step; ``moduli`` (the primes of every level, top
     first), ``scale`` and the per-step ``fanin`` thresholds (default: no fused rows) say which
-    rows are fused."""
+    rows are fused. ``lazy``: product steps left unrelinearised and unrescaled
+    (:func:`choose_lazy`): each counts ``mul_lazy`` products, and the part of its readers' maps
+    that reads it (at its primes, on three polynomials, each output then relinearised and
+    rescaled once more) is counted with it, at its level, not with the readers. ``only``: the
+    steps to count (the others count nothing)."""
     levels = step_levels(lowered.steps, "batch")
-    out = []
+    lazy = set(int(m) for m in lazy)
+    out: list[dict[str, float]] = []
     for si, st in enumerate(lowered.steps):
         level = max((levels[j] for j in st.inputs), default=0)
+        if only is not None and si not in only:
+            out.append({})
+            continue
+        if si in lazy:
+            out.append({"mul_lazy": int(live[si].sum())})
+            continue
+        eager = _without_terms(st, lazy) if st.kind == "affine" else st
         out.append(batch_step_counts(
-            st, live[si], [live[j] for j in st.inputs],
+            eager, live[si], [live[j] for j in st.inputs],
             None if moduli is None else moduli[level], scale,
             0 if fanin is None else int(fanin[si])))
+    for si, st in enumerate(lowered.steps):
+        reads = [j for j in st.inputs if j in lazy]
+        if st.kind != "affine" or not reads or (only is not None and reads[0] not in only):
+            continue
+        part = _lazy_part_counts(st, live[si], [live[j] for j in st.inputs], lazy,
+                                 None if moduli is None else moduli[levels[reads[0]] - 1], scale)
+        for k, v in part.items():
+            out[reads[0]][k] = out[reads[0]].get(k, 0) + v
     return out
+
+
+def _without_terms(st: Any, drop: set[int]) -> Any:
+    """An affine step with the terms of the inputs in ``drop`` zero (what its eager part
+    reads where those inputs are lazy products)."""
+    return dataclasses.replace(st, terms=[
+        sp.csr_matrix(m.shape) if j in drop else m for j, m in zip(st.inputs, st.terms)])
+
+
+def _lazy_part_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
+                      lazy: set[int], moduli: Sequence[int] | None,
+                      scale: float | None) -> dict[str, float]:
+    """The work of the rows of a weighted step over its lazy inputs (three-polynomial
+    ciphertexts at the products' level): one fused map where it can be (else a plaintext
+    product and an addition per weight), then per output row a relinearisation, a rescale to
+    the step's level and an addition to the rest of the row's sum."""
+    from he.fused import fuse_map
+
+    mats = [m.tocsr() if j in lazy else sp.csr_matrix(m.shape)
+            for j, m in zip(st.inputs, st.terms)]
+    cols = [v if j in lazy else np.zeros(v.size, dtype=bool) for j, v in zip(st.inputs, in_live)]
+    reach = np.zeros(st.n, dtype=bool)
+    for m, c in zip(mats, cols):
+        reach |= np.asarray(m[:, np.flatnonzero(c)].getnnz(axis=1) > 0).ravel()
+    out_rows = np.flatnonzero(rows & reach)
+    c: dict[str, float] = {"relin": out_rows.size, "rescale": out_rows.size,
+                           "add": out_rows.size, "alloc": out_rows.size}
+    fmap = None
+    if moduli is not None and scale is not None and out_rows.size:
+        fmap, covered = fuse_map(mats, cols, [np.full(v.size, scale) for v in in_live],
+                                 out_rows, moduli, min_fanin=1)
+    if fmap is not None and covered.size == out_rows.size:
+        for k, v in fmap.work(moduli, size=3).items():
+            c[k] = c.get(k, 0) + v
+    else:
+        nnz = sum(int(np.diff(m.indptr)[out_rows].sum()) for m in mats)
+        c["mul_plain"] = c.get("mul_plain", 0) + nnz
+        c["add"] += nnz
+    return c
+
+
+def lazy_candidates(lowered: Lowered) -> list[int]:
+    """Product steps that may stay unrelinearised and unrescaled: not the output, and read only
+    by weighted maps (which can take three-polynomial ciphertexts at the products' level and
+    relinearise and rescale their own outputs instead)."""
+    readers: dict[int, list[int]] = {}
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            readers.setdefault(j, []).append(si)
+    return [si for si, st in enumerate(lowered.steps)
+            if st.kind == "mul" and si != lowered.output and readers.get(si)
+            and all(lowered.steps[r].kind == "affine"
+                    and not affine_is_free(lowered.steps[r], "batch") for r in readers[si])]
+
+
+def choose_lazy(lowered: Lowered, live: list[np.ndarray], moduli: Sequence[Sequence[int]],
+                scale: float, fanin: Sequence[int],
+                price: Callable[[dict[str, float], int], float]) -> list[int]:
+    """The product steps of :func:`lazy_candidates` whose products batch packing leaves
+    unrelinearised and unrescaled, each where ``price(counts, level)`` says that costs less
+    than finishing every product: it pays where the maps reading the products have fewer
+    outputs than there are products (a classifier's head after the last Mu-Layer)."""
+    levels = step_levels(lowered.steps, "batch")
+    readers: dict[int, list[int]] = {}
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            readers.setdefault(j, []).append(si)
+    chosen = []
+    for m in lazy_candidates(lowered):
+        cost = {}
+        near = {m, *readers[m]}
+        for lazy in ((), (m,)):
+            counts = batch_counts(lowered, live, moduli, scale, fanin, lazy, only=near)
+            cost[lazy] = sum(price(counts[s], max((levels[j] for j in lowered.steps[s].inputs),
+                                                  default=0))
+                             for s in near)
+        if cost[(m,)] < cost[()]:
+            chosen.append(m)
+    return chosen
 
 
 def choose_fanin(lowered: Lowered, live: list[np.ndarray], moduli: Sequence[Sequence[int]],

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -22,7 +23,7 @@ from he.plan import VectorPlan
 from he.tiling import Segment, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
-__all__ = ["live_rows", "run_batch", "VectorKernels", "run_vector"]
+__all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector"]
 
 Elem = Any  # a seal.Ciphertext or a float
 
@@ -63,6 +64,51 @@ def _mul_step(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
         return scratch, level + 1, lambda into: eng.multiply(a, b, out=scratch, into=into)
 
     for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
+        out[i] = res
+    return out
+
+
+_EAGER = [False]
+
+
+@contextmanager
+def eager_products() -> Iterator[None]:
+    """Within it, batch servers of this process finish every product (relinearise and rescale
+    it) even where their program leaves some unrelinearised for the maps that read them
+    (``program.options["lazy_products"]``): the baseline the lazy products are measured
+    against, with the same program, keys and request."""
+    before = _EAGER[0]
+    _EAGER[0] = True
+    try:
+        yield
+    finally:
+        _EAGER[0] = before
+
+
+def _is_lazy(e: Elem) -> bool:
+    """Whether ``e`` is a product left unrelinearised and unrescaled (three polynomials)."""
+    return _is_ct(e) and e.size() == 3
+
+
+def _mul_lazy(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
+              buffers: "_Buffers") -> list[Elem]:
+    """A product step left unrelinearised and unrescaled (:func:`he.plan.choose_lazy`): each
+    product of two ciphertexts is a three-polynomial ciphertext at its inputs' level, carrying
+    the square of their scale, which the maps reading it finish (:func:`_lazy_rows`); a
+    product with a clear value is a scaling, finished as usual."""
+    out: list[Elem] = [0.0] * len(rows)
+    for i in np.flatnonzero(rows):
+        a, b = xs[i], ys[i]
+        if not (_is_ct(a) and _is_ct(b)):
+            out[i] = _scale_elem(eng, a, b) if _is_ct(a) else _scale_elem(eng, b, a)
+            continue
+        level = max(eng.level(a), eng.level(b))
+        a, b = eng.lift(a, level), eng.lift(b, level)
+        res = buffers.take(eng, level, 3)
+        if a is b:
+            eng.evaluator.square(a, res)
+        else:
+            eng.evaluator.multiply(a, b, res)
         out[i] = res
     return out
 
@@ -362,6 +408,91 @@ def _add_sums(eng: Engine, sums: dict[int, Any], part: list[Elem], buffers: _Buf
             sums[r] = e
 
 
+def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
+               level: int, cache: dict[Any, Any], buffers: _Buffers) -> dict[int, Any]:
+    """The rows of a weighted step (computed at ``level``) over its lazy inputs only
+    (``srcs``: the three-polynomial products of :func:`_mul_lazy`, ``0.0`` elsewhere): their
+    sums at the products' primes (one fused map where it can be, else SEAL's chain), weights at
+    the scale of ``level``, each relinearised and rescaled by the prime the products kept, so
+    that it lands on the step's primes and product scale, as the rest of its sum
+    (:func:`_affine_batch` with ``partial``)."""
+    lo = level - 1
+    cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
+    mats = [m.tocsr() for m in st.terms]
+    reach = np.zeros(st.n, dtype=bool)
+    for m, c in zip(mats, cts):
+        reach |= np.asarray(m[:, np.flatnonzero(c)].getnnz(axis=1) > 0).ravel()
+    out_rows = np.flatnonzero(rows & reach)
+    inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
+    if out_rows.size == 0 or not inputs:
+        return {}
+    w_scale = eng.scales[level]
+    moduli = _moduli(eng, lo)
+    key = ("lazy", si, out_rows.tobytes(), b"".join(c.tobytes() for c in cts))
+    if key not in cache:
+        cache[key] = fuse_map(mats, cts, [np.full(len(x), w_scale) for x in srcs], out_rows,
+                              moduli, min_fanin=1)
+    fmap, covered = cache[key]
+    sums: dict[int, Any] = {}
+    raw = raw_access(inputs[0])
+    if fmap is not None and raw.ok:
+        outputs = [buffers.like(eng, inputs[0]) for _ in range(covered.size)]
+        fmap.apply(raw, inputs, outputs, moduli, None, eng.pool)
+        sums = {int(r): o for r, o in zip(covered, outputs)}
+    term = eng.new_ciphertext()
+    for r in out_rows:
+        if int(r) in sums:
+            continue
+        acc = None
+        for t, m in enumerate(mats):
+            lo_i, hi_i = m.indptr[r], m.indptr[r + 1]
+            for c, w in zip(m.indices[lo_i:hi_i], m.data[lo_i:hi_i]):
+                e = srcs[t][int(c)]
+                if not _is_ct(e) or abs(w) * w_scale < 0.5:
+                    continue
+                pt = eng.encode_scalar(float(w), lo, w_scale)
+                if acc is None:
+                    acc = buffers.take(eng, lo, 3)
+                    eng.mul_plain_into(e, pt, acc)
+                else:
+                    eng.mul_plain_into(e, pt, term)
+                    eng.add_inplace(acc, term)
+        if acc is not None:
+            sums[int(r)] = acc
+    product = eng.scales[level] ** 2
+    out: dict[int, Any] = {}
+    for r, acc in sums.items():
+        eng.evaluator.relinearize_inplace(acc, eng.relin_keys)
+        dst = buffers.take(eng, level)
+        eng._rescale_to(acc, dst)
+        dst.scale = product
+        buffers.recycle(acc)
+        out[r] = dst
+    return out
+
+
+def _affine_lazy(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
+                 plains: dict[tuple[float, int, float], Any], min_fanin: int,
+                 fused_maps: dict[Any, Any], buffers: _Buffers, level: int) -> list[Elem]:
+    """A weighted step that reads lazy products (:func:`_mul_lazy`): its sums over the other
+    inputs at the product's scale (:func:`_affine_batch` with ``partial``) plus those over the
+    lazy ones (:func:`_lazy_rows`), each row rescaled once with its bias and clear share added
+    (:func:`_finish_sums`)."""
+    normal = [[0.0 if _is_lazy(e) else e for e in x] for x in srcs]
+    lazy = [[e if _is_lazy(e) else 0.0 for e in x] for x in srcs]
+    clear = np.zeros(st.n)
+    part = _affine_batch(eng, si, st, normal, rows, plains, min_fanin, fused_maps, buffers,
+                         level, clear)
+    sums = {r: e for r, e in enumerate(part) if _is_ct(e)}
+    for r, e in _lazy_rows(eng, si, st, lazy, rows, level, fused_maps, buffers).items():
+        if r in sums:
+            eng.add_inplace(sums[r], e)
+            buffers.recycle(e)
+        else:
+            sums[r] = e
+    return _finish_sums(eng, st, sums, clear, rows, level, buffers)
+
+
 def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
                  rows: np.ndarray, level: int, buffers: _Buffers) -> list[Elem]:
     """A weighted step from its summed parts: each row's sum rescaled once, its bias and clear
@@ -386,17 +517,22 @@ def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
 
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
-              tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False
-              ) -> list[Elem]:
+              tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False,
+              lazy: Sequence[int] = ()) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
     default :data:`~he.fused.FUSED_MIN_FANIN`). ``tiles``: segments (:mod:`he.tiling`) run in
     that many tiles each, their inner values held one tile at a time (same results).
     ``own_inputs``: the input ciphertexts are handed over (no one else holds them): they are
-    dropped from ``inputs`` and reused once every step reading them has run."""
+    dropped from ``inputs`` and reused once every step reading them has run. ``lazy``: product
+    steps left unrelinearised and unrescaled for the maps that read them
+    (:func:`he.plan.choose_lazy`; a group run whole only)."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
+    lazy = frozenset() if _EAGER[0] else frozenset(int(m) for m in lazy)
+    if lazy and tiles:
+        raise ValueError("lazy products are for a group run whole, not in tiles")
     end_of = {seg.end: (seg, k) for seg, k in tiles}
     inner = {s for seg, _ in tiles for s in seg.steps if s != seg.end}   # run at the end
     ever_inner = {s for seg, _ in tiles for s in seg.inner}
@@ -424,6 +560,12 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         is its own, not that of the rows given); ``partial``: a reduction's part
         (:func:`_affine_batch`)."""
         st = steps[si]
+        if st.kind == "affine" and lazy.intersection(st.inputs):
+            return _affine_lazy(eng, si, st, ins, rows, plains,
+                                FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
+                                fused_maps, buffers, in_level(si))
+        if st.kind == "mul" and si in lazy:
+            return _mul_lazy(eng, ins[0], ins[1], rows, buffers)
         if st.kind == "affine":
             return _affine_batch(eng, si, st, ins, rows, plains,
                                  FUSED_MIN_FANIN if fanin is None else int(fanin[si]),

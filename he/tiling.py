@@ -34,7 +34,7 @@ budget (none where the group fits whole: fewer, larger matrix products).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -527,14 +527,19 @@ def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
     return tiles
 
 
-def row_bytes_of(lowered: Lowered, ring: int, limbs: Callable[[int], int]
-                 ) -> Callable[[int], float]:
+def row_bytes_of(lowered: Lowered, ring: int, limbs: Callable[[int], int],
+                 lazy: Collection[int] = ()) -> Callable[[int], float]:
     """``row_bytes`` for :func:`batch_memory`: two polynomials of ``ring`` words per limb of
-    the step's level (``-s - 1``: of its inputs' level)."""
+    the step's level (``-s - 1``: of its inputs' level); a product step in ``lazy`` (left
+    unrelinearised and unrescaled, :func:`he.plan.choose_lazy`) holds three polynomials per
+    limb of its inputs' level."""
     levels = step_levels(lowered.steps, "batch")
     word = 2 * ring * 8
+    lazy = frozenset(int(m) for m in lazy)
 
     def of(s: int) -> float:
+        if s in lazy:
+            return float(1.5 * word * limbs(levels[s] - 1))
         if s >= 0:
             return float(word * limbs(levels[s]))
         st = lowered.steps[-s - 1]

@@ -261,8 +261,10 @@ def test_fused_rows_are_counted_once_and_chosen_where_cheaper():
         assert b["mul_plain"] <= a["mul_plain"]
     costs = default_model()
     threads = prog.server_threads
-    chosen = _predict_batch(lowered, live, prog.params, costs, fanin, threads)
-    unfused = _predict_batch(lowered, live, prog.params, costs, [0] * len(fanin), threads)
+    lazy = prog.options.get("lazy_products", ())
+    chosen = _predict_batch(lowered, live, prog.params, costs, fanin, threads, lazy=lazy)
+    unfused = _predict_batch(lowered, live, prog.params, costs, [0] * len(fanin), threads,
+                             lazy=lazy)
     assert chosen["seconds_per_ciphertext"] < unfused["seconds_per_ciphertext"]
     assert chosen["seconds_per_ciphertext"] == prog.plan.predicted["seconds_per_ciphertext"]
 
@@ -289,11 +291,20 @@ def test_auto_packing_keeps_the_server_within_the_memory_budget():
                       precision_bits=8)
     assert free.packing == "batch"
     batch_mem = free.plan.predicted["server_memory_bytes"]
-    # just below the group's memory: batch packing in tiles fits
-    tiled = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
-                       precision_bits=8, memory_budget=int(batch_mem) - 1)
-    assert tiled.packing == "batch" and tiled.plan.predicted["tiles"]
-    assert tiled.plan.predicted["server_memory_bytes"] < batch_mem
+    # just below the group's memory: batch packing still fits, with every product finished
+    # (smaller ciphertexts than lazy ones), then, below that, in tiles
+    budget = int(batch_mem) - 1
+    for _ in range(2):
+        tiled = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
+                           precision_bits=8, memory_budget=budget)
+        assert tiled.packing == "batch"
+        assert tiled.plan.predicted["server_memory_bytes"] <= budget < batch_mem
+        if tiled.plan.predicted["tiles"]:
+            break
+        assert free.options.get("lazy_products") and "not at this memory budget" in \
+            tiled.plan.why
+        budget = int(tiled.plan.predicted["server_memory_bytes"]) - 1
+    assert tiled.plan.predicted["tiles"]
     least = he.compile(model, x, calibration=cal, packing="batch", precision_bits=8,
                        memory_budget=1).plan.predicted["server_memory_bytes"]
     tight = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",

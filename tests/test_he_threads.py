@@ -236,8 +236,9 @@ def test_batch_threads_are_priced_and_kept_only_where_predicted_faster(batch_set
     costs = he.costmodel.default_model()
     live = live_rows(prog.lowered)
     fanin = prog.options["fused_fanin"]
-    one = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 1)
-    two = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 2)
+    lazy = prog.options.get("lazy_products", ())
+    one = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 1, lazy=lazy)
+    two = _predict_batch(prog.lowered, live, prog.params, costs, fanin, 2, lazy=lazy)
     # only the products and rescales are divided among the threads
     assert one["counts"] == two["counts"]
     assert one["seconds_per_ciphertext"] > two["seconds_per_ciphertext"] > \
