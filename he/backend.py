@@ -320,6 +320,22 @@ class Engine:
             self.evaluator.relinearize_inplace(out, self.relin_keys)
         return self.to_level(out, level + 1, into=into)
 
+    def multiply_lazy(self, a: Any, b: Any, out: Any) -> Any:
+        """``out <- a * b`` neither relinearised nor rescaled: three polynomials at the inputs'
+        common level, carrying the product of their scales (``out``: a buffer of three
+        polynomials at that level, whose storage is reused)."""
+        level = max(self.level(a), self.level(b))
+        a, b = self.lift(a, level), self.lift(b, level)
+        if self.params.pending >= 0 and level % 2 == self.params.pending:
+            raise ParameterError(f"a ciphertext product from pending level {level}")
+        if self.native is not None and self.native.accepts_ct_product(a, b):
+            return self.native.product(a, b, out, relinearize=False)
+        if a is b:
+            self.evaluator.square(a, out)
+        else:
+            self.evaluator.multiply(a, b, out)
+        return out
+
     def add(self, a: Any, b: Any, out: Any = None) -> Any:
         """``a + b``, both lifted to a common level first, in a new ciphertext (``out`` where
         given, a buffer whose storage is reused)."""

@@ -410,7 +410,8 @@ class Server:
         self._tiles: dict[int, int] = {}
         #: product steps the last request left unrelinearised (a group run whole)
         self._lazy: tuple[int, ...] = ()
-        self._segments: list[Any] = []
+        #: segments of steps a group can run in tiles, found when a group first needs them
+        self._segments: list[Any] | None = None
         self._memory_budget = memory_budget
         #: the ciphertext sizes this server allocates (see he.runtime.pool_held)
         self._pool_key = (program.params.poly_modulus_degree,
@@ -426,10 +427,6 @@ class Server:
         elif program.packing == "batch":
             self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
                                                         None)
-            #: segments of steps a group can run in tiles when it would not fit the memory
-            self._segments = find_segments(program.lowered, program.plan.live, row_bytes_of(
-                program.lowered, program.params.poly_modulus_degree, program.params.limbs),
-                keep_inputs=False)
             if any(program.options.get("fused_fanin") or ()):
                 # the fused maps' compiled loops are built and checked once per process (about
                 # a second): at the server's start, not in its first request
@@ -440,6 +437,22 @@ class Server:
         """Batch packing: the segments of steps (by the step they end at) that the last request
         ran in tiles, and in how many (:mod:`he.tiling`; empty where a group fit whole)."""
         return dict(self._tiles)
+
+    def _group_memory(self, free: float, keep: bool) -> tuple[dict[int, int], float]:
+        """Tiles per segment that keep a group within ``free`` bytes and its working memory
+        (:func:`he.compiler.batch_group_memory`); the segments are looked for the first time a
+        group does not fit whole (a search of seconds for deep programs)."""
+        prog = self.program
+        args = (prog.lowered, prog.plan.live, prog.params, free)
+        tiles, working, _ = batch_group_memory(*args, self._segments or [], keep_inputs=keep,
+                                               lazy=self._lazy)
+        if working > free and self._segments is None:
+            self._segments = find_segments(prog.lowered, prog.plan.live, row_bytes_of(
+                prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs),
+                keep_inputs=False)
+            tiles, working, _ = batch_group_memory(*args, self._segments, keep_inputs=keep,
+                                                   lazy=self._lazy)
+        return tiles, working
 
     @property
     def lazy_products(self) -> tuple[int, ...]:
@@ -470,7 +483,7 @@ class Server:
             if owned:
                 g.clear()
             fanin = prog.options.get("fused_fanin")
-            by_end = {seg.end: seg for seg in self._segments}
+            by_end = {seg.end: seg for seg in self._segments or ()}
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
                                                fanin=fanin, tiles=tiles, own_inputs=owned,
@@ -513,9 +526,7 @@ class Server:
             lazy = tuple(self.program.options.get("lazy_products", ()))
             self._lazy = lazy if lazy_fits(self.program.lowered, self.program.plan.live,
                                            self.program.params, free, lazy, keep) else ()
-            self._tiles, working, _ = batch_group_memory(
-                self.program.lowered, self.program.plan.live, self.program.params, free,
-                self._segments, keep_inputs=keep, lazy=self._lazy)
+            self._tiles, working = self._group_memory(free, keep)
             try:
                 n_workers = memory_workers(
                     workers, len(ct._groups), working, free,

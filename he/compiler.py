@@ -248,7 +248,7 @@ def _batch_lazy(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
 #: Batch packing's primitives that a server spreads over its threads: ciphertext products with
 #: their relinearisations, and rescales (:func:`he.runtime._threaded`), and the fused maps'
 #: compiled loops and products (:meth:`he.fused.FusedMap.apply`); the rest run in one thread
-_BATCH_THREADED = ("mul_ct", "rescale", "fused_mac", "fused_in", "fused_out")
+_BATCH_THREADED = ("mul_ct", "mul_lazy", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
 def lazy_fits(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,

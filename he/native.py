@@ -253,15 +253,17 @@ class NativeEvaluator:
         holder = seal.Ciphertext()
         fn(self._ev, *args, _cxx_address(holder) + _DYN_OFFSET)
 
-    def product(self, a: Any, b: Any, out: Any) -> Any:
-        """``out <- a * b`` relinearised to two polynomials, without the GIL (``out``'s storage
-        reused); the caller has checked :meth:`accepts_ct_product`."""
+    def product(self, a: Any, b: Any, out: Any, relinearize: bool = True) -> Any:
+        """``out <- a * b`` relinearised to two polynomials (three polynomials where not
+        ``relinearize``), without the GIL (``out``'s storage reused); the caller has checked
+        :meth:`accepts_ct_product`."""
         self._assign_fn(_cxx_address(out), _cxx_address(a))
         if a is b:
             self._call(self._square_fn, _cxx_address(out))
         else:
             self._call(self._mul_fn, _cxx_address(out), _cxx_address(b))
-        self._call(self._relin_fn, _cxx_address(out), self._rk, 2)
+        if relinearize:
+            self._call(self._relin_fn, _cxx_address(out), self._rk, 2)
         return out
 
     def rescale(self, ct: Any, into: Any) -> Any:

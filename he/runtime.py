@@ -97,18 +97,22 @@ def _mul_lazy(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
     the square of their scale, which the maps reading it finish (:func:`_lazy_rows`); a
     product with a clear value is a scaling, finished as usual."""
     out: list[Elem] = [0.0] * len(rows)
+    pairs = []
     for i in np.flatnonzero(rows):
         a, b = xs[i], ys[i]
-        if not (_is_ct(a) and _is_ct(b)):
-            out[i] = _scale_elem(eng, a, b) if _is_ct(a) else _scale_elem(eng, b, a)
-            continue
-        level = max(eng.level(a), eng.level(b))
-        a, b = eng.lift(a, level), eng.lift(b, level)
-        res = buffers.take(eng, level, 3)
-        if a is b:
-            eng.evaluator.square(a, res)
+        if _is_ct(a) and _is_ct(b):
+            pairs.append(int(i))
         else:
-            eng.evaluator.multiply(a, b, res)
+            out[i] = _scale_elem(eng, a, b) if _is_ct(a) else _scale_elem(eng, b, a)
+
+    def prepare(i: int) -> tuple[Any, int, Callable[[Any], Any]]:
+        a, b = xs[i], ys[i]
+        level = max(eng.level(a), eng.level(b))
+        product = buffers.take(eng, level, 3)
+        # the product is the result (the recycled buffer of the next level goes back unused)
+        return product, level + 1, lambda _: eng.multiply_lazy(a, b, product)
+
+    for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
         out[i] = res
     return out
 
@@ -260,9 +264,15 @@ def _fused_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np
         return {}
     inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
     template = next((e for e in inputs if eng.level(e) == level), None)
-    if template is None:                # a tile's part of the inputs, none at the step's level
-        template = eng.lift(inputs[0], level)
+    spare = None
+    if template is None:
+        # none of the inputs (a tile's part of them) at the step's level: the outputs' shape
+        # from one switched down to its primes (a copy of words, no product)
+        template = spare = buffers.take(eng, level)
+        eng.evaluator.mod_switch_to(inputs[0], eng.parms_ids[level], template)
     outputs = [buffers.like(eng, template) for _ in range(covered.size)]
+    if spare is not None:
+        buffers.recycle(spare)
     # clear values (constants, padding) and the bias join at the product's scale
     const = np.zeros(covered.size)
     if st.bias is not None and partial is None:
