@@ -26,8 +26,8 @@ from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
 from he.noise import noise_gain, step_values_msq
 from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
-                     choose_fanin, choose_lazy, lazy_candidates, choose_plane_packing, key_basis, next_pow2,
-                     padded_layouts_fit, planes_readers, rotation_path, search_layouts,
+                     choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
+                     next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
                      widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows

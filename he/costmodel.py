@@ -9,8 +9,8 @@ interpolates linearly between them (costs grow about linearly in the limbs; key 
 Primitives: ``rotate`` (one key-switched rotation), ``mul_plain`` (ciphertext x plaintext),
 ``mul_ct`` (ciphertext x ciphertext + relinearisation), ``mul_lazy`` and ``relin`` (its two
 parts: the three-polynomial product, and the relinearisation of one), ``rescale``, ``add``
-(ciphertext + ciphertext), ``encode`` (one slot vector to a plaintext) and, on the client, ``encrypt`` (encode,
-encrypt with the secret key and serialise one input ciphertext).
+(ciphertext + ciphertext), ``encode`` (one slot vector to a plaintext) and, on the client,
+``encrypt`` (encode, encrypt with the secret key and serialise one input ciphertext).
 
 Batch packing's fused linear maps (:mod:`he.fused`) are priced per word instead
 (:data:`WORD_PRIMITIVES`, seconds per ring coefficient of work as

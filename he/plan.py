@@ -47,7 +47,7 @@ __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map"
            "choose_plane_packing", "widest_period", "batch_counts", "batch_step_counts",
            "choose_fanin", "FANIN_CANDIDATES", "shared_splits", "layout_shapes", "same_terms",
            "padded_layouts_fit", "input_patches", "value_orders", "planes_readers",
-           "MAX_PLANES", "lazy_candidates", "choose_lazy"]
+           "MAX_PLANES", "lazy_candidates", "choose_lazy", "rows_reading", "step_readers"]
 
 Order = tuple[int, ...] | None
 
@@ -1523,6 +1523,24 @@ def batch_counts(lowered: Lowered, live: list[np.ndarray],
     return out
 
 
+def step_readers(lowered: Lowered) -> dict[int, list[int]]:
+    """The steps that read each step (in evaluation order; a step read by none is absent)."""
+    readers: dict[int, list[int]] = {}
+    for si, st in enumerate(lowered.steps):
+        for j in st.inputs:
+            readers.setdefault(j, []).append(si)
+    return readers
+
+
+def rows_reading(mats: Sequence[sp.csr_matrix], cols: Sequence[np.ndarray]) -> np.ndarray:
+    """Which rows of an affine step's terms ``mats`` have a weight on one of the columns
+    ``cols`` (per term, a bool mask of its input's elements): bool ``(n,)``."""
+    reach = np.zeros(mats[0].shape[0], dtype=bool)
+    for m, c in zip(mats, cols):
+        reach |= np.asarray(m[:, np.flatnonzero(c)].getnnz(axis=1) > 0).ravel()
+    return reach
+
+
 def _without_terms(st: Any, drop: set[int]) -> Any:
     """An affine step with the terms of the inputs in ``drop`` zero (what its eager part
     reads where those inputs are lazy products)."""
@@ -1542,10 +1560,7 @@ def _lazy_part_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
     mats = [m.tocsr() if j in lazy else sp.csr_matrix(m.shape)
             for j, m in zip(st.inputs, st.terms)]
     cols = [v if j in lazy else np.zeros(v.size, dtype=bool) for j, v in zip(st.inputs, in_live)]
-    reach = np.zeros(st.n, dtype=bool)
-    for m, c in zip(mats, cols):
-        reach |= np.asarray(m[:, np.flatnonzero(c)].getnnz(axis=1) > 0).ravel()
-    out_rows = np.flatnonzero(rows & reach)
+    out_rows = np.flatnonzero(rows & rows_reading(mats, cols))
     c: dict[str, float] = {"relin": out_rows.size, "rescale": out_rows.size,
                            "add": out_rows.size, "alloc": out_rows.size}
     fmap = None
@@ -1566,10 +1581,7 @@ def lazy_candidates(lowered: Lowered) -> list[int]:
     """Product steps that may stay unrelinearised and unrescaled: not the output, and read only
     by weighted maps (which can take three-polynomial ciphertexts at the products' level and
     relinearise and rescale their own outputs instead)."""
-    readers: dict[int, list[int]] = {}
-    for si, st in enumerate(lowered.steps):
-        for j in st.inputs:
-            readers.setdefault(j, []).append(si)
+    readers = step_readers(lowered)
     return [si for si, st in enumerate(lowered.steps)
             if st.kind == "mul" and si != lowered.output and readers.get(si)
             and all(lowered.steps[r].kind == "affine"
@@ -1584,10 +1596,7 @@ def choose_lazy(lowered: Lowered, live: list[np.ndarray], moduli: Sequence[Seque
     than finishing every product: it pays where the maps reading the products have fewer
     outputs than there are products (a classifier's head after the last Mu-Layer)."""
     levels = step_levels(lowered.steps, "batch")
-    readers: dict[int, list[int]] = {}
-    for si, st in enumerate(lowered.steps):
-        for j in st.inputs:
-            readers.setdefault(j, []).append(si)
+    readers = step_readers(lowered)
     chosen = []
     for m in lazy_candidates(lowered):
         cost = {}

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
-from he.plan import VectorPlan
+from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
@@ -429,10 +429,7 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
     lo = level - 1
     cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
     mats = [m.tocsr() for m in st.terms]
-    reach = np.zeros(st.n, dtype=bool)
-    for m, c in zip(mats, cts):
-        reach |= np.asarray(m[:, np.flatnonzero(c)].getnnz(axis=1) > 0).ravel()
-    out_rows = np.flatnonzero(rows & reach)
+    out_rows = np.flatnonzero(rows & rows_reading(mats, cts))
     inputs = [e for x, c in zip(srcs, cts) for e, is_ct in zip(x, c) if is_ct]
     if out_rows.size == 0 or not inputs:
         return {}
