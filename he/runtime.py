@@ -3,7 +3,10 @@
 * :func:`run_batch`: batch packing. A value of sample shape ``S`` is a flat list of ``prod(S)``
   elements, each a SEAL ciphertext (one sample per slot) or a Python float (a value known in the
   clear, e.g. a zero from padding or a constant). Linear maps are sums of plaintext-scalar
-  products rescaled once per output; zero weights are skipped; gathers are reindexing.
+  products rescaled once per output; zero weights are skipped; gathers are reindexing. A
+  product step the compiler marks lazy (``program.options["lazy_products"]``) leaves its
+  products unrelinearised and unrescaled, and the weighted maps reading them finish their own
+  outputs (:func:`_mul_lazy`, :func:`_lazy_rows`).
 * :func:`run_vector`: vector packing over a :class:`~he.plan.VectorPlan` with plaintexts encoded
   once by :class:`VectorKernels`.
 """
