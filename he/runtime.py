@@ -6,7 +6,7 @@
   products rescaled once per output; zero weights are skipped; gathers are reindexing. A
   product step the compiler marks lazy (``program.options["lazy_products"]``) leaves its
   products unrelinearised and unrescaled, and the weighted maps reading them finish their own
-  outputs (:func:`_mul_lazy`, :func:`_lazy_rows`).
+  outputs (:func:`_mul_step`, :func:`_lazy_rows`).
 * :func:`run_vector`: vector packing over a :class:`~he.plan.VectorPlan` with plaintexts encoded
   once by :class:`VectorKernels`.
 """
@@ -47,10 +47,13 @@ def _scale_elem(eng: Engine, e: Elem, v: float) -> Elem:
 
 
 def _mul_step(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
-              buffers: "_Buffers") -> list[Elem]:
+              buffers: "_Buffers", lazy: bool = False) -> list[Elem]:
     """A product step's live rows. Products of two ciphertexts are computed in recycled
     three-polynomial buffers, relinearised and rescaled into recycled ones, spread over the
-    engine's threads (:func:`_threaded`); a product with a clear value is a scaling."""
+    engine's threads (:func:`_threaded`); a product with a clear value is a scaling. ``lazy``
+    (a step :func:`he.plan.choose_lazy` chose): the products are left unrelinearised and
+    unrescaled, three polynomials at their inputs' level carrying the square of their scale,
+    which the maps reading them finish (:func:`_lazy_rows`)."""
     out: list[Elem] = [0.0] * len(rows)
     pairs = []
     for i in np.flatnonzero(rows):
@@ -64,6 +67,9 @@ def _mul_step(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
         a, b = xs[i], ys[i]
         level = max(eng.level(a), eng.level(b))
         scratch = buffers.take(eng, level, 3)
+        if lazy:
+            # the product is the result (the buffer of the next level goes back unused)
+            return scratch, level + 1, lambda _: eng.multiply_lazy(a, b, scratch)
         return scratch, level + 1, lambda into: eng.multiply(a, b, out=scratch, into=into)
 
     for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
@@ -91,33 +97,6 @@ def eager_products() -> Iterator[None]:
 def _is_lazy(e: Elem) -> bool:
     """Whether ``e`` is a product left unrelinearised and unrescaled (three polynomials)."""
     return _is_ct(e) and e.size() == 3
-
-
-def _mul_lazy(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
-              buffers: "_Buffers") -> list[Elem]:
-    """A product step left unrelinearised and unrescaled (:func:`he.plan.choose_lazy`): each
-    product of two ciphertexts is a three-polynomial ciphertext at its inputs' level, carrying
-    the square of their scale, which the maps reading it finish (:func:`_lazy_rows`); a
-    product with a clear value is a scaling, finished as usual."""
-    out: list[Elem] = [0.0] * len(rows)
-    pairs = []
-    for i in np.flatnonzero(rows):
-        a, b = xs[i], ys[i]
-        if _is_ct(a) and _is_ct(b):
-            pairs.append(int(i))
-        else:
-            out[i] = _scale_elem(eng, a, b) if _is_ct(a) else _scale_elem(eng, b, a)
-
-    def prepare(i: int) -> tuple[Any, int, Callable[[Any], Any]]:
-        a, b = xs[i], ys[i]
-        level = max(eng.level(a), eng.level(b))
-        product = buffers.take(eng, level, 3)
-        # the product is the result (the recycled buffer of the next level goes back unused)
-        return product, level + 1, lambda _: eng.multiply_lazy(a, b, product)
-
-    for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
-        out[i] = res
-    return out
 
 
 def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
@@ -424,7 +403,7 @@ def _add_sums(eng: Engine, sums: dict[int, Any], part: list[Elem], buffers: _Buf
 def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                level: int, cache: dict[Any, Any], buffers: _Buffers) -> dict[int, Any]:
     """The rows of a weighted step (computed at ``level``) over its lazy inputs only
-    (``srcs``: the three-polynomial products of :func:`_mul_lazy`, ``0.0`` elsewhere): their
+    (``srcs``: the three-polynomial products of :func:`_mul_step`, ``0.0`` elsewhere): their
     sums at the products' primes (one fused map where it can be, else SEAL's chain), weights at
     the scale of ``level``, each relinearised and rescaled by the prime the products kept, so
     that it lands on the step's primes and product scale, as the rest of its sum
@@ -484,7 +463,7 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
 def _affine_lazy(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                  plains: dict[tuple[float, int, float], Any], min_fanin: int,
                  fused_maps: dict[Any, Any], buffers: _Buffers, level: int) -> list[Elem]:
-    """A weighted step that reads lazy products (:func:`_mul_lazy`): its sums over the other
+    """A weighted step that reads lazy products (:func:`_mul_step`): its sums over the other
     inputs at the product's scale (:func:`_affine_batch` with ``partial``) plus those over the
     lazy ones (:func:`_lazy_rows`), each row rescaled once with its bias and clear share added
     (:func:`_finish_sums`)."""
@@ -574,14 +553,12 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             return _affine_lazy(eng, si, st, ins, rows, plains,
                                 FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
                                 fused_maps, buffers, in_level(si))
-        if st.kind == "mul" and si in lazy:
-            return _mul_lazy(eng, ins[0], ins[1], rows, buffers)
         if st.kind == "affine":
             return _affine_batch(eng, si, st, ins, rows, plains,
                                  FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
                                  fused_maps, buffers, in_level(si) if part else None, partial)
         if st.kind == "mul":
-            return _mul_step(eng, ins[0], ins[1], rows, buffers)
+            return _mul_step(eng, ins[0], ins[1], rows, buffers, lazy=si in lazy)
         return [_scale_elem(eng, p, float(st.factor)) if r else 0.0
                 for p, r in zip(ins[0], rows)]
 
