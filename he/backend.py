@@ -239,10 +239,10 @@ class Engine:
         one = seal.Plaintext()
         self.encoder.encode(1.0, prev, self.scales[level] * q / self.scales[cur], one)
         self.evaluator.multiply_plain(out, one, res)
-        self._rescale_to(res, res)
+        self.rescale_into(res, res)
         return self._canon(res, level)
 
-    def _rescale_to(self, ct: Any, dst: Any) -> None:
+    def rescale_into(self, ct: Any, dst: Any) -> None:
         """``dst <- ct`` rescaled by its last prime (``dst`` may be ``ct``): natively where
         :mod:`he.native` accepts it, else through ``tenseal.sealapi`` (same words)."""
         if self.native is not None and self.native.accepts_rescale(ct):
@@ -251,7 +251,7 @@ class Engine:
             self.evaluator.rescale_to_next(ct, dst)
 
     def rescale(self, ct: Any) -> Any:
-        self._rescale_to(ct, ct)
+        self.rescale_into(ct, ct)
         return self._canon(ct)
 
     def to_level(self, ct: Any, level: int, into: Any = None) -> Any:
@@ -263,7 +263,7 @@ class Engine:
         product's polynomial) larger than it needs."""
         if self.chain(ct) < self.params.chain_index(level):
             dst = ct if into is None else into
-            self._rescale_to(ct, dst)
+            self.rescale_into(ct, dst)
             return self._canon(dst, level)
         return self._canon(ct, level)
 

@@ -18,7 +18,7 @@ import tenseal.sealapi as seal
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
-from he.compiler import CompiledProgram, batch_group_memory, lazy_fits
+from he.compiler import CompiledProgram, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
@@ -438,28 +438,29 @@ class Server:
         ran in tiles, and in how many (:mod:`he.tiling`; empty where a group fit whole)."""
         return dict(self._tiles)
 
-    def _group_memory(self, free: float, keep: bool) -> tuple[dict[int, int], float]:
-        """Tiles per segment that keep a group within ``free`` bytes and its working memory
-        (:func:`he.compiler.batch_group_memory`); the segments are looked for the first time a
-        group does not fit whole (a search of seconds for deep programs)."""
+    def _group_memory(self, free: float, keep: bool
+                      ) -> tuple[dict[int, int], float, tuple[int, ...]]:
+        """Tiles per segment that keep a group within ``free`` bytes, its working memory and the
+        product steps it leaves lazy (:func:`he.compiler.batch_group_memory`); the segments are
+        looked for the first time a group does not fit whole (a search of seconds for deep
+        programs)."""
         prog = self.program
         args = (prog.lowered, prog.plan.live, prog.params, free)
-        tiles, working, _ = batch_group_memory(*args, self._segments or [], keep_inputs=keep,
-                                               lazy=self._lazy)
-        if working > free and self._segments is None:
+        lazy = tuple(prog.options.get("lazy_products", ()))
+        mem = batch_group_memory(*args, self._segments or [], keep_inputs=keep, lazy=lazy)
+        if mem.working > free and self._segments is None:
             self._segments = find_segments(prog.lowered, prog.plan.live, row_bytes_of(
                 prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs),
                 keep_inputs=False)
-            tiles, working, _ = batch_group_memory(*args, self._segments, keep_inputs=keep,
-                                                   lazy=self._lazy)
-        return tiles, working
+            mem = batch_group_memory(*args, self._segments, keep_inputs=keep, lazy=lazy)
+        return mem.tiles, mem.working, mem.lazy
 
     @property
     def lazy_products(self) -> tuple[int, ...]:
         """Batch packing: the product steps the last request left unrelinearised and unrescaled
         for the maps that read them (``program.options["lazy_products"]`` where the group ran
         whole; empty in tiles)."""
-        return () if self._tiles else tuple(self._lazy)
+        return tuple(self._lazy)
 
     def _encrypt_constant(self, value: float) -> Any:
         eng = self.engine
@@ -487,7 +488,7 @@ class Server:
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
                                                fanin=fanin, tiles=tiles, own_inputs=owned,
-                                               lazy=() if tiles else self._lazy),
+                                               lazy=self._lazy),
                              "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan
@@ -523,10 +524,7 @@ class Server:
                 free = min(free, self._memory_budget)
             # inputs given as SEAL objects are the caller's; those loaded here are freed
             keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
-            lazy = tuple(self.program.options.get("lazy_products", ()))
-            self._lazy = lazy if lazy_fits(self.program.lowered, self.program.plan.live,
-                                           self.program.params, free, lazy, keep) else ()
-            self._tiles, working = self._group_memory(free, keep)
+            self._tiles, working, self._lazy = self._group_memory(free, keep)
             try:
                 n_workers = memory_workers(
                     workers, len(ct._groups), working, free,

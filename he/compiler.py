@@ -13,7 +13,7 @@ import hashlib
 import math
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -251,44 +251,49 @@ def _batch_lazy(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
 _BATCH_THREADED = ("mul_ct", "mul_lazy", "rescale", "fused_mac", "fused_in", "fused_out")
 
 
-def lazy_fits(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
-              budget: float | None, lazy: Sequence[int], keep_inputs: bool = False) -> bool:
-    """Whether one batch group with the products of ``lazy`` left unrelinearised and
-    unrescaled (larger ciphertexts) fits ``budget`` bytes whole (a group in tiles finishes
-    every product)."""
-    if not lazy:
-        return False
-    room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
-    row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs, lazy)
-    return allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs) <= room
+class GroupMemory(NamedTuple):
+    """What one batch group holds (:func:`batch_group_memory`): ``tiles`` per segment end (empty:
+    the group runs whole), ``working`` bytes with them and ``untiled`` bytes without (both with
+    the encoded weights' cache), and ``lazy``, the product steps left unrelinearised (those asked
+    for where the group fits whole with them, else none)."""
+
+    tiles: dict[int, int]
+    working: float
+    untiled: float
+    lazy: tuple[int, ...]
 
 
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                        budget: float | None, segments: list[Segment] | None = None,
-                       keep_inputs: bool = False, lazy: Sequence[int] = ()
-                       ) -> tuple[dict[int, int], float, float]:
+                       keep_inputs: bool = False, lazy: Sequence[int] = ()) -> GroupMemory:
     """Tiles per segment (:mod:`he.tiling`) that keep one batch group within ``budget`` bytes
     of free memory (None: no limit, no tiles), and the group's working memory (ciphertexts at
     their peak and the encoded weights' cache) with them and without. ``keep_inputs``: the
     group's input ciphertexts are the caller's and live to the end (a server frees those it
-    loaded from bytes once read). ``lazy``: product steps left unrelinearised where the group
-    fits whole with them (:func:`lazy_fits`), else finished as usual."""
-    if lazy_fits(lowered, live, params, budget, lazy, keep_inputs):
-        row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs, lazy)
-        whole = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
-        return {}, whole + PLAIN_CACHE_BYTES, whole + PLAIN_CACHE_BYTES
-    row_bytes = row_bytes_of(lowered, params.poly_modulus_degree, params.limbs)
+    loaded from bytes once read). ``lazy``: product steps to leave unrelinearised (larger
+    ciphertexts); kept where the group fits whole with them, else every product is finished
+    (a group in tiles finishes every product). The one rule for the compiler's prediction and a
+    server's choice."""
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
+    ring = params.poly_modulus_degree
+    if lazy:
+        whole = allocated_memory(lowered, live, row_bytes_of(lowered, ring, params.limbs, lazy),
+                                 keep_inputs=keep_inputs)
+        if whole <= room:
+            return GroupMemory({}, whole + PLAIN_CACHE_BYTES, whole + PLAIN_CACHE_BYTES,
+                               tuple(int(m) for m in lazy))
+    row_bytes = row_bytes_of(lowered, ring, params.limbs)
     untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
     if untiled <= room:             # whole: no segments to look for
-        return {}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES
+        return GroupMemory({}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES, ())
     if segments is None:
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
     working = allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
         PLAIN_CACHE_BYTES
-    return {e: k for e, k in tiles.items() if k > 1}, working, untiled + PLAIN_CACHE_BYTES
+    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, working,
+                       untiled + PLAIN_CACHE_BYTES, ())
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -296,9 +301,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                    budget: float | None = None, lazy: Sequence[int] = ()) -> dict[str, Any]:
     """Predicted time, work and memory of one batch group; ``lazy`` products are left
     unrelinearised only where the group fits ``budget`` whole with them (as a server does)."""
-    if not lazy_fits(lowered, live, params, budget, lazy):
-        lazy = ()
-    counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin, lazy)
+    # ciphertexts held at once, in tiles where the whole group would not fit the budget
+    mem = batch_group_memory(lowered, live, params, budget, lazy=lazy)
+    counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin, mem.lazy)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
     # products and rescales on several threads run at the rotations' measured efficiency
@@ -310,8 +315,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
         seconds += costs.price(rest, ring, params.limbs(lin)) + \
             costs.price(par, ring, params.limbs(lin)) / speedup
-    # ciphertexts held at once, in tiles where the whole group would not fit the budget
-    tiles, working, untiled = batch_group_memory(lowered, live, params, budget, lazy=lazy)
+    tiles, working, untiled = mem.tiles, mem.working, mem.untiled
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = int(live[0].sum())
@@ -327,7 +331,8 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "server_memory_bytes": _server_memory(params, [], 0) + working,
             # what evaluating one group adds to a server whose keys are loaded
             "working_memory_bytes": working, "untiled_memory_bytes": untiled,
-            "tiles": {str(e): k for e, k in tiles.items()}}
+            "tiles": {str(e): k for e, k in tiles.items()},
+            "lazy_products": list(mem.lazy)}
 
 
 def _stored_lowering(program: PolyProgram, split: Any, keep: Any = ()) -> Lowered:
@@ -797,7 +802,7 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                 f"and unrescaled, read at their primes by the maps that read them, which "
                 f"relinearise and rescale their own outputs instead (cheaper under the cost "
                 f"model)")
-        if not lazy_fits(lowered, live, params, room, lazy):
+        if not predicted["lazy_products"]:
             why += ", where a group fits whole: not at this memory budget (tiles)"
     if predicted["tiles"]:
         gib = 2.0 ** 30

@@ -453,7 +453,7 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
     for r, acc in sums.items():
         eng.evaluator.relinearize_inplace(acc, eng.relin_keys)
         dst = buffers.take(eng, level)
-        eng._rescale_to(acc, dst)
+        eng.rescale_into(acc, dst)
         dst.scale = product
         buffers.recycle(acc)
         out[r] = dst

@@ -11,7 +11,7 @@ from torch import nn
 
 import he
 import polynets as pn
-from he.compiler import CompiledProgram, batch_group_memory, lazy_fits
+from he.compiler import CompiledProgram, batch_group_memory
 from he.costmodel import CostModel, default_model
 from he.plan import lazy_candidates
 from he.runtime import eager_products, live_rows
@@ -130,10 +130,9 @@ def test_a_group_that_fits_only_with_finished_products_runs_them_eagerly(compile
     assert lazy_bytes > eager
     from he.runtime import PLAIN_CACHE_BYTES
     budget = int(PLAIN_CACHE_BYTES + (eager + lazy_bytes) / 2)
-    assert not lazy_fits(low, live, params, budget, lazy)
-    assert lazy_fits(low, live, params, None, lazy)
-    tiles, _, _ = batch_group_memory(low, live, params, budget, lazy=lazy)
-    assert tiles == {}
+    mem = batch_group_memory(low, live, params, budget, lazy=lazy)
+    assert mem.tiles == {} and mem.lazy == ()
+    assert batch_group_memory(low, live, params, None, lazy=lazy).lazy == tuple(lazy)
     xs = x[:2].numpy()
     y, server = _run(prog, client, public, xs, memory_budget=budget)
     assert server.lazy_products == () and server.tiles == {}
