@@ -10,7 +10,8 @@ Recipe of :class:`EquationDiscovery.fit`:
    grid of thresholds, and per equation the best support of every size (exhaustive where the
    count allows, a beam search beyond), its size chosen by cross-validation over blocks of test
    functions or stopped at a grid of residual levels; at two test-function widths, each support
-   with its weak-form coefficients.
+   with its weak-form coefficients, tried sparsest first (cheap fits finish early, and a start
+   that cannot beat a finished candidate is abandoned before its elimination rounds).
 2. **Safe trajectory fits.** Every start is refined by trajectory matching (multiple shooting,
    :mod:`symbolic.shooting`). A start that blows up within the windows is retried on windows
    half as long (down to 5 samples), then lengthened again from the shorter fit. A dense fit
@@ -834,7 +835,9 @@ class EquationDiscovery(BaseEstimator):
     equal to zero on them (e.g. ``E + C - 0.5`` under a conservation law; empty when there is
     none; where there is one, models that differ by multiples of it fit equally well, the model
     returned is one of them and an :class:`~symbolic.errors.IdentifiabilityWarning` says so, see
-    :meth:`_identify`), ``timings_`` seconds spent.
+    :meth:`_identify`), ``timings_`` seconds spent per stage (``node``: the data's preparation
+    and the Poly-NODE start, ``sparse_starts``, ``stepwise``, ``select``, ``simplify``,
+    ``lengthen``, ``finish``: the final fit and identifiability check) and in all (``total``).
     """
 
     def __init__(self, degree: int = 2, *, variables: Sequence[str] | None = None,
@@ -1043,7 +1046,9 @@ class EquationDiscovery(BaseEstimator):
         self._stepwise(fitted, candidates, noise)
         timings["stepwise"] = time.perf_counter() - began
         fitted = [c for c in candidates if "result" in c]
+        began = time.perf_counter()
         best = self._select(fitted)
+        timings["select"] = time.perf_counter() - began
         began = time.perf_counter()
         best = self._simplify(best, candidates, noise)
         timings["simplify"] = time.perf_counter() - began
@@ -1055,8 +1060,10 @@ class EquationDiscovery(BaseEstimator):
         self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
                                                                     "support")}
                             for c in candidates]
+        began = time.perf_counter()
         self._finish(best["result"], best["active"])
         self._identify(noise)
+        timings["finish"] = time.perf_counter() - began
         timings["total"] = time.perf_counter() - start
         self.timings_ = timings
         return self
@@ -1095,14 +1102,19 @@ class EquationDiscovery(BaseEstimator):
             self._attempt("lstsq", lambda: lstsq_integral(field, full, trajectories), full,
                           noise, candidates)
         explored = {full.tobytes()}
+        sparse_began = time.perf_counter()
         if self.sparse_starts:
-            for active, coef in sparse_supports(field, trajectories):
+            # sparsest first: cheap fits finish early, and a finished candidate lets a start
+            # that cannot beat it be abandoned before its elimination rounds (:meth:`_hopeless`)
+            supports = sorted(sparse_supports(field, trajectories), key=lambda s: int(s[0].sum()))
+            for active, coef in supports:
                 key = active.tobytes()
                 if key in explored or any(c.get("support") == key for c in candidates) or \
                         active.sum() > MAX_SPARSE_START * active.size:
                     continue
                 explored.add(key)
                 self._attempt("weak", coef, active, noise, candidates)
+        timings["sparse_starts"] = time.perf_counter() - sparse_began
         return candidates
 
     def _attempt(self, label: str, coef: Any, active: np.ndarray, noise: float | None,

@@ -46,6 +46,18 @@ def test_exact_data_is_fitted_to_the_data_accuracy_not_the_default_tolerance(
     assert rel < 2e-13
 
 
+def test_sparse_starts_run_sparsest_first_and_every_stage_is_timed():
+    """Cheap sparse fits finish first, so a finished candidate can bound the costly ones; the
+    timings name every stage of the fit and add up to at most its total."""
+    traj = generate("lotka_volterra", noise=0.1, seed=0)
+    model = EquationDiscovery(degree=2, progress=False).fit(traj.t, traj.X)
+    weak = [c["start_terms"] for c in model.candidates_ if c["start"] == "weak"]
+    assert len(weak) >= 2 and weak == sorted(weak)
+    stages = ("node", "sparse_starts", "stepwise", "select", "simplify", "lengthen", "finish")
+    assert set(stages) <= set(model.timings_)
+    assert sum(model.timings_[s] for s in stages) <= model.timings_["total"] + 1e-6
+
+
 def test_results_print_export_and_simulate(lotka_volterra_fit):
     traj, model = lotka_volterra_fit
     eqs = model.equations()
