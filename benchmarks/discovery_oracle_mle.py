@@ -89,7 +89,7 @@ def oracle_mle(traj, start: list[dict[str, float]]) -> dict:
     fits = {}
     for label, coef in (("truth", traj.truth), ("polynets", start)):
         p0 = np.concatenate([[coef[i].get(k, 0.0) for i, k in terms], traj.X[0]])
-        fit = least_squares(residual, p0, x_scale="jac", max_nfev=200 * (q + dim))
+        fit = least_squares(residual, p0, x_scale="jac", max_nfev=30 * (q + dim))
         found: list[dict[str, float]] = [{} for _ in names]
         for j, (i, k) in enumerate(terms):
             found[i][k] = float(fit.x[j])
