@@ -93,6 +93,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -304,6 +305,14 @@ def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: floa
     extra = max(shorter.n_params - longer.n_params, 1)
     statistic = n * math.log(max(longer.rss, 1e-300) / shorter.rss)
     return statistic <= extra + 3.0 * math.sqrt(2.0 * extra)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
+    """Record in ``timings[stage]`` the seconds the ``with`` block takes."""
+    began = time.perf_counter()
+    yield
+    timings[stage] = time.perf_counter() - began
 
 
 def information_criterion(res: ShootingResult, terms: int) -> float:
@@ -1042,28 +1051,23 @@ class EquationDiscovery(BaseEstimator):
                 f" The data may be sampled too coarsely for its time scales, or not come from a "
                 f"polynomial ODE of degree <= {self.degree}: sample more densely, raise degree, "
                 f"or remove outliers")
-        began = time.perf_counter()
-        self._stepwise(fitted, candidates, noise)
-        timings["stepwise"] = time.perf_counter() - began
+        with _timed(timings, "stepwise"):
+            self._stepwise(fitted, candidates, noise)
         fitted = [c for c in candidates if "result" in c]
-        began = time.perf_counter()
-        best = self._select(fitted)
-        timings["select"] = time.perf_counter() - began
-        began = time.perf_counter()
-        best = self._simplify(best, candidates, noise)
-        timings["simplify"] = time.perf_counter() - began
-        began = time.perf_counter()
-        best = self._lengthen(best, candidates, noise)
-        timings["lengthen"] = time.perf_counter() - began
+        with _timed(timings, "select"):
+            best = self._select(fitted)
+        with _timed(timings, "simplify"):
+            best = self._simplify(best, candidates, noise)
+        with _timed(timings, "lengthen"):
+            best = self._lengthen(best, candidates, noise)
         self.start_ = best["start"]
         self.rounds_ = best["rounds"]
         self.candidates_ = [{k: v for k, v in c.items() if k not in ("result", "active",
                                                                     "support")}
                             for c in candidates]
-        began = time.perf_counter()
-        self._finish(best["result"], best["active"])
-        self._identify(noise)
-        timings["finish"] = time.perf_counter() - began
+        with _timed(timings, "finish"):
+            self._finish(best["result"], best["active"])
+            self._identify(noise)
         timings["total"] = time.perf_counter() - start
         self.timings_ = timings
         return self
@@ -1102,11 +1106,11 @@ class EquationDiscovery(BaseEstimator):
             self._attempt("lstsq", lambda: lstsq_integral(field, full, trajectories), full,
                           noise, candidates)
         explored = {full.tobytes()}
-        sparse_began = time.perf_counter()
-        if self.sparse_starts:
+        with _timed(timings, "sparse_starts"):
             # sparsest first: cheap fits finish early, and a finished candidate lets a start
             # that cannot beat it be abandoned before its elimination rounds (:meth:`_hopeless`)
-            supports = sorted(sparse_supports(field, trajectories), key=lambda s: int(s[0].sum()))
+            supports = sorted(sparse_supports(field, trajectories),
+                              key=lambda s: int(s[0].sum())) if self.sparse_starts else []
             for active, coef in supports:
                 key = active.tobytes()
                 if key in explored or any(c.get("support") == key for c in candidates) or \
@@ -1114,7 +1118,6 @@ class EquationDiscovery(BaseEstimator):
                     continue
                 explored.add(key)
                 self._attempt("weak", coef, active, noise, candidates)
-        timings["sparse_starts"] = time.perf_counter() - sparse_began
         return candidates
 
     def _attempt(self, label: str, coef: Any, active: np.ndarray, noise: float | None,
