@@ -48,6 +48,8 @@ from symbolic.systems import generate, score_terms
 
 #: relative coefficient difference below which polynets' estimate is the MLE's
 SAME = 1e-4
+#: residual of every sample where an integration fails (a cost no fit reaches otherwise)
+BLOWUP = 1e3
 
 
 def exponents(term: str, names: tuple[str, ...]) -> tuple[int, ...]:
@@ -83,7 +85,7 @@ def oracle_mle(traj, start: list[dict[str, float]]) -> dict:
             sol = solve_ivp(rhs(p[:q]), (t[0], t[-1]), p[q:], t_eval=t, method="DOP853",
                             rtol=1e-10, atol=1e-12)
         if not sol.success or sol.y.shape[1] != t.size or not np.all(np.isfinite(sol.y)):
-            return np.full(traj.X.size, 1e3)
+            return np.full(traj.X.size, BLOWUP)
         return ((sol.y.T - traj.X) / scale).ravel()
 
     fits = {}
@@ -95,7 +97,7 @@ def oracle_mle(traj, start: list[dict[str, float]]) -> dict:
             found[i][k] = float(fit.x[j])
         fits[label] = (fit, found)
     (fit, found), (_, other) = sorted(fits.values(), key=lambda f: f[0].cost)
-    failed = bool(fit.cost >= 0.5 * traj.X.size * 1e6 * 0.99) or not fit.success
+    failed = bool(fit.cost >= 0.99 * 0.5 * traj.X.size * BLOWUP**2) or not fit.success
     return {"coefficients": found, "cost": float(fit.cost), "converged": not failed,
             # both starts reach one minimum: the likelihood is not rugged here (over a long
             # chaotic horizon it is, and its lowest point found is no reference)
