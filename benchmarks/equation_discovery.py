@@ -51,8 +51,8 @@ import torch
 
 from polynets.ir.program import atomic_write_bytes
 from symbolic import EquationDiscovery
-from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, FRESH_SYSTEMS, HELDOUT_SYSTEMS,
-                              NOVEL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, VALIDATION_SYSTEMS,
+from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, EXTRA_SYSTEMS, FRESH_SYSTEMS,
+                              HELDOUT_SYSTEMS, NOVEL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, VALIDATION_SYSTEMS,
                               generate, score_terms)
 
 THRESHOLDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8)
@@ -61,7 +61,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "equation_discovery.
 
 GROUPS = {"benchmark": sorted(SYSTEMS), "validation": sorted(VALIDATION_SYSTEMS),
           "heldout": sorted(HELDOUT_SYSTEMS), "check": sorted(CHECK_SYSTEMS),
-          "fresh": sorted(FRESH_SYSTEMS), "novel": sorted(NOVEL_SYSTEMS)}
+          "fresh": sorted(FRESH_SYSTEMS), "novel": sorted(NOVEL_SYSTEMS),
+          "extra": sorted(EXTRA_SYSTEMS)}
 """Names that ``--systems`` expands to a group of systems."""
 
 QUICK = {"systems": ["lotka_volterra", "sir", "brusselator"], "noise": [0.0, 0.05],
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                              "'heldout' (symbolic.systems.HELDOUT_SYSTEMS), 'check' "
                              "(symbolic.systems.CHECK_SYSTEMS), 'fresh' "
                              "(symbolic.systems.FRESH_SYSTEMS), 'novel' "
-                             "(symbolic.systems.NOVEL_SYSTEMS)")
+                             "(symbolic.systems.NOVEL_SYSTEMS), 'extra' "
+                             "(symbolic.systems.EXTRA_SYSTEMS)")
     parser.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.01, 0.05, 0.1])
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated noise seeds (default 0,1,2)")

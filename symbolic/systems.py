@@ -17,7 +17,8 @@ from scipy.integrate import solve_ivp
 from symbolic.errors import SymbolicDataError
 
 __all__ = ["System", "Trajectory", "SYSTEMS", "PROJECT_SYSTEMS", "VALIDATION_SYSTEMS",
-           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "FRESH_SYSTEMS", "NOVEL_SYSTEMS", "ALL_SYSTEMS",
+           "HELDOUT_SYSTEMS", "CHECK_SYSTEMS", "FRESH_SYSTEMS", "NOVEL_SYSTEMS", "EXTRA_SYSTEMS",
+           "ALL_SYSTEMS",
            "generate", "score_terms",
            "lotka_volterra", "van_der_pol", "lorenz",
            "cubic_oscillator", "sir", "lotka_volterra_4", "brusselator", "fitzhugh_nagumo",
@@ -850,8 +851,126 @@ NOVEL_SYSTEMS: dict[str, System] = {s.name: s for s in (
 """A fifth set (benchmark ``--systems novel``), written and first run after the method's last
 change, like the fourth, and recorded as it came."""
 
+def _sprott_h(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[1] + x[2] ** 2, x[0] + 0.5 * x[1], x[0] - x[2]])
+
+
+def _sprott_k(x: np.ndarray) -> np.ndarray:
+    return np.array([x[0] * x[1] - x[2], x[0] - x[1], x[0] + 0.3 * x[2]])
+
+
+def _sprott_m(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[2], -x[0] ** 2 - x[1], 1.7 + 1.7 * x[0] + x[1]])
+
+
+def _sprott_n(x: np.ndarray) -> np.ndarray:
+    return np.array([-2.0 * x[1], x[0] + x[2] ** 2, 1.0 + x[1] - 2.0 * x[2]])
+
+
+def _sprott_o(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1], x[0] - x[2], x[0] + x[0] * x[2] + 2.7 * x[1]])
+
+
+def _sprott_q(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[2], x[0] - x[1], 3.1 * x[0] + x[1] ** 2 + 0.5 * x[2]])
+
+
+def _sprott_r(x: np.ndarray) -> np.ndarray:
+    return np.array([0.9 - x[1], 0.4 + x[2], x[0] * x[1] - x[2]])
+
+
+def _sprott_s(x: np.ndarray) -> np.ndarray:
+    return np.array([-x[0] - 4.0 * x[1], x[0] + x[2] ** 2, 1.0 + x[0]])
+
+
+# Sprott's cases H, K, M, N, O, Q, R and S (J. C. Sprott, Phys. Rev. E 50, R647, 1994), each
+# started on its attractor (the state at t = 50 from (0.1, 0.1, 0.1)); 1000 points on [0, 50].
+sprott_h = System("sprott_h", ("x", "y", "z"), _sprott_h,
+                  ({"y": -1.0, "z**2": 1.0}, {"x": 1.0, "y": 0.5}, {"x": 1.0, "z": -1.0}),
+                  (-0.9242, 0.01118, -0.9562), 50.0, 1000, 2)
+sprott_k = System("sprott_k", ("x", "y", "z"), _sprott_k,
+                  ({"z": -1.0, "x*y": 1.0}, {"x": 1.0, "y": -1.0}, {"x": 1.0, "z": 0.3}),
+                  (-2.999, -1.066, 2.588), 50.0, 1000, 2)
+sprott_m = System("sprott_m", ("x", "y", "z"), _sprott_m,
+                  ({"z": -1.0}, {"y": -1.0, "x**2": -1.0}, {"1": 1.7, "x": 1.7, "y": 1.0}),
+                  (-2.044, -2.048, -0.1462), 50.0, 1000, 2)
+sprott_n = System("sprott_n", ("x", "y", "z"), _sprott_n,
+                  ({"y": -2.0}, {"x": 1.0, "z**2": 1.0}, {"1": 1.0, "y": 1.0, "z": -2.0}),
+                  (-10.47, 7.55, 3.502), 50.0, 1000, 2)
+sprott_o = System("sprott_o", ("x", "y", "z"), _sprott_o,
+                  ({"y": 1.0}, {"x": 1.0, "z": -1.0}, {"x": 1.0, "y": 2.7, "x*z": 1.0}),
+                  (-0.02461, -0.5521, 0.5202), 50.0, 1000, 2)
+sprott_q = System("sprott_q", ("x", "y", "z"), _sprott_q,
+                  ({"z": -1.0}, {"x": 1.0, "y": -1.0}, {"x": 3.1, "z": 0.5, "y**2": 1.0}),
+                  (-6.519, -2.606, -0.2826), 50.0, 1000, 2)
+sprott_r = System("sprott_r", ("x", "y", "z"), _sprott_r,
+                  ({"1": 0.9, "y": -1.0}, {"1": 0.4, "z": 1.0}, {"z": -1.0, "x*y": 1.0}),
+                  (-1.259, -1.353, 3.232), 50.0, 1000, 2)
+sprott_s = System("sprott_s", ("x", "y", "z"), _sprott_s,
+                  ({"x": -1.0, "y": -4.0}, {"x": 1.0, "z**2": 1.0}, {"1": 1.0, "x": 1.0}),
+                  (-3.261, -0.02456, -0.1673), 50.0, 1000, 2)
+
+
+def _henon_heiles(x: np.ndarray) -> np.ndarray:
+    return np.array([x[2], x[3], -x[0] - 2.0 * x[0] * x[1], -x[1] - x[0] ** 2 + x[1] ** 2])
+
+
+henon_heiles = System(
+    "henon_heiles", ("x", "y", "u", "v"), _henon_heiles,
+    ({"u": 1.0}, {"v": 1.0}, {"x": -1.0, "x*y": -2.0}, {"y": -1.0, "x**2": -1.0, "y**2": 1.0}),
+    (0.0, 0.1, 0.45, 0.1), 100.0, 1000, 2)
+"""Henon-Heiles Hamiltonian (M. Henon and C. Heiles, Astron. J. 69, 73, 1964), positions x, y and
+momenta u, v at energy 0.111 (bounded, below the escape energy 1/6); conservative, so no
+attractor: 1000 points on [0, 100]."""
+
+
+def _lorenz96_5(x: np.ndarray) -> np.ndarray:
+    return np.array([(x[(i + 1) % 5] - x[(i - 2) % 5]) * x[(i - 1) % 5] - x[i] + 8.0
+                     for i in range(5)])
+
+
+def _lorenz96_5_truth() -> tuple[dict[str, float], ...]:
+    names = ("a", "b", "c", "d", "e")
+    eqs = []
+    for i in range(5):
+        nxt, prev, prev2 = names[(i + 1) % 5], names[(i - 1) % 5], names[(i - 2) % 5]
+        eqs.append({"1": 8.0, names[i]: -1.0, "*".join(sorted((nxt, prev))): 1.0,
+                    "*".join(sorted((prev2, prev))): -1.0})
+    return tuple(eqs)
+
+
+lorenz96_5 = System(
+    "lorenz96_5", ("a", "b", "c", "d", "e"), _lorenz96_5, _lorenz96_5_truth(),
+    (0.68, 1.083, 1.61, 8.288, -1.496), 10.0, 1000, 2)
+"""Lorenz-96 with five sites and forcing F = 8 (E. N. Lorenz, Proc. Seminar on Predictability,
+ECMWF, 1996): 5 states, 21 monomials per equation; started on the attractor (the state at
+t = 20 from (8.01, 8, 8, 8, 8)); 1000 points on [0, 10]."""
+
+
+def _sprott_torus(x: np.ndarray) -> np.ndarray:
+    return np.array([x[1] + 2.0 * x[0] * x[1] + x[0] * x[2], 1.0 - 2.0 * x[0] ** 2 + x[1] * x[2],
+                     x[0] - x[0] ** 2 - x[1] ** 2])
+
+
+sprott_torus = System(
+    "sprott_torus", ("x", "y", "z"), _sprott_torus,
+    ({"y": 1.0, "x*y": 2.0, "x*z": 1.0}, {"1": 1.0, "x**2": -2.0, "y*z": 1.0},
+     {"x": 1.0, "x**2": -1.0, "y**2": -1.0}), (1.0, 0.0, 0.0), 50.0, 1000, 2)
+"""Sprott's conservative torus flow (J. C. Sprott, Elegant Chaos, World Scientific, 2010), from
+(1, 0, 0); 1000 points on [0, 50]."""
+
+EXTRA_SYSTEMS: dict[str, System] = {s.name: s for s in (
+    sprott_h, sprott_k, sprott_m, sprott_n, sprott_o, sprott_q, sprott_r, sprott_s,
+    henon_heiles, lorenz96_5, sprott_torus)}
+"""A sixth set (benchmark ``--systems extra``): Sprott's cases H, K, M, N, O, Q, R and S
+(J. C. Sprott, Phys. Rev. E 50, R647, 1994; each started on its attractor, the state at
+t = 50 from (0.1, 0.1, 0.1), 1000 points on [0, 50]), a Hamiltonian, a five-site Lorenz-96 and
+a conservative torus flow; written and first run after the method's last change, and recorded
+as it came."""
+
 ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS,
-                                  **CHECK_SYSTEMS, **FRESH_SYSTEMS, **NOVEL_SYSTEMS}
+                                  **CHECK_SYSTEMS, **FRESH_SYSTEMS, **NOVEL_SYSTEMS,
+                                  **EXTRA_SYSTEMS}
 
 
 def score_terms(found: list[dict[str, float]], truth: list[dict[str, float]]) -> dict:
