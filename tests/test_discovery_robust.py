@@ -303,16 +303,17 @@ def _result(rss: float, n_residuals: int, n_params: int, window: int | None = 50
                           window=window)
 
 
-@pytest.mark.parametrize("group", ["heldout", "check", "fresh", "novel"])
+@pytest.mark.parametrize("group", ["heldout", "check", "fresh", "novel", "extra"])
 def test_held_out_systems_have_consistent_truth_and_stay_bounded(group):
     import sympy
 
     from symbolic.field import PolyField
-    from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, FRESH_SYSTEMS, HELDOUT_SYSTEMS,
-                                  NOVEL_SYSTEMS, VALIDATION_SYSTEMS)
+    from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, EXTRA_SYSTEMS, FRESH_SYSTEMS,
+                                  HELDOUT_SYSTEMS, NOVEL_SYSTEMS, VALIDATION_SYSTEMS)
 
     groups = {"heldout": HELDOUT_SYSTEMS, "check": CHECK_SYSTEMS, "fresh": FRESH_SYSTEMS,
-              "novel": NOVEL_SYSTEMS, "benchmark": SYSTEMS, "validation": VALIDATION_SYSTEMS}
+              "novel": NOVEL_SYSTEMS, "extra": EXTRA_SYSTEMS, "benchmark": SYSTEMS,
+              "validation": VALIDATION_SYSTEMS}
     systems = groups.pop(group)
     others = {name for other in groups.values() for name in other}
     assert len(systems) >= 5 and not set(systems) & others
@@ -389,6 +390,47 @@ def test_longer_windows_are_accepted_at_the_noise_level_and_refused_on_a_misfit(
     exact = _result(rss=1e-20, n_residuals=4000, n_params=130)
     assert continuity_holds(_result(0.9e-20, 4000, 70), exact, 1e-10)
     assert not continuity_holds(_result(3e-20, 4000, 70), exact, 1e-10)  # nothing to average
+
+
+def test_a_chosen_support_is_estimated_on_longer_windows_where_the_criterion_is_lower():
+    from symbolic.discovery import continuity_holds, fit_criterion, no_worse_longer
+
+    short = _result(rss=100.0, n_residuals=4000, n_params=130)
+    drift = _result(110.0, 4000, 70)          # refused by the chi-square test...
+    assert not continuity_holds(drift, short, 1e-10)
+    assert fit_criterion(drift) < fit_criterion(short)
+    assert no_worse_longer(drift, short, 1e-10)    # ...but 60 fewer starts pay for 10% RSS
+    misfit = _result(130.0, 4000, 70)
+    assert fit_criterion(misfit) > fit_criterion(short)
+    assert not no_worse_longer(misfit, short, 1e-10)
+    exact = _result(rss=1e-20, n_residuals=4000, n_params=130)
+    assert not no_worse_longer(_result(1.1e-20, 4000, 70), exact, 1e-10)   # exact: no noise
+
+
+@pytest.mark.slow
+def test_hyperchaotic_rossler_is_estimated_beyond_where_the_chi_square_test_stops():
+    # 1% noise, seed 21: joining 200-sample windows raises the RSS by 1.3%, past the
+    # chi-square bound (the fit is far from linear over a chaotic window), while the
+    # coefficients' error falls from 0.43% to 0.1%, the maximum-likelihood fit's
+    traj = generate("rossler_hyper", noise=0.01, seed=21)
+    model = EquationDiscovery(degree=2, variables=list(traj.system.variables), progress=False,
+                              seed=21).fit(traj.t, traj.X)
+    score = score_terms(model.coefficients(), traj.truth)
+    assert (score["missed"], score["spurious"]) == (0, 0)
+    assert score["max_rel_error"] < 2e-3
+    assert model.fit_window_ >= 400
+
+
+def test_on_exact_data_held_out_errors_do_not_overrule_the_criterion():
+    # Sprott's case N, clean: a weak start fitted at the looser search tolerance kept
+    # -7e-15 y*z beside the true terms; its held-out error (integration error) was lower than
+    # the true terms', and cross-validation chose it over the lower BIC
+    traj = generate("sprott_n")
+    model = EquationDiscovery(degree=2, variables=list(traj.system.variables), progress=False,
+                              seed=81).fit(traj.t, traj.X)
+    score = score_terms(model.coefficients(), traj.truth)
+    assert (score["missed"], score["spurious"]) == (0, 0)
+    assert score["max_rel_error"] < 1e-9
 
 
 def test_noisy_limit_cycle_is_polished_on_whole_trajectories():
