@@ -288,6 +288,23 @@ def clearly_lower(errors: np.ndarray, reference: np.ndarray) -> bool:
     return float(diff.mean()) < -2.0 * float(diff.std(ddof=1)) / math.sqrt(diff.size)
 
 
+def residual_rms(res: ShootingResult) -> float:
+    """Root mean square of a fit's (scaled) residuals."""
+    return math.sqrt(res.rss / max(res.n_residuals, 1))
+
+
+def at_tolerance(res: ShootingResult, rtol: float) -> bool:
+    """Whether a fit reproduces the data to about the integration tolerance ``rtol`` (residual
+    RMS within ``1 / SEARCH_RTOL_FACTOR`` of it): exact data, no noise to average out."""
+    return residual_rms(res) <= rtol / SEARCH_RTOL_FACTOR
+
+
+def exact_fit(res: ShootingResult) -> bool:
+    """Whether a fit reproduces the data to about the integration accuracy of a search
+    (``SWAP_MIN_RMS``): residuals that would rank its rivals are integration error."""
+    return residual_rms(res) <= SWAP_MIN_RMS
+
+
 def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: float) -> bool:
     """Whether a fit on longer windows explains the data as well as ``shorter`` does, by a
     likelihood-ratio test: the longer windows are the shorter ones joined (fewer free window
@@ -297,9 +314,8 @@ def continuity_holds(longer: ShootingResult, shorter: ShootingResult, rtol: floa
     (residual RMS within ``1 / SEARCH_RTOL_FACTOR`` of ``rtol``: exact data, no noise to average
     out) the longer fit must do no worse per sample."""
     n = max(longer.n_residuals, 1)
-    per_sample = shorter.rss / max(shorter.n_residuals, 1)
-    if math.sqrt(per_sample) <= rtol / SEARCH_RTOL_FACTOR:
-        return longer.rss / n <= per_sample
+    if at_tolerance(shorter, rtol):
+        return longer.rss / n <= shorter.rss / max(shorter.n_residuals, 1)
     if not shorter.rss > 0:
         return False
     extra = max(shorter.n_params - longer.n_params, 1)
@@ -321,10 +337,7 @@ def no_worse_longer(longer: ShootingResult, shorter: ShootingResult, rtol: float
     whole trajectory. Once the support is chosen, the window length only decides how the same
     terms are estimated, so the lower criterion may decide it (its penalty for the removed
     starts, ``ln N`` each, is what the RSS must not rise beyond)."""
-    per_sample = shorter.rss / max(shorter.n_residuals, 1)
-    if math.sqrt(per_sample) <= rtol / SEARCH_RTOL_FACTOR:
-        return False
-    return fit_criterion(longer) <= fit_criterion(shorter)
+    return not at_tolerance(shorter, rtol) and fit_criterion(longer) <= fit_criterion(shorter)
 
 
 @contextmanager
@@ -960,7 +973,7 @@ class EquationDiscovery(BaseEstimator):
                                max_iter=max_iter, budget=None if exact else self._budget())
         if self._work is None and not exact:
             self._work = res.work
-        rms = math.sqrt(res.rss / max(res.n_residuals, 1))
+        rms = residual_rms(res)
         self._search_rtol = max(self._search_rtol,
                                 min(MAX_SEARCH_RTOL, SEARCH_RTOL_FACTOR * rms))
         return res
@@ -1205,11 +1218,7 @@ class EquationDiscovery(BaseEstimator):
         ``STEPWISE_ROUNDS`` times. Selection then treats these candidates like the others.
         Nothing is done when a candidate reproduces the data to about the integration accuracy
         (``SWAP_MIN_RMS``): the data are exact and a model explaining them is at hand."""
-        def exact(c: dict) -> bool:
-            res = c["result"]
-            return math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS
-
-        if any(exact(c) for c in fitted):
+        if any(exact_fit(c["result"]) for c in fitted):
             return
         pool = [c for c in fitted if c["result"].window == self.window]
         if not pool:
@@ -1323,7 +1332,7 @@ class EquationDiscovery(BaseEstimator):
         shorter windows."""
         res, active = best["result"], best["active"]
         if res.window != self.window or \
-                math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS:
+                exact_fit(res):
             return best
         bound = fit_criterion(res) + PARSIMONY_BIC
         degrees = self.library_.sum(axis=1)
@@ -1408,7 +1417,7 @@ class EquationDiscovery(BaseEstimator):
         candidate on shorter windows. Returns the candidate to finish."""
         res, active = best["result"], best["active"]
         if self.window is None or int(self.polish) <= 1 or res.window != self.window or \
-                math.sqrt(res.rss / max(res.n_residuals, 1)) <= SWAP_MIN_RMS:
+                exact_fit(res):
             return best
         longest = max(len(t) for t, _ in self.trajectories_)
         window, swaps = int(res.window), 0
@@ -1501,7 +1510,7 @@ class EquationDiscovery(BaseEstimator):
         if noise:
             sigma = np.maximum(sigma, float(noise) * stacked.std(axis=0))
         res = self.result_
-        exact = math.sqrt(res.rss / max(res.n_residuals, 1)) <= self.rtol / SEARCH_RTOL_FACTOR
+        exact = at_tolerance(res, self.rtol)
         noisy = bool(noise) or not exact
         try:
             # on noisy data, conservation laws (linear relations) only: near-relations of
@@ -1546,7 +1555,7 @@ class EquationDiscovery(BaseEstimator):
             return res
         self.state_noise_ = noise
         samples = sum(len(t) for t, _ in self.trajectories_)
-        if math.sqrt(res.rss / max(res.n_residuals, 1)) <= self.rtol / SEARCH_RTOL_FACTOR or \
+        if at_tolerance(res, self.rtol) or \
                 res.scale is None or not unequal_noise(noise, res.scale, samples):
             return res
         spread = residual_scale(self.trajectories_)
@@ -1575,8 +1584,7 @@ class EquationDiscovery(BaseEstimator):
         sum of squares by more than ``SHARPEN_GAIN``. A refit that does not converge or fits
         worse is not kept. Noisy data (residual far above the tolerance) is left as it is."""
         rtol = float(self.rtol)
-        while rtol > FINEST_RTOL and \
-                math.sqrt(res.rss / max(res.n_residuals, 1)) <= rtol / SEARCH_RTOL_FACTOR:
+        while rtol > FINEST_RTOL and at_tolerance(res, rtol):
             rtol = max(rtol / 10.0, FINEST_RTOL)
             try:
                 finer = fit_trajectories(self.library_, res.coef, active, self.trajectories_,
@@ -1639,7 +1647,7 @@ class EquationDiscovery(BaseEstimator):
         top = ranked[0]["result"]
         if self.selection == "bic" or len(ranked) == 1 or (
                 self.selection == "bic+cv" and
-                math.sqrt(top.rss / max(top.n_residuals, 1)) <= SWAP_MIN_RMS):
+                exact_fit(top)):
             return ranked[0]
         same = [c for c in ranked if c["result"].window == ranked[0]["result"].window]
         shortlist = same if self.selection == "cv" else same[:CV_SHORTLIST]
