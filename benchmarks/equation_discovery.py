@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(symbolic.systems.NOVEL_SYSTEMS), 'extra' "
                              "(symbolic.systems.EXTRA_SYSTEMS)")
     parser.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.01, 0.05, 0.1])
+    parser.add_argument("--samples", type=int, default=None, metavar="N",
+                        help="samples per trajectory over each system's usual time span (default: "
+                             "each system's own, 500-2000); fewer samples mean a coarser step")
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated noise seeds (default 0,1,2)")
     parser.add_argument("--quick", action="store_true",
@@ -239,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="combine the cells of earlier runs (e.g. seeds run as separate "
                              "processes; the last file wins a repeated cell) into --out and exit")
     args = parser.parse_args(argv)
+    if args.samples is not None and args.samples < 10:
+        parser.error(f"--samples must be at least 10, got {args.samples}")
     args.seeds = [int(v) for v in str(args.seeds).replace(" ", ",").split(",") if v != ""]
     args.systems = list(dict.fromkeys(n for name in args.systems
                                       for n in GROUPS.get(name, [name])))
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for name in args.systems:
             for noise in args.noise:
-                traj = generate(name, noise=noise, seed=seed)
+                traj = generate(name, n=args.samples, noise=noise, seed=seed)
                 names = list(traj.system.variables)
                 row = {"system": name, "held_out": name not in PROJECT_SYSTEMS, "noise": noise,
                        "seed": seed, "n": len(traj.t), "t_end": float(traj.t[-1]),
@@ -331,6 +336,7 @@ def write(args: argparse.Namespace, cases: list[dict], began: float, *, complete
                           "cpus": os.cpu_count(), "python": sys.version.split()[0],
                           "torch": torch.__version__, "pysindy": pysindy.__version__},
               "systems": args.systems, "noise": args.noise, "seeds": args.seeds,
+              "samples": args.samples,
               "quick": bool(args.quick),
               "thresholds": list(THRESHOLDS), "seconds": time.perf_counter() - began,
               "summary": summary, "cases": cases, "table_markdown": table}
