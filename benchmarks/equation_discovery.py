@@ -52,7 +52,8 @@ import torch
 from polynets.ir.program import atomic_write_bytes
 from symbolic import EquationDiscovery
 from symbolic.systems import (ALL_SYSTEMS, CHECK_SYSTEMS, EXTRA_SYSTEMS, FRESH_SYSTEMS,
-                              HELDOUT_SYSTEMS, NOVEL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS, VALIDATION_SYSTEMS,
+                              HELDOUT_SYSTEMS, NOVEL_SYSTEMS, PROJECT_SYSTEMS, SYSTEMS,
+                              VALIDATION_SYSTEMS,
                               generate, score_terms)
 
 THRESHOLDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8)

@@ -1644,10 +1644,8 @@ class EquationDiscovery(BaseEstimator):
             if c["support"] not in seen:
                 seen.add(c["support"])
                 ranked.append(c)
-        top = ranked[0]["result"]
         if self.selection == "bic" or len(ranked) == 1 or (
-                self.selection == "bic+cv" and
-                exact_fit(top)):
+                self.selection == "bic+cv" and exact_fit(ranked[0]["result"])):
             return ranked[0]
         same = [c for c in ranked if c["result"].window == ranked[0]["result"].window]
         shortlist = same if self.selection == "cv" else same[:CV_SHORTLIST]
