@@ -19,7 +19,9 @@ For each: vector packing latency (one image per round trip: encrypt, serialise, 
 the server time of one ciphertext next to the cost model's prediction, images/s when the
 ciphertext is filled with as many images as the plan interleaves, and batch packing (one image per
 slot) with one process and with ``--workers`` processes -- run when the cost model predicts a
-group within ``--batch-budget`` seconds, otherwise reported as predicted only.
+group within ``--batch-budget`` seconds, otherwise reported as predicted only -- and tokens
+packing (one ciphertext per channel, the tokens of a group of images in its slots: every test
+image once, with the process's memory while compiling, making keys and serving).
 
 Data: the MNIST test-set files (idx); train on the first 8,000 images, evaluate on the last 2,000.
 All models and the baseline are measured in the same run; the JSON has the machine, the figures
@@ -427,6 +429,52 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
     return res
 
 
+def ours_tokens(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
+                workers: int, costs: he.costmodel.CostModel | None = None) -> dict:
+    """Tokens packing (one ciphertext per channel, the tokens of ``plan.interleave`` images in
+    its slots): every test image once, in groups, with one process and with ``workers``; the
+    process's peak memory while compiling, making keys and serving is reported beside the
+    prediction."""
+    rss0 = _rss_mib()
+    t0 = time.perf_counter()
+    with _PeakRSS() as compile_rss:
+        prog = he.compile(model, xcal[:1], calibration=xcal, packing="tokens",
+                          precision_bits=precision_bits, cost_model=costs)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    client = he.Client(prog)
+    public = client.public_context()
+    server = he.Server(prog, public)
+    setup_s = time.perf_counter() - t0
+    keys_mib = _rss_mib() - rss0
+    pred = prog.plan.predicted
+    k = prog.plan.interleave
+    single = _batch_pass(client, server, x, 1)
+    groups = -(-len(x) // k)
+    res = {"params": str(prog.params), "ring": prog.params.poly_modulus_degree,
+           "levels": prog.params.levels, "images_per_group": k, "groups": groups,
+           "plan": next(line.strip() for line in prog.summary().splitlines()
+                        if line.strip().startswith("tokens plan")),
+           "why": prog.plan.why, "counts": pred["counts"],
+           "predicted_group_s": pred["seconds_per_ciphertext"],
+           "predicted_images_per_s": k / pred["seconds_per_ciphertext"],
+           "predicted_server_memory_mib": pred["server_memory_bytes"] / 2 ** 20,
+           "compile_s": compile_s, "compile_peak_rss_added_mib": compile_rss.peak_mib - rss0,
+           "keys_and_server_s": setup_s, "rss_after_keys_and_server_mib": keys_mib,
+           "public_context_bytes": len(public),
+           "promised_error": prog.params.expected_error}
+    res.update({k_: v for k_, v in single.items() if k_ != "logits"})
+    res["logits"] = single["logits"]
+    res["server_memory_mib"] = keys_mib + single["server_peak_rss_added_mib"]
+    res["prediction_error"] = pred["seconds_per_ciphertext"] * groups / single["server_s"] - 1
+    res["max_abs_error_vs_simulation"] = float(np.max(np.abs(
+        single["logits"] - prog.simulate(x.numpy()))))
+    if workers > 1:
+        par = _batch_pass(client, server, x, workers)
+        res["processes"] = {k_: v for k_, v in par.items() if k_ != "logits"}
+    return res
+
+
 def _print_vector(name: str, e: dict, v: dict) -> None:
     print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
           f"vector N={v['ring']} latency {v['median_s'] * 1e3:.0f} ms "
@@ -459,8 +507,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-memory", type=float, default=None,
                     help="GiB the batch compiler and server may use (default: the free "
                          "memory); a group larger than that runs in tiles")
-    ap.add_argument("--packings", default="vector,batch",
-                    help="which of our packings to run (the baseline runs whatever)")
+    ap.add_argument("--packings", default="vector,batch,tokens",
+                    help="which of our packings to run: vector, batch, tokens (the baseline "
+                         "runs whatever)")
     ap.add_argument("--batch-once", action="store_true",
                     help="batch packing: one group in one process only (no warm pass, NumPy "
                          "loops or several processes), for groups of minutes")
@@ -537,6 +586,13 @@ def main(argv: list[str] | None = None) -> dict:
         entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
                  "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
                  "batch": {k: v for k, v in bat.items() if k != "logits"}}
+        if "tokens" in packings:
+            tok = ours_tokens(model, xtr, xte, args.precision_bits, max(1, args.workers), costs)
+            entry["tokens"] = {k: v for k, v in tok.items() if k != "logits"}
+            entry["tokens"]["encrypted_accuracy"] = accuracy(tok["logits"], ynp)
+            entry["tokens"]["argmax_agreement"] = float(np.mean(
+                tok["logits"].argmax(1) == plain.argmax(1)))
+            entry["tokens"]["max_abs_error"] = float(np.max(np.abs(tok["logits"] - plain)))
         if vec is not None:
             entry["vector"] = {k: v for k, v in vec.items() if k != "logits"}
             entry["vector"]["argmax_agreement_latency_subset"] = float(np.mean(
@@ -572,6 +628,19 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%")
         else:
             _print_vector(name, e, v)
+        if "tokens" in e:
+            tk = e["tokens"]
+            extra = ""
+            if "processes" in tk:
+                extra = (f", {tk['processes']['images_per_s']:.1f} img/s with "
+                         f"{tk['processes']['workers']} processes")
+            print(f"   tokens N={tk['ring']}: encrypted accuracy "
+                  f"{100 * tk['encrypted_accuracy']:.2f}%, {tk['images_per_s']:.1f} img/s with 1 "
+                  f"process (server alone {tk['server_images_per_s']:.1f}; predicted "
+                  f"{tk['predicted_images_per_s']:.1f}){extra}; {tk['images_per_group']} images "
+                  f"per group; server memory {tk['server_memory_mib']:.0f} MiB (predicted "
+                  f"{tk['predicted_server_memory_mib']:.0f}), compile peak "
+                  f"{tk['compile_peak_rss_added_mib']:.0f} MiB")
         if "skipped" in t:
             print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
                   f"{t['predicted_images_per_s']:.1f} img/s per process)")

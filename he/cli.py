@@ -290,8 +290,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="compiled program file to write")
     p.add_argument("--input-shape", type=_shape, help="sample shape, e.g. 1,28,28")
     p.add_argument("--calibration", help=".npy/.csv samples used to size the parameters")
-    p.add_argument("--packing", choices=("vector", "batch", "auto"), default="vector",
-                   help="vector (latency), batch (one sample per slot) or auto (the cost model "
+    p.add_argument("--packing", choices=("vector", "batch", "tokens", "auto"), default="vector",
+                   help="vector (latency), batch (one sample per slot), tokens (one ciphertext "
+                        "per channel, tokens and samples in its slots) or auto (the cost model "
                         "picks for --objective)")
     p.add_argument("--objective", choices=("latency", "throughput"), default="latency",
                    help="what the cost model minimises: one round trip, or time per sample")

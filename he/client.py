@@ -18,7 +18,7 @@ import tenseal.sealapi as seal
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
-from he.compiler import CompiledProgram, batch_group_memory
+from he.compiler import PACKINGS, CompiledProgram, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
@@ -28,6 +28,7 @@ from he.native import Pool, default_threads
 from he.runtime import (VectorKernels, available_memory, note_pool, pool_held, run_batch,
                         run_vector)
 from he.tiling import find_segments, row_bytes_of
+from he.tokens import TokenKernels, decode_outputs, encode_inputs, run_tokens
 from polynets.errors import check_int
 
 __all__ = ["Ciphertext", "Client", "Server"]
@@ -85,7 +86,7 @@ class Ciphertext:
             raise SerializationError(f"ciphertext: malformed header ({exc!r})") from exc
         if ct.role not in ("input", "output") or n_groups < 1 or ct.n_samples < 1 \
                 or n_groups != len(blobs) or ct.n_samples > 2 ** 31 - 1 \
-                or ct.packing not in ("vector", "batch"):
+                or ct.packing not in PACKINGS:
             raise SerializationError("ciphertext: malformed header (role/groups/samples/packing)")
         return ct
 
@@ -269,6 +270,12 @@ class Client:
                 block = np.ascontiguousarray(flat[start:start + slots, live].T)
                 columns.extend(block)
                 sizes.append(block.shape[0])
+        elif self.program.packing == "tokens":
+            k = self.program.plan.interleave
+            for start in range(0, b, k):
+                vecs = encode_inputs(self.program.plan, flat[start:start + k])
+                columns.extend(vecs)
+                sizes.append(len(vecs))
         else:
             plan = self.program.plan
             k = plan.interleave
@@ -314,6 +321,19 @@ class Client:
                 take = min(remaining, eng.slots)
                 cols = [_seal_call(lambda c=c: dec(c), "decryption")[:take] for c in g]
                 rows.append(np.stack(cols, axis=1))
+                remaining -= take
+        elif self.program.packing == "tokens":
+            plan = self.program.plan
+            k = plan.interleave
+            width = plan.steps[plan.output].width
+            if len(groups) != -(-ct.n_samples // k) or any(len(g) != width for g in groups):
+                raise SerializationError(f"decrypt: a tokens-packed result needs {width} "
+                                         f"ciphertexts per {k} samples")
+            remaining = ct.n_samples
+            for g in groups:
+                take = min(remaining, k)
+                vecs = [_seal_call(lambda c=c: dec(c), "decryption") for c in g]
+                rows.append(decode_outputs(plan, vecs, take))
                 remaining -= take
         else:
             plan = self.program.plan
@@ -406,6 +426,8 @@ class Server:
         self.context_bytes = len(public_context)
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
+        self.token_kernels = TokenKernels(self.engine, program.plan) \
+            if program.packing == "tokens" else None
         self.threads_note = ""
         self._tiles: dict[int, int] = {}
         #: product steps the last request left unrelinearised (a group run whole)
@@ -424,9 +446,10 @@ class Server:
         if self.kernels is not None and program.plan.galois_steps():
             self.threads_note = self.engine.use_threads(
                 threads, self._encrypt_constant(1.0), program.plan.galois_steps()[0])
-        elif program.packing == "batch":
+        elif program.packing in ("batch", "tokens"):
+            steps = program.plan.galois_steps() if program.packing == "tokens" else []
             self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
-                                                        None)
+                                                        steps[0] if steps else None)
             if any(program.options.get("fused_fanin") or ()):
                 # the fused maps' compiled loops are built and checked once per process (about
                 # a second): at the server's start, not in its first request
@@ -489,6 +512,15 @@ class Server:
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
                                                fanin=fanin, tiles=tiles, own_inputs=owned,
                                                lazy=self._lazy),
+                             "evaluation")
+            return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
+        if prog.packing == "tokens":
+            assert self.token_kernels is not None
+            n_in = len(prog.plan.input_layout)
+            if len(g) != n_in:
+                raise SerializationError(f"server: an input group holds {len(g)} "
+                                         f"ciphertexts, expected {n_in}")
+            res = _seal_call(lambda: run_tokens(self.engine, prog.plan, self.token_kernels, g),
                              "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         plan = prog.plan

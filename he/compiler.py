@@ -30,6 +30,9 @@ from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vect
                      next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
                      widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
+from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_giants,
+                       peak_ciphertexts, plaintexts_held, token_grid, token_paddings,
+                       token_step_counts)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from he.tiling import Segment, allocated_memory, choose_tiles, find_segments, row_bytes_of
 from polynets._io import atomic_write_bytes, read_bytes_limited
@@ -41,7 +44,7 @@ __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES
            "argmax_precision", "ARGMAX_QUANTILE"]
 
 #: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
-PACKINGS = ("vector", "batch")
+PACKINGS = ("vector", "batch", "tokens")
 OBJECTIVES = ("latency", "throughput")
 _OBJECTIVE_WORDS = {"latency": "round trip", "throughput": "seconds per sample"}
 
@@ -390,9 +393,11 @@ class CompiledProgram:
             program_degree_depth(program)
         self.lowered = _lowered if _lowered is not None else _stored_lowering(
             program, self.options.get("split"), self.options.get("kept_apart", []))
-        self.plan: VectorPlan | BatchPlan
+        self.plan: VectorPlan | BatchPlan | TokenPlan
         if _plan is not None:
             self.plan = _plan
+        elif packing == "tokens":
+            self.plan = _stored_token_plan(self.lowered, params.slots, self.options)
         elif packing == "vector":
             orders = self.options.get("layouts")
             per_ct = self.options.get("planes_per_ct")
@@ -499,6 +504,13 @@ class CompiledProgram:
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
                          f"group")
+        elif isinstance(self.plan, TokenPlan):
+            s = self.plan.op_summary()
+            lines.append(f"  tokens plan: {self.plan.interleave} samples per group, "
+                         f"{len(self.plan.input_layout)} input ciphertexts, "
+                         f"{s['rotations']} rotations ({len(self.plan.galois_steps())} Galois "
+                         f"keys), {s['scalar_weights']} scalar and {s['vector_weights']} "
+                         f"slot-vector weights")
         else:
             lines.append(f"  batch plan: {self.params.slots} samples per ciphertext, "
                          f"{self.batch_inputs.size} input ciphertexts per group (of "
@@ -818,6 +830,93 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
     return out
 
 
+class TokensUnfit(NotEncryptableError):
+    """The program lacks the token structure tokens packing needs (``packing="auto"`` then
+    prices the others)."""
+
+
+def _stored_token_plan(lowered: Lowered, slots: int, options: dict[str, Any]) -> TokenPlan:
+    """The tokens plan a compiled program's options describe (its padded grid and the offsets
+    whose partial sums are rotated)."""
+    padded = options.get("token_grid")
+    giants = options.get("token_giants", {})
+    if not isinstance(padded, list) or any(type(p) is not int or p < 1 for p in padded):
+        raise ValueError("token_grid must be a list of positive ints")
+    if not isinstance(giants, dict) or any(
+            not isinstance(v, list) or any(type(d) is not int for d in v)
+            for v in giants.values()):
+        raise ValueError("token_giants must map steps to lists of offsets")
+    try:
+        return build_token_plan(lowered, slots, padded,
+                                {int(k): [int(d) for d in v] for k, v in giants.items()})
+    except (TokensNotApplicable, ValueError) as exc:
+        raise ValueError(f"tokens plan: {exc}") from None
+
+
+def _predict_tokens(plan: TokenPlan, params: CKKSParams, costs: CostModel,
+                    threads: int = 1) -> dict[str, Any]:
+    """Predicted time, work and memory of one group of ``plan.interleave`` samples."""
+    from he.fused import FUSED_MIN_FANIN
+
+    ring = params.poly_modulus_degree
+    moduli = _level_moduli(params)
+    speedup = threads * costs.parallel_efficiency(ring) if threads > 1 else 1.0
+    seconds = 0.0
+    total: dict[str, float] = {}
+    for si in range(len(plan.steps)):
+        for level, c in token_step_counts(plan, si, moduli, lambda lv: params.scale,
+                                          FUSED_MIN_FANIN):
+            par = {k: v for k, v in c.items() if k in _BATCH_THREADED}
+            rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
+            seconds += costs.price(rest, ring, params.limbs(level)) + \
+                costs.price(par, ring, params.limbs(level)) / speedup
+            for k, v in c.items():
+                total[k] = total.get(k, 0) + v
+    n_in = len(plan.input_layout)
+    total["load"] = n_in
+    seconds += n_in * costs.seconds("load", ring, params.limbs(0))
+    client = n_in * costs.seconds("encrypt", ring, params.limbs(0))
+    k = plan.interleave
+    out = plan.steps[plan.output]
+    held = plaintexts_held(plan)
+    working = peak_ciphertexts(plan) * 2 * ring * params.data_primes * 8
+    return {"seconds_per_ciphertext": seconds, "client_seconds": client,
+            "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
+            "seconds_per_sample": (seconds + client) / k, "counts": total,
+            "upload_bytes": wire_bytes(params, 0, n_in, 1),
+            "download_bytes": wire_bytes(params, plan.levels[plan.output], out.width, 2),
+            "server_threads": threads,
+            "server_memory_bytes": _server_memory(params, held, len(plan.galois_steps()))
+            + working,
+            "working_memory_bytes": working, "plaintexts": sum(n for n, _ in held),
+            **plan.op_summary()}
+
+
+def _tokens_choice(plan: TokenPlan, params: CKKSParams, costs: CostModel,
+                   options: dict[str, Any]) -> dict[str, Any]:
+    """Options of a tokens-packed program: its padded grid and rotation choices, the server
+    threads and the prediction."""
+    serial = _predict_tokens(plan, params, costs)
+    threads, threads_why, predicted = _chosen_threads(
+        _threads(options), serial, lambda n: _predict_tokens(plan, params, costs, n),
+        "a group's products, rescales and fused maps")
+    masked = sum(1 for st in plan.steps if st.copy_of)
+    why = (f"one ciphertext per channel, the {plan.grid} tokens padded to {plan.padded} "
+           f"({plan.period} positions) of {plan.interleave} samples in its slots; "
+           f"{predicted['rotations']} rotations, {predicted['plaintexts']} slot-vector "
+           f"weights and masks, {predicted['scalar_weights']} scalar weights as fused "
+           f"integer products; {len(plan.input_layout)} input ciphertexts (the input's "
+           f"planes as the first maps read them, and the mask plane that carries the biases)")
+    if masked:
+        why += (f"; {masked} map(s) read a shifted value through masks (a level each, "
+                f"{params.levels} levels in all)")
+    why += f"; {threads_why}"
+    return {**options, "token_grid": [int(p) for p in plan.padded],
+            "token_giants": {str(k): v for k, v in chosen_giants(plan).items()},
+            "server_threads": threads, "threads_why": threads_why, "predicted": predicted,
+            "why": why}
+
+
 def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
                ) -> list[tuple[Lowered, list[np.ndarray], Split | None]]:
     """The lowered programs ``packing`` can run at ``slots`` slots, with their values' mean
@@ -850,6 +949,8 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
 def _layout_words(prog: "CompiledProgram") -> str:
     split = prog.options.get("split")
     where = f"N={prog.params.poly_modulus_degree}"
+    if prog.packing == "tokens":
+        return f"{where} with the tokens padded to {tuple(prog.options['token_grid'])}"
     return (f"{where} with every value whole" if split is None else
             f"{where} with values split along axis {split['axis']} into blocks of at most "
             f"{split['slots']} elements")
@@ -873,19 +974,36 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
     info = program_degree_depth(program)
     for ring in rings:
         slots = ring // 2
-        cands = _lowerings(lowered, msq, packing, slots)
+        if packing == "tokens":
+            # every padding of the token grid, each with the levels its masks need
+            try:
+                cands = [(lowered, msq, padded) for padded in token_paddings(
+                    token_grid(lowered))]
+            except TokensNotApplicable as exc:
+                notes.append(str(exc))
+                break
+        else:
+            cands = _lowerings(lowered, msq, packing, slots)
         if not cands:
             notes.append(f"N={ring}: a value needs {_dense_widest(lowered)} slots and "
                          f"splits over at most {MAX_BLOCKS} ciphertexts do not hold it")
             continue
         for low, m, split in cands:
             levels = low.depth_levels(packing)
+            tplan = None
+            if packing == "tokens":
+                try:
+                    tplan = build_token_plan(low, slots, split)
+                except TokensNotApplicable as exc:
+                    notes.append(f"N={ring}, tokens padded to {split}: {exc}")
+                    continue
+                levels = max(tplan.levels)
             try:
                 params = choose_params(levels, max(maxabs), noise_gain(low, m, packing),
                                        precision_bits=precision_bits,
                                        output_abs=maxabs[program.output],
                                        slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
-                                       rotations=packing == "vector",
+                                       rotations=packing in ("vector", "tokens"),
                                        security=int(options.get("security", 128)))
             except TooDeepError as exc:
                 note = f"N={ring}: {levels} levels do not fit"
@@ -909,6 +1027,9 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                     opts["why"] += (f"; values wider than {split.slots} slots split over up to "
                                     f"{split.blocks} ciphertexts along axis {split.axis} of "
                                     f"their layout shape")
+            elif packing == "tokens":
+                assert tplan is not None
+                plan, opts = tplan, _tokens_choice(tplan, params, costs, options)
             else:
                 plan, opts = None, _batch_choice(low, params, costs, options, budget)
             prog = CompiledProgram(program, params, packing, maxabs, opts, cert, _lowered=low,
@@ -924,7 +1045,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                                         else ""))
             if best is None or score < best[0]:
                 best = (score, prog)
-        if best is not None and any(c[2] is None for c in cands):
+        if best is not None and (packing == "tokens" or any(c[2] is None for c in cands)):
             break           # the program whole at this ring was priced: larger rings cost more
     if best is not None:
         chosen = best[1]
@@ -934,6 +1055,8 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
         return _with_why(chosen, chosen.options["why"])
     if error is not None:
         raise error
+    if packing == "tokens":
+        raise TokensUnfit("tokens packing does not apply: " + "; ".join(notes))
     raise TooDeepError("no ring degree holds the program's widest value: " + "; ".join(notes))
 
 
@@ -986,7 +1109,7 @@ def _with_why(prog: "CompiledProgram", why: str) -> "CompiledProgram":
     return CompiledProgram(prog.program, prog.params, prog.packing, prog.calibration,
                            {**prog.options, "why": why}, prog.certificate,
                            _lowered=prog.lowered,
-                           _plan=prog.plan if prog.packing == "vector" else None,
+                           _plan=prog.plan if prog.packing in ("vector", "tokens") else None,
                            _degree_depth=(prog.degree, prog.depth))
 
 
@@ -1133,6 +1256,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             except TooDeepError as exc:
                 if not keep:
                     error = exc
+            except TokensUnfit:
+                if packing != "auto":
+                    raise
         if tried:
             found.append(_keep_or_compose(tried, objective, batch_size, memory_budget))
     if not found:

@@ -30,14 +30,17 @@ __all__ = ["step_values_msq", "noise_gain"]
 #: Rounding of an encoded weight, per unit of the input it multiplies (standard deviation, in
 #: units of the rescale noise): a scalar (batch packing) rounds once; a slot vector (vector
 #: packing) through the canonical embedding, about 0.29 sqrt(N) / scale, which against a
-#: rescale's 0.25 N / scale is 0.013 at N=8192 and less above (measured: below 0.012).
-ROUNDING = {"batch": 1.0 / 12.0, "vector": 0.02}
+#: rescale's 0.25 N / scale is 0.013 at N=8192 and less above (measured: below 0.012). Tokens
+#: packing has both; the scalars' rounding bounds them.
+ROUNDING = {"batch": 1.0 / 12.0, "vector": 0.02, "tokens": 1.0 / 12.0}
 #: Key-switching noise of a rotation, in units of the rescale noise, added to every input a
 #: weighted step rotates (its baby steps) at the scale: measured, a rotation adds about as much
 #: as a rescale (its modulus switch down from the special prime rounds the same way), however
 #: large the special prime; a value at the squared scale (a wide chain's pending level, a giant
-#: step before its rescale) gets it relatively 2^-scale_bits as large, so nothing there.
-ROTATION = {"batch": 0.0, "vector": 1.0}
+#: step before its rescale) gets it relatively 2^-scale_bits as large, so nothing there. Tokens
+#: packing counts two: a rotation and, where a map reads a shifted value through masks, the
+#: rescale of the partial sums before the masks.
+ROTATION = {"batch": 0.0, "vector": 1.0, "tokens": 2.0}
 
 
 def step_values_msq(lowered: Lowered, x: np.ndarray) -> list[np.ndarray]:
@@ -93,6 +96,10 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                 r += m2 @ (ri + rot)
             if not free:
                 r += 1.0
+                if packing == "tokens" and st.bias is not None:
+                    # the bias is a weight on the encrypted mask plane, which carries the
+                    # encryption noise of an input element
+                    a += np.square(np.asarray(st.bias, dtype=np.float64))
                 rounding = base * (pending[1] if pending is not None
                                    and level % 2 == pending[0] else 1.0)
                 for m, j in zip(st.terms, st.inputs):

@@ -52,8 +52,10 @@ __all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is
            "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
 
-#: Packings whose level rules differ: one sample per ciphertext vector, or one per slot.
-PACKING_KINDS = ("vector", "batch")
+#: Packings whose level rules differ: one sample per ciphertext vector, one per slot, or one
+#: channel per ciphertext with tokens and samples in its slots (``"tokens"``, whose maps rotate
+#: like vector packing's: only the identity is free).
+PACKING_KINDS = ("vector", "batch", "tokens")
 #: Integer factors at or above this magnitude are encoded like any other constant (one level).
 MAX_INTEGER_FACTOR = 2 ** 20
 #: A map of the input whose outputs each read at most this many input elements is *local*.
