@@ -1,6 +1,7 @@
 """he: encrypted inference for polynomial networks with CKKS (TenSEAL / SEAL).
 
-    prog = he.compile(model, example_input, calibration=x_cal, packing="vector")
+    prog = he.compile(model, example_input, calibration=x_cal, packing="vector")  # or "batch",
+                                                          # "tokens", "auto"
     client = he.Client(prog)
     server = he.Server(prog, client.public_context())
     y = client.decrypt(server.run(client.encrypt(x)))
@@ -17,6 +18,7 @@ from polynets._lazy import export_lazily
 __all__ = export_lazily(__name__, {
     "he.compiler": "compile load_program CompiledProgram PACKINGS",
     "he.client": "Client Server Ciphertext",
+    "he.tokens": "TokenPlan",
     "he.params": "CKKSParams choose_params",
     "he.report": "report Report",
     "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError SerializationError "

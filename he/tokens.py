@@ -195,31 +195,34 @@ class TokenPlan:
         return sorted({(d * k) % self.slots for d in self.rotation_offsets()} - {0})
 
     def op_summary(self) -> dict[str, int]:
-        rot = sum(_rotations(st) for st in self.steps)
+        rot = sum(_rotations(st, self.period) for st in self.steps)
         return {"rotations": rot,
                 "vector_weights": sum(len(st.vterms) + len(st.rterms) for st in self.steps),
                 "scalar_weights": sum(int(m.nnz) for st in self.steps for p in st.parts
                                       for m in p.terms)}
 
 
-def _rotations(st: TStep, period: int | None = None) -> int:
-    """Rotations of one step: per baby offset its rotated inputs, per giant offset its rotated
-    outputs, and ``log2 p`` per reduced element."""
+def _signed(d: np.ndarray, p: int) -> np.ndarray:
+    """Offsets modulo the period ``p`` as the nearest signed ones."""
+    d = np.asarray(d) % p
+    return np.where(d > p // 2, d - p, d)
+
+
+def _rotations(st: TStep, period: int) -> int:
+    """Rotations of one step per group, as the runtime does them: per rotated offset its
+    rotated inputs (baby steps) or its rotated partial sums (giant steps, masked parts), one per
+    slot-vector term off offset 0, and ``log2 p`` per reduced element."""
     n = 0
-    for d in {p.delta for p in st.parts} | {v.delta for v in st.vterms}:
-        if d == 0:
+    for q in st.parts:
+        if not q.delta:
             continue
-        if _is_giant(st, d):
-            n += len(_outputs_at(st, d))
+        if q.masked or q.giant:
+            n += len(_part_rows(q))
         else:
-            n += len(_inputs_at(st, d))
-    if st.rterms and period:
-        n += len({r.r_out for r in st.rterms}) * int(math.log2(period))
+            n += len({(t, int(c)) for t, m in enumerate(q.terms) for c in np.unique(m.indices)})
+    n += sum(1 for v in st.vterms if v.delta)
+    n += len({r.r_out for r in st.rterms}) * int(math.log2(period))
     return n
-
-
-def _is_giant(st: TStep, d: int) -> bool:
-    return any(p.giant for p in st.parts if p.delta == d)
 
 
 def _inputs_at(st: TStep, d: int) -> set[tuple[int, int]]:
@@ -235,8 +238,15 @@ def _outputs_at(st: TStep, d: int) -> set[int]:
     out = {v.c_out for v in st.vterms if v.delta == d}
     for p in st.parts:
         if p.delta == d:
-            for m in p.terms:
-                out.update(int(r) for r in np.flatnonzero(np.diff(m.indptr)))
+            out |= _part_rows(p)
+    return out
+
+
+def _part_rows(q: "Part") -> set[int]:
+    """Output rows a part writes."""
+    out: set[int] = set()
+    for m in q.terms:
+        out.update(int(r) for r in np.flatnonzero(np.diff(m.tocsr().indptr)))
     return out
 
 
@@ -419,8 +429,7 @@ def _input_terms(t: int, r: np.ndarray, c: np.ndarray, w: np.ndarray, ts: TStep,
             cols.append(src.plane(int(q[a]), pattern))
             vals.append(float(np.mean(ws)))
             continue
-        d = (pos[ti] - pos[to]) % p
-        d = np.where(d > p // 2, d - p, d)
+        d = _signed(pos[ti] - pos[to], p)
         copied = _copied_border(d, to, ws, tok_at, pos, p)
         if copied is not None:
             # shifts that keep their border: one gathered plane per offset
@@ -531,8 +540,7 @@ def _decompose(si: int, st: Step, ts: TStep, ins: list[TStep], tok_at: np.ndarra
         t_o = r // ts.width
         c_o = r % ts.width
         c_i = src.elem_ct[c]
-        d = (src.elem_pos[c] - pos[t_o]) % p
-        d = np.where(d > p // 2, d - p, d)
+        d = _signed(src.elem_pos[c] - pos[t_o], p)
         key = (d + p) * (ts.width * src.width) + c_o * src.width + c_i
         order = np.argsort(key, kind="stable")
         key, t_o, c_o, c_i, d, w = (x[order] for x in (key, t_o, c_o, c_i, d, w))
@@ -803,38 +811,23 @@ def token_step_counts(plan: TokenPlan, si: int, moduli: Sequence[Sequence[int]],
     for q in st.parts:
         at = top if q.masked else lc
         ins = [np.ones(m.shape[1], dtype=bool) for m in q.terms]
-        c = batch_step_counts(_part_step(q), np.ones(st.width, dtype=bool), ins, moduli[at],
-                              scale_at(at), fanin)
-        rows = len(_outputs_at_part(q))
+        written = np.zeros(st.width, dtype=bool)
+        written[list(_part_rows(q))] = True
+        c = batch_step_counts(_part_step(q), written, ins, moduli[at], scale_at(at), fanin)
+        rows = int(written.sum())
         if not q.masked:
             c["rescale"] = 0
         out.append((at, c))
-        if q.delta == 0:
-            continue
         if q.masked:
-            main["rotate"] += rows
             main["mul_plain"] += rows * (2 if q.copy else 1)
             main["add"] += rows * (2 if q.copy else 1)
-        elif q.giant:
-            main["rotate"] += rows
+        elif q.giant and q.delta:
             main["add"] += rows
-        else:
-            main["rotate"] += len({(t, int(ci)) for t, m in enumerate(q.terms)
-                                   for ci in np.unique(m.indices)})
+    main["rotate"] = _rotations(st, plan.period)
     main["mul_plain"] += len(st.vterms) + len(st.rterms)
     main["add"] += len(st.vterms) + len(st.rterms)
-    main["rotate"] += sum(1 for v in st.vterms if v.delta)
-    n_red = len({r.r_out for r in st.rterms})
-    main["rotate"] += n_red * int(math.log2(plan.period))
-    main["add"] += n_red * int(math.log2(plan.period))
+    main["add"] += len({r.r_out for r in st.rterms}) * int(math.log2(plan.period))
     out.append((lc, main))
-    return out
-
-
-def _outputs_at_part(q: Part) -> set[int]:
-    out: set[int] = set()
-    for m in q.terms:
-        out.update(int(r) for r in np.flatnonzero(np.diff(m.tocsr().indptr)))
     return out
 
 
@@ -1028,6 +1021,7 @@ def _affine_step(eng: Any, plan: TokenPlan, kern: TokenKernels, si: int, st: TSt
     from he.runtime import _is_ct
 
     k = plan.interleave
+    pmap = eng.pool.map
     srcs = [list(x) for x in xs] + [[mask]]
     top = max(plan.levels[j] for j in st.inputs)
     lc = top + 1 if st.copy_of else top          # the level the outputs are summed at
@@ -1054,25 +1048,28 @@ def _affine_step(eng: Any, plan: TokenPlan, kern: TokenKernels, si: int, st: TSt
             pt_in = kern.vector(("inner", q.delta), lambda: inner, lc, eng.scales[lc])
             pt_b = kern.vector(("border", q.delta), lambda: border, lc, eng.scales[lc]) \
                 if q.copy and border.any() else None
-            for r, e in enumerate(sums):
-                if e is None:
-                    continue
-                s = eng.rescale(e)
-                add(r, eng.mul_plain(eng.rotate(s, q.delta * k), pt_in))
+            rows = [r for r, e in enumerate(sums) if e is not None]
+            scaled = _finish(eng, buffers, [sums[r] for r in rows], top)
+            for r, s, rot in zip(rows, scaled, pmap(lambda s: eng.rotate(s, q.delta * k),
+                                                     scaled)):
+                add(r, eng.mul_plain(rot, pt_in))
                 if pt_b is not None:
                     add(r, eng.mul_plain(s, pt_b))
         elif q.giant:
-            for r, e in enumerate(_scalar_sums(eng, uid, q.terms, srcs, lc, kern, buffers,
-                                               fanin)):
-                if e is not None:
-                    add(r, eng.rotate(e, q.delta * k))
+            sums = _scalar_sums(eng, uid, q.terms, srcs, lc, kern, buffers, fanin)
+            rows = [r for r, e in enumerate(sums) if e is not None]
+            for r, rot in zip(rows, pmap(lambda e: eng.rotate(e, q.delta * k),
+                                         [sums[r] for r in rows])):
+                add(r, rot)
         else:
             rotated = []
             for t, m in enumerate(q.terms):
                 need = set(np.unique(m.tocoo().col).tolist())
-                rotated.append([eng.rotate(_at_level(eng, e, lc), q.delta * k)
-                                if c in need and _is_ct(e) else 0.0
-                                for c, e in enumerate(srcs[t])])
+                cols = [c for c, e in enumerate(srcs[t]) if c in need and _is_ct(e)]
+                done = dict(zip(cols, pmap(
+                    lambda e: eng.rotate(_at_level(eng, e, lc), q.delta * k),
+                    [srcs[t][c] for c in cols])))
+                rotated.append([done.get(c, 0.0) for c in range(len(srcs[t]))])
             for r, e in enumerate(_scalar_sums(eng, uid, q.terms, rotated, lc, kern, buffers,
                                                fanin)):
                 add(r, e)
@@ -1097,8 +1094,23 @@ def _affine_step(eng: Any, plan: TokenPlan, kern: TokenKernels, si: int, st: TSt
             eng.add_inplace(red[rt.r_out], term)
         else:
             red[rt.r_out] = term
-    for r, e in red.items():
+    def tree(e: Any) -> Any:
         for bit in range(int(math.log2(plan.period))):
             e = eng.add(e, eng.rotate(e, (1 << bit) * k))
+        return e
+
+    for r, e in zip(red, pmap(tree, list(red.values()))):
         add(r, e)
-    return [eng.rescale(a) if a is not None else 0.0 for a in acc]
+    rows = [r for r, a in enumerate(acc) if a is not None]
+    out: list[Any] = [0.0] * st.width
+    for r, res in zip(rows, _finish(eng, buffers, [acc[r] for r in rows], lc)):
+        out[r] = res
+    return out
+
+
+def _finish(eng: Any, buffers: Any, cts: list[Any], level: int) -> list[Any]:
+    """Products summed at ``level`` rescaled to the next, on the engine's threads."""
+    from he.runtime import _threaded
+
+    return _threaded(eng, buffers, cts, lambda a: (
+        a, level + 1, lambda into: eng.to_level(a, level + 1, into=into)))
