@@ -472,6 +472,12 @@ def ours_tokens(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision
     if workers > 1:
         par = _batch_pass(client, server, x, workers)
         res["processes"] = {k_: v for k_, v in par.items() if k_ != "logits"}
+    # what the compiler picks for throughput when the server may use 4 GiB
+    auto = he.compile(model, xcal[:1], calibration=xcal, packing="auto", objective="throughput",
+                      precision_bits=precision_bits, cost_model=costs, memory_budget=4 * 2 ** 30)
+    res["auto_4gib"] = {"packing": auto.packing, "why": auto.plan.why,
+                        "predicted_server_memory_mib":
+                        auto.plan.predicted["server_memory_bytes"] / 2 ** 20}
     return res
 
 
@@ -640,7 +646,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{tk['predicted_images_per_s']:.1f}){extra}; {tk['images_per_group']} images "
                   f"per group; server memory {tk['server_memory_mib']:.0f} MiB (predicted "
                   f"{tk['predicted_server_memory_mib']:.0f}), compile peak "
-                  f"{tk['compile_peak_rss_added_mib']:.0f} MiB")
+                  f"{tk['compile_peak_rss_added_mib']:.0f} MiB; packing='auto' for throughput "
+                  f"within 4 GiB: {tk['auto_4gib']['packing']}")
         if "skipped" in t:
             print(f"   batch N={t['ring']}: {t['skipped']} (predicted "
                   f"{t['predicted_images_per_s']:.1f} img/s per process)")
