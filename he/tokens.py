@@ -30,7 +30,7 @@ the partial sums are rotated instead, the giant-step form). The program is decom
   weights as a slot vector and sums the positions with ``log2 p`` rotations.
 
 The padding is chosen by the cost model: each axis padded to the next power of two, or to the
-one after where the token count is already one (so shifts find zeros), whichever prices lower.
+one after where that leaves no padding (so shifts find zeros), whichever prices lower.
 Levels follow :func:`polynets.ir.lowering.step_levels` with vector packing's rule (only identity
 maps are free): a rotation costs none.
 """
@@ -46,7 +46,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from he.plan import _input_patches, input_patches, layout_shapes, next_pow2
-from polynets.ir.lowering import Lowered, Step
+from polynets.ir.lowering import Lowered, Step, step_levels
 
 __all__ = ["TokenPlan", "TStep", "Part", "build_token_plan", "token_paddings", "token_grid",
            "TokensNotApplicable", "simulate_tokens", "token_step_counts", "LEVEL_RULE"]
@@ -106,6 +106,9 @@ class RTerm:
 
 @dataclass
 class TStep:
+    """One lowered step in tokens packing: its value's ciphertexts and, for a map, its scalar
+    parts per offset, slot-vector terms and reductions."""
+
     kind: str                   # input, affine, mul, mul_int
     inputs: tuple[int, ...]
     width: int                  # ciphertexts of the value (channels, or elements)
@@ -174,11 +177,6 @@ class TokenPlan:
         at = self.tok_at >= 0
         src = np.roll(at, -delta)
         return (at & src).astype(np.float64), (at & ~src).astype(np.float64)
-
-    @property
-    def mask_input(self) -> int:
-        """Index of the mask plane among the input ciphertexts."""
-        return len(self.input_layout) - 1
 
     def rotation_offsets(self) -> list[int]:
         """Offsets (positions) the server rotates by."""
@@ -363,24 +361,9 @@ def build_token_plan(lowered: Lowered, slots: int, padded: Sequence[int] | None 
                     q.terms[t].resize((st.width, tsteps[0].width))
     plan = TokenPlan(grid, padded, slots, tsteps, lowered.output,
                      _input_layout(tsteps[0], steps[0].n, pos, tok_at, p),
-                     token_levels(tsteps))
+                     step_levels(steps, LEVEL_RULE, [int(bool(ts.copy_of)) for ts in tsteps]))
     _choose_giants(plan, giant)
     return plan
-
-
-def token_levels(steps: Sequence[TStep]) -> list[int]:
-    """Level of every step's result in tokens packing: vector packing's rule
-    (:func:`polynets.ir.lowering.step_levels`: a product or a weighted map costs one, an
-    identity map none), and a second one for a map with masked parts."""
-    levels: list[int] = []
-    for st in steps:
-        top = max((levels[j] for j in st.inputs), default=0)
-        if st.kind == "mul" or (st.kind == "affine" and not st.free):
-            top += 1
-        if st.kind == "affine" and st.copy_of:
-            top += 1
-        levels.append(top)
-    return levels
 
 
 def _input_layout(ts: TStep, n: int, pos: np.ndarray, tok_at: np.ndarray, p: int
@@ -522,12 +505,12 @@ def _decompose(si: int, st: Step, ts: TStep, ins: list[TStep], tok_at: np.ndarra
             # a reduction over positions (token value -> elements)
             key = r * src.width + src.elem_ct[c]
             order = np.argsort(key, kind="stable")
-            key, cs, ws = key[order], c[order], w[order]
+            key, rs, cs, ws = key[order], r[order], c[order], w[order]
             starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
             for a, b in zip(starts, np.r_[starts[1:], key.size]):
                 vec = np.zeros(p)
                 np.add.at(vec, src.elem_pos[cs[a:b]], ws[a:b])
-                ts.rterms.append(RTerm(t, int(src.elem_ct[cs[a]]), int(r[order][a]), vec))
+                ts.rterms.append(RTerm(t, int(src.elem_ct[cs[a]]), int(rs[a]), vec))
             continue
         if tokens and not src.tokens:
             raise TokensNotApplicable(f"step {si} spreads a value without tokens over tokens")
@@ -576,14 +559,14 @@ def _decompose(si: int, st: Step, ts: TStep, ins: list[TStep], tok_at: np.ndarra
         col = np.zeros(ts.width)
         for c in range(ts.width):
             sel = ts.elem_ct == c
-            vals = b[sel]
-            if not np.any(vals):
+            per_token = b[sel]
+            if not np.any(per_token):
                 continue
-            if np.all(vals == vals[0]):
-                col[c] = vals[0]
+            if _one_value(per_token):
+                col[c] = float(np.mean(per_token))
             else:
                 vec = np.zeros(p)
-                vec[ts.elem_pos[sel]] = vals
+                vec[ts.elem_pos[sel]] = per_token
                 ts.vterms.append(VTerm(0, n_in, 0, c, vec))
         if np.any(col):
             zero = next((q for q in ts.parts if q.delta == 0), None)

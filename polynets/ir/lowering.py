@@ -200,16 +200,18 @@ def affine_is_free(step: Step, packing: str) -> bool:
     return all(test(m) for m in step.terms)
 
 
-def step_levels(steps: Sequence[Step], packing: str = "vector") -> list[int]:
-    """Level (rescales so far) of every step's result in ``packing``."""
+def step_levels(steps: Sequence[Step], packing: str = "vector",
+                extra: Sequence[int] | None = None) -> list[int]:
+    """Level (rescales so far) of every step's result in ``packing``; ``extra[i]``: levels a
+    packing spends on step ``i`` beyond the rule (tokens packing's masks, :mod:`he.tokens`)."""
     levels: list[int] = []
-    for st in steps:
+    for si, st in enumerate(steps):
         top = max((levels[j] for j in st.inputs), default=0)
         if st.kind == "mul":
             top += 1
         elif st.kind == "affine" and not affine_is_free(st, packing):
             top += 1
-        levels.append(top)
+        levels.append(top + (int(extra[si]) if extra is not None else 0))
     return levels
 
 
