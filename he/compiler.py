@@ -879,7 +879,8 @@ def _predict_tokens(plan: TokenPlan, params: CKKSParams, costs: CostModel,
     k = plan.interleave
     out = plan.steps[plan.output]
     held = plaintexts_held(plan)
-    working = peak_ciphertexts(plan) * 2 * ring * params.data_primes * 8
+    # the group's ciphertexts at their peak, and the encoded scalars batch packing's rule keeps
+    working = peak_ciphertexts(plan) * 2 * ring * params.data_primes * 8 + PLAIN_CACHE_BYTES
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,

@@ -871,8 +871,14 @@ class TokenKernels:
         return self.vectors[k]
 
     def scalar(self, w: float, level: int, scale: float) -> Any:
+        """An encoded scalar weight, kept while :data:`he.runtime.PLAIN_CACHE_BYTES` holds them
+        (batch packing's rule)."""
+        from he.runtime import _plain_cache_size
+
         k = (w, level, scale)
         if k not in self.scalars:
+            if len(self.scalars) >= _plain_cache_size(self.eng, level):
+                self.scalars.clear()
             self.scalars[k] = self.eng.encode_scalar(w, level, scale)
         return self.scalars[k]
 
