@@ -278,22 +278,34 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
     return res
 
 
-def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
-                precision_bits: int, costs: he.costmodel.CostModel | None = None,
-                **compile_kwargs: Any) -> dict:
-    """Latency (one image per round trip) and the filled-ciphertext throughput
-    (``compile_kwargs``: more arguments of ``he.compile``, e.g. ``ring_degree``)."""
+def _compiled(model: nn.Module, xcal: torch.Tensor, packing: str, precision_bits: int,
+              costs: he.costmodel.CostModel | None, **compile_kwargs: Any
+              ) -> tuple[Any, he.Client, bytes, he.Server, float, float, float, float]:
+    """Compile, make keys and a server: the program, client, public context, server, the
+    seconds of compiling and of keys and server, and the MiB this process grew by with them
+    and at its peak while compiling."""
     rss0 = _rss_mib()
     t0 = time.perf_counter()
-    prog = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
-                      precision_bits=precision_bits, cost_model=costs, **compile_kwargs)
+    with _PeakRSS() as compile_rss:
+        prog = he.compile(model, xcal[:1], calibration=xcal, packing=packing,
+                          precision_bits=precision_bits, cost_model=costs, **compile_kwargs)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     client = he.Client(prog)
     public = client.public_context()
     server = he.Server(prog, public)
     setup_s = time.perf_counter() - t0
-    rss = _rss_mib() - rss0
+    return (prog, client, public, server, compile_s, setup_s, _rss_mib() - rss0,
+            compile_rss.peak_mib - rss0)
+
+
+def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
+                precision_bits: int, costs: he.costmodel.CostModel | None = None,
+                **compile_kwargs: Any) -> dict:
+    """Latency (one image per round trip) and the filled-ciphertext throughput
+    (``compile_kwargs``: more arguments of ``he.compile``, e.g. ``ring_degree``)."""
+    prog, client, public, server, compile_s, setup_s, rss, _ = _compiled(
+        model, xcal, "vector", precision_bits, costs, **compile_kwargs)
     outs, times, server_times, ct_sizes = [], [], [], []
     for i in tqdm(range(n), desc="polynets vector packing", leave=False):
         t0 = time.perf_counter()
@@ -435,18 +447,8 @@ def ours_tokens(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision
     its slots): every test image once, in groups, with one process and with ``workers``; the
     process's peak memory while compiling, making keys and serving is reported beside the
     prediction."""
-    rss0 = _rss_mib()
-    t0 = time.perf_counter()
-    with _PeakRSS() as compile_rss:
-        prog = he.compile(model, xcal[:1], calibration=xcal, packing="tokens",
-                          precision_bits=precision_bits, cost_model=costs)
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    client = he.Client(prog)
-    public = client.public_context()
-    server = he.Server(prog, public)
-    setup_s = time.perf_counter() - t0
-    keys_mib = _rss_mib() - rss0
+    prog, client, public, server, compile_s, setup_s, keys_mib, compile_mib = _compiled(
+        model, xcal, "tokens", precision_bits, costs)
     pred = prog.plan.predicted
     k = prog.plan.interleave
     single = _batch_pass(client, server, x, 1)
@@ -459,7 +461,7 @@ def ours_tokens(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision
            "predicted_group_s": pred["seconds_per_ciphertext"],
            "predicted_images_per_s": k / pred["seconds_per_ciphertext"],
            "predicted_server_memory_mib": pred["server_memory_bytes"] / 2 ** 20,
-           "compile_s": compile_s, "compile_peak_rss_added_mib": compile_rss.peak_mib - rss0,
+           "compile_s": compile_s, "compile_peak_rss_added_mib": compile_mib,
            "keys_and_server_s": setup_s, "rss_after_keys_and_server_mib": keys_mib,
            "public_context_bytes": len(public),
            "promised_error": prog.params.expected_error}
