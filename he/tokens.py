@@ -329,18 +329,20 @@ def build_token_plan(lowered: Lowered, slots: int, padded: Sequence[int] | None 
                 ts.plane(q, np.arange(int(pos.size)))
             tsteps.append(ts)
             continue
+        # a token value: channels last (tokens x channels, the grid's tokens in row-major
+        # order however its axes are split) or first (channels x tokens, as convolutions
+        # give them); any other value holds no tokens
         sh = _strip(shapes[si])
-        tokens = len(sh) >= 2 and sh[:-1] == grid
-        if not tokens and len(sh) >= 2 and int(np.prod(sh[:-1])) == n_tok and len(grid) == 1:
-            tokens = True
-        n = st.n
-        if tokens:
-            width = n // n_tok
-            e = np.arange(n)
+        n, e = st.n, np.arange(st.n)
+        if len(sh) >= 2 and int(np.prod(sh[:-1])) == n_tok:
+            tokens, width = True, n // n_tok
             ct_of, pos_of = e % width, pos[e // width]
+        elif len(sh) >= 2 and int(np.prod(sh[1:])) == n_tok:
+            tokens, width = True, n // n_tok
+            ct_of, pos_of = e // n_tok, pos[e % n_tok]
         else:
-            width = n
-            ct_of, pos_of = np.arange(n), np.zeros(n, dtype=np.int64)
+            tokens, width = False, n
+            ct_of, pos_of = e, np.zeros(n, dtype=np.int64)
         ts = TStep(st.kind, tuple(st.inputs), width, tokens, False, factor=st.factor)
         ts.elem_ct, ts.elem_pos = ct_of, pos_of
         ins = [tsteps[j] for j in st.inputs]
@@ -396,7 +398,8 @@ def _input_terms(t: int, r: np.ndarray, c: np.ndarray, w: np.ndarray, ts: TStep,
     plane shifted by it, with a scalar or a slot vector."""
     assert src.elem_ct is not None and src.elem_pos is not None
     n_tok = int(pos.size)
-    t_o, c_o = r // ts.width, r % ts.width
+    assert ts.elem_ct is not None and ts.elem_pos is not None
+    t_o, c_o = tok_at[ts.elem_pos[r]], ts.elem_ct[r]
     q, t_i = src.elem_ct[c], tok_at[src.elem_pos[c]]
     key = c_o * (int(q.max()) + 1) + q
     order = np.argsort(key, kind="stable")
@@ -520,8 +523,8 @@ def _decompose(si: int, st: Step, ts: TStep, ins: list[TStep], tok_at: np.ndarra
         if src.kind == "input":
             _input_terms(t, r, c, w, ts, src, tok_at, pos, p, scalars)
             continue
-        t_o = r // ts.width
-        c_o = r % ts.width
+        t_o = tok_at[ts.elem_pos[r]]
+        c_o = ts.elem_ct[r]
         c_i = src.elem_ct[c]
         d = _signed(src.elem_pos[c] - pos[t_o], p)
         key = (d + p) * (ts.width * src.width) + c_o * src.width + c_i

@@ -169,3 +169,24 @@ def test_a_group_of_samples_and_the_program_file_round_trip():
 def test_two_poly_blocks_with_masked_shifts_run_encrypted(encrypted_roundtrip):
     model, _, _ = _lowered("monet_d2", seed=5)
     encrypted_roundtrip(model, torch.rand(32, 1, 8, 8), packing="tokens")
+
+
+@pytest.mark.parametrize("name", ["conv_seq", "p4_h128", "p7_pos_d64", "rows_d64"])
+def test_user_token_models_decompose_exactly(name):
+    """Models as users write them (``benchmarks/he_family.py``): channels-first convolutions,
+    tokens as a flat ``(49, C)`` sequence, a learned position embedding, rows as tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "he_family.py"
+    spec = importlib.util.spec_from_file_location("he_family_models", path)
+    family = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(family)
+    model = _randomise(family.MODELS[name](), 2)
+    prog, _ = _lower(model, torch.zeros(1, 1, 28, 28))
+    low = lower(prog)
+    x = np.random.default_rng(2).uniform(0, 1, (2, 784))
+    ref = evaluate_steps(low, x)
+    plan = build_token_plan(low, 8192)
+    assert all(st.tokens for st in plan.steps[:-1] if st.kind != "input")
+    assert np.max(np.abs(simulate_tokens(plan, x) - ref)) <= 1e-12 * np.max(np.abs(ref))
