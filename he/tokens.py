@@ -24,15 +24,23 @@ the partial sums are rotated instead, the giant-step form). The program is decom
   encrypted mask plane, 1 on tokens and 0 on padding, that the client sends with the input);
   otherwise a *slot vector* (a plaintext, zero on the padding);
 * a rotated sum leaves other values on the padding ("dirty"); a product with a clean factor is
-  clean again, so a Mu-Layer's ``(AX) * (BDX)`` restores what its shift disturbed. A rotation
-  of a dirty value is never scalar;
+  clean again. A rotation of a dirty value is never scalar;
+* the maps that read the input read *planes* the client gathers as they need them (plane ``q``
+  of every token's patch, taken from the token each output token reads, zero where it reads
+  none): a shifted patch embedding costs no rotation and its result stays clean;
+* a shift that keeps its border (:class:`polynets.nn.layers.SpatialShift`) of a computed value
+  is a *masked part*: its partial sums are rescaled, rotated and multiplied by the mask of the
+  tokens whose source is a token, plus themselves times the mask of the border -- two shared
+  plaintexts per offset and one level more for the map, and a clean result;
 * a map from tokens to a value without tokens (a flattening head) multiplies each channel by its
   weights as a slot vector and sums the positions with ``log2 p`` rotations.
 
-The padding is chosen by the cost model: each axis padded to the next power of two, or to the
-one after where that leaves no padding (so shifts find zeros), whichever prices lower.
-Levels follow :func:`polynets.ir.lowering.step_levels` with vector packing's rule (only identity
-maps are free): a rotation costs none.
+A value is a token grid where its count of elements is tokens x channels, channels last or
+first; anything else (the logits) has one ciphertext per element, read at position 0. The
+padding is chosen by the cost model: each axis padded to the next power of two, or to the one
+after where that leaves no padding (so shifts find zeros), whichever prices lower. Levels follow
+:func:`polynets.ir.lowering.step_levels` with vector packing's rule (only identity maps are
+free; a rotation costs none), plus one for a map with masked parts.
 """
 
 from __future__ import annotations
