@@ -5,7 +5,8 @@ against the fused maps' NumPy loops (``--numpy``): same program, same request, s
 
 Each model is trained briefly (the timings do not depend on accuracy; the parameters do, through
 the calibrated ranges), compiled with ``he.compile(model, x, calibration=x_train,
-packing="batch")`` and nothing else, and one full group of ``slots`` images is encrypted once.
+packing="batch")`` (or ``--packing tokens``) and nothing else, and one full group of images is
+encrypted once.
 The servers evaluate it in turns, twice each (the first pass of a process also page-faults its
 memory in; each figure is the faster of two); the decryption is compared with the program's
 simulation against the promised error, and the cost model's predictions (on the chosen threads
@@ -26,6 +27,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -67,9 +69,12 @@ def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) ->
 
 def _one_thread_prediction(prog: he.CompiledProgram) -> float:
     """The cost model's prediction for the program's group on one server thread."""
-    from he.compiler import _predict_batch
+    from he.compiler import _predict_batch, _predict_tokens
     from he.runtime import live_rows
 
+    if prog.packing == "tokens":
+        return _predict_tokens(prog.plan, prog.params, he.costmodel.default_model(),
+                               1)["seconds_per_ciphertext"]
     lowered = prog.lowered
     return _predict_batch(lowered, live_rows(lowered), prog.params, he.costmodel.default_model(),
                           prog.options["fused_fanin"], 1,
@@ -152,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--train-images", type=int, default=6000)
     ap.add_argument("--budget", type=float, default=90.0,
                     help="skip models whose predicted group takes longer (seconds)")
+    ap.add_argument("--packing", choices=("batch", "tokens"), default="batch",
+                    help="batch (one image per slot) or tokens (one ciphertext per channel, the "
+                         "tokens of a group of images in its slots)")
     ap.add_argument("--numpy", action="store_true",
                     help="also time the fused maps' NumPy loops (one thread)")
     ap.add_argument("--output", default=str(HERE / "results" / "he_batch_family.json"))
@@ -175,11 +183,19 @@ def main(argv: list[str] | None = None) -> dict:
         torch.manual_seed(0)
         model = train(MODELS[name](), xtr, ytr, args.epochs, augment=False, lr=2e-3)
         t0 = time.perf_counter()
-        prog = he.compile(model, xte[:1], calibration=xtr[:2048], packing="batch")
+        try:
+            prog = he.compile(model, xte[:1], calibration=xtr[:2048], packing=args.packing)
+        except he.NotEncryptableError as exc:   # no token structure, for tokens packing
+            result["models"][name] = {"skipped": str(exc)}
+            print(f"{name:12s} {exc}", flush=True)
+            continue
         compile_s = time.perf_counter() - t0
         pred = prog.plan.predicted["seconds_per_ciphertext"]
-        slots = prog.params.slots
-        row: dict = {"ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
+        slots = prog.samples_per_ciphertext
+        row: dict = {"packing": prog.packing, "ring": prog.params.poly_modulus_degree,
+                     "levels": prog.params.levels,
+                     "predicted_server_memory_mib":
+                     prog.plan.predicted["server_memory_bytes"] / 2 ** 20,
                      "slots": slots, "compile_s": compile_s, "predicted_group_s": pred,
                      "counts": prog.plan.predicted["counts"]}
         if pred > args.budget:
@@ -221,7 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "prediction_error_one_thread": row["predicted_one_thread_s"] / one - 1,
                     "max_abs_error_vs_simulation": err,
                     "promised_error": prog.params.expected_error,
-                    "within_promise": err <= prog.params.expected_error})
+                    "within_promise": err <= prog.params.expected_error,
+                    # the whole process's peak (training, compiling, keys, both servers)
+                    "process_peak_rss_mib": resource.getrusage(
+                        resource.RUSAGE_SELF).ru_maxrss / 1024})
         numpy_note = ""
         if "eager" in times:
             eager_s = min(times["eager"])
