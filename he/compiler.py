@@ -864,8 +864,7 @@ def _predict_tokens(plan: TokenPlan, params: CKKSParams, costs: CostModel,
     seconds = 0.0
     total: dict[str, float] = {}
     for si in range(len(plan.steps)):
-        for level, c in token_step_counts(plan, si, moduli, lambda lv: params.scale,
-                                          FUSED_MIN_FANIN):
+        for level, c in token_step_counts(plan, si, moduli, params.scale, FUSED_MIN_FANIN):
             par = {k: v for k, v in c.items() if k in _BATCH_THREADED}
             rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
             seconds += costs.price(rest, ring, params.limbs(level)) + \

@@ -781,7 +781,7 @@ def _part_step(q: Part) -> Step:
 
 
 def token_step_counts(plan: TokenPlan, si: int, moduli: Sequence[Sequence[int]],
-                      scale_at: Callable[[int], float], fanin: int
+                      scale: float, fanin: int
                       ) -> list[tuple[int, dict[str, float]]]:
     """Primitive counts of one step per group, as ``(level, counts)`` pairs (the level whose
     primes they run on): scalar parts as :func:`he.plan.batch_step_counts` counts batch
@@ -807,7 +807,7 @@ def token_step_counts(plan: TokenPlan, si: int, moduli: Sequence[Sequence[int]],
         ins = [np.ones(m.shape[1], dtype=bool) for m in q.terms]
         written = np.zeros(st.width, dtype=bool)
         written[list(_part_rows(q))] = True
-        c = batch_step_counts(_part_step(q), written, ins, moduli[at], scale_at(at), fanin)
+        c = batch_step_counts(_part_step(q), written, ins, moduli[at], scale, fanin)
         rows = int(written.sum())
         if not q.masked:
             c["rescale"] = 0
@@ -1073,21 +1073,28 @@ def _affine_step(eng: Any, plan: TokenPlan, kern: TokenKernels, si: int, st: TSt
             for r, e in enumerate(_scalar_sums(eng, uid, q.terms, rotated, lc, kern, buffers,
                                                fanin)):
                 add(r, e)
+    switched: dict[tuple[int, int], Any] = {}
+
+    def at_lc(t: int, c: int) -> Any:
+        """Input ``c`` of source ``t`` read at the step's primes, switched down once per step
+        (the slot-vector terms and the reductions read each input for many outputs)."""
+        if (t, c) not in switched:
+            switched[(t, c)] = _at_level(eng, srcs[t][c], lc)
+        return switched[(t, c)]
+
     for vi, v in enumerate(st.vterms):
-        e = srcs[v.src][v.c_in]
-        if not _is_ct(e):
+        if not _is_ct(srcs[v.src][v.c_in]):
             continue
-        e = _at_level(eng, e, lc)
+        e = at_lc(v.src, v.c_in)
         if v.delta:
             e = eng.rotate(e, v.delta * k)
         pt = kern.vector(("v", si, vi), lambda v=v: v.diag, lc, prod / e.scale)
         add(v.c_out, eng.mul_plain(e, pt))
     red: dict[int, Any] = {}
     for ri, rt in enumerate(st.rterms):
-        e = srcs[rt.src][rt.c_in]
-        if not _is_ct(e):
+        if not _is_ct(srcs[rt.src][rt.c_in]):
             continue
-        e = _at_level(eng, e, lc)
+        e = at_lc(rt.src, rt.c_in)
         pt = kern.vector(("r", si, ri), lambda rt=rt: rt.w, lc, prod / e.scale)
         term = eng.mul_plain(e, pt)
         if rt.r_out in red:
