@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "outputs); default: the compiler's own default")
     ap.add_argument("--quick", action="store_true", help="1 epoch, 2 images timed")
     ap.add_argument("--shipped-costs", action="store_true",
-                    help="plan with the shipped (or this machine's cached) cost table instead of "
-                         "timing SEAL's primitives at the start of the run")
+                    help="plan with the shipped table (scaled by a probe of this machine) or the "
+                         "cached one instead of timing SEAL's primitives at the start of the run")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     names = chosen_models(args.models)

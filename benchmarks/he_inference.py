@@ -531,8 +531,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--orion-accuracy", type=int, default=100,
                     help="test images Orion classifies encrypted")
     ap.add_argument("--shipped-costs", action="store_true",
-                    help="plan with the cost table shipped with the package (or this machine's "
-                         "cached one) instead of timing SEAL's primitives at the start of the run "
+                    help="plan with the cost table shipped with the package (scaled by a probe "
+                         "of this machine) or its cached one instead of timing SEAL's primitives "
+                         "at the start of the run "
                          "(the machine's speed drifts; predictions are compared with "
                          "measurements of the same run)")
     ap.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" /

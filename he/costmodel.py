@@ -40,7 +40,7 @@ import numpy as np
 from he import _kernels
 
 __all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure",
-           "calibrate", "default_model", "cache_path"]
+           "calibrate", "default_model", "cache_path", "probe_speed"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load",
               "mul_lazy", "relin")
@@ -79,6 +79,9 @@ class CostModel:
     words: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WORD_COSTS))
     #: per ring, speed-up per thread of rotations on several threads at once (1: perfect)
     parallel: dict[int, float] = field(default_factory=dict)
+    #: this machine's seconds per second of the table's (every primitive and word cost times
+    #: this; see :func:`probe_speed`)
+    speed: float = 1.0
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -90,7 +93,7 @@ class CostModel:
         compiled = op in COMPILED_WORD_COSTS and _kernels.expected()
         key = (op, ring, limbs, compiled)
         if key not in self._memo:
-            self._memo[key] = self._seconds(op, ring, limbs, compiled)
+            self._memo[key] = self.speed * self._seconds(op, ring, limbs, compiled)
         return self._memo[key]
 
     def _seconds(self, op: str, ring: int, limbs: int, compiled: bool = False) -> float:
@@ -105,7 +108,7 @@ class CostModel:
             # scale from the nearest measured ring: costs are about N log N per limb
             near = min(rings, key=lambda r: abs(np.log2(r) - np.log2(ring)))
             f = (ring * np.log2(ring)) / (near * np.log2(near))
-            return f * self.seconds(op, near, limbs)
+            return f * self._seconds(op, near, limbs, compiled)
         pts = self.table[ring][op]
         xs = np.array([p[0] for p in pts], dtype=np.float64)
         ys = np.array([p[1] for p in pts], dtype=np.float64)
@@ -120,8 +123,15 @@ class CostModel:
         """Seconds of ``counts[op]`` calls of each primitive at one ring and limb count."""
         return sum(n * self.seconds(op, ring, limbs) for op, n in counts.items() if n)
 
+    def scaled(self, speed: float, why: str) -> "CostModel":
+        """The same table on a machine ``speed`` times as slow (``why`` joins the source)."""
+        if not (np.isfinite(speed) and speed > 0):
+            raise ValueError(f"speed factor must be a positive number, not {speed!r}")
+        return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
+                         dict(self.parallel), self.speed * float(speed))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "words": dict(self.words),
+        return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
                           for r, ops in self.table.items()}}
@@ -148,7 +158,10 @@ class CostModel:
         parallel = {int(r): float(e) for r, e in dict(d.get("parallel_efficiency", {})).items()}
         if not all(0.0 < e <= 1.0 for e in parallel.values()):
             raise ValueError(f"cost table: parallel efficiencies {parallel} not all in (0, 1]")
-        return cls(table, str(d.get("source", "")), words, parallel)
+        speed = float(d.get("speed", 1.0))
+        if not (np.isfinite(speed) and speed > 0):
+            raise ValueError(f"cost table: bad speed factor {speed!r}")
+        return cls(table, str(d.get("source", "")), words, parallel, speed)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
@@ -241,19 +254,7 @@ def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]
     from he.params import MAX_MODULUS_BITS
 
     primes = min(24, (MAX_MODULUS_BITS[ring] - 40) // 28)   # + one 40-bit special prime
-    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
-    enc.set_poly_modulus_degree(ring)
-    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [28] * primes + [40]))
-    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
-    keygen = seal.KeyGenerator(ctx)
-    pk = seal.PublicKey()
-    keygen.create_public_key(pk)
-    rk = seal.RelinKeys()
-    keygen.create_relin_keys(rk)
-    gk = seal.GaloisKeys()
-    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
-    tools = (seal.CKKSEncoder(ctx), seal.Evaluator(ctx),
-             seal.Encryptor(ctx, pk, keygen.secret_key()), rk, gk, ctx)
+    ctx, tools = _tools(ring, primes)
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
     reps = max(2, 65536 // ring)
     ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
@@ -274,6 +275,27 @@ def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]
     if not ops["rescale"]:
         ops["rescale"] = [(1, ops["mul_plain"][0][1])]
     return ops
+
+
+def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
+    """A context of ``primes`` 28-bit data primes and a 40-bit special one, and what
+    :func:`_time_level` times with: encoder, evaluator, encryptor, relinearisation keys, the
+    Galois key of one rotation, the context."""
+    import tenseal.sealapi as seal
+
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(ring)
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [28] * primes + [40]))
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    rk = seal.RelinKeys()
+    keygen.create_relin_keys(rk)
+    gk = seal.GaloisKeys()
+    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+    return ctx, (seal.CKKSEncoder(ctx), seal.Evaluator(ctx),
+                 seal.Encryptor(ctx, pk, keygen.secret_key()), rk, gk, ctx)
 
 
 def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float], reps: int,
@@ -326,11 +348,46 @@ def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) 
     return model
 
 
+#: the ring and limb count :func:`probe_speed` times every primitive at (a few tenths of a
+#: second on a 2-core x86-64 machine, keys included)
+PROBE_RING, PROBE_LIMBS = 8192, 3
+#: environment variable that fixes the speed factor of the shipped table instead of probing
+#: (``1``: the table as shipped, e.g. for reproducible predictions)
+SPEED_ENV = "POLYNETS_HE_SPEED"
+
+
+def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
+    """How many times slower than ``reference`` this machine runs SEAL's primitives: the
+    geometric mean, over every primitive :func:`measure` times, of seconds measured here the
+    way :func:`measure` does (at N=8192 and three primes) over the table's. Returns the factor
+    and each ratio.
+
+    Machines of one kind differ: the table shipped with the package, measured on one 2-core
+    virtual machine, ran 1.3-1.5x faster in every primitive than another such machine did.
+    The factor scales every primitive alike, so the plans a model chooses do not change, only
+    its predicted seconds."""
+    import tenseal.sealapi as seal
+
+    ring, limbs = PROBE_RING, PROBE_LIMBS
+    ctx, tools = _tools(ring, limbs)
+    values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
+    measured = _time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
+    base = CostModel(reference.table, reference.source, dict(reference.words),
+                     dict(reference.parallel))
+    ratios = {op: t / base.seconds(op, ring, limbs) for op, t in sorted(measured.items())
+              if op in reference.table.get(ring, {})}
+    factor = float(np.exp(np.mean(np.log(list(ratios.values())))))
+    return factor, ratios
+
+
 _CACHE: dict[str, CostModel] = {}
 
 
 def default_model() -> CostModel:
-    """This machine's cached table if :func:`calibrate` wrote one, else the shipped table."""
+    """This machine's cached table if :func:`calibrate` wrote one; else the table shipped with
+    the package, scaled to this machine by :func:`probe_speed` (once per process; the
+    environment variable ``POLYNETS_HE_SPEED`` fixes the factor instead, ``1`` for the table
+    as shipped)."""
     path = cache_path()
     for candidate in (path, _SHIPPED):
         key = str(candidate)
@@ -340,6 +397,27 @@ def default_model() -> CostModel:
             model = CostModel.from_dict(json.loads(Path(candidate).read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        if candidate == _SHIPPED:
+            model = _to_this_machine(model)
         _CACHE[key] = model
         return model
     raise FileNotFoundError(f"no CKKS cost table: the package's {_SHIPPED} is missing")
+
+
+def _to_this_machine(model: CostModel) -> CostModel:
+    """The shipped table scaled by :envvar:`POLYNETS_HE_SPEED` or :func:`probe_speed`."""
+    fixed = os.environ.get(SPEED_ENV)
+    if fixed is not None:
+        try:
+            factor = float(fixed)
+        except ValueError:
+            raise ValueError(f"{SPEED_ENV}={fixed!r}: expected a positive number (1: the "
+                             f"shipped table as it is)") from None
+        if factor == 1.0:
+            return model
+        return model.scaled(factor, f"scaled x{factor:.3g} by {SPEED_ENV}")
+    factor, ratios = probe_speed(model)
+    return model.scaled(factor, f"scaled x{factor:.2f} to this machine by a probe of its "
+                                f"primitives at N={PROBE_RING} ({min(ratios.values()):.2f}-"
+                                f"{max(ratios.values()):.2f}x the table's) at "
+                                f"{time.strftime('%Y-%m-%d %H:%M')}")

@@ -4,6 +4,8 @@ SEAL ciphertexts where it changes what runs."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import scipy.sparse as sp
 import pytest
@@ -484,6 +486,60 @@ def test_measured_costs_grow_with_the_limbs():
     rot = dict(model.table[8192]["rotate"])
     assert min(rot) == 1 and max(rot) >= 2
     assert model.seconds("rotate", 8192, max(rot)) > model.seconds("add", 8192, max(rot))
+
+
+def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_plan():
+    model = default_model()
+    slow = model.scaled(2.0, "twice as slow")
+    assert "twice as slow" in slow.source and slow.speed == pytest.approx(2 * model.speed)
+    for op in ("rotate", "mul_plain", "rescale", "fused_mac", "alloc"):
+        assert slow.seconds(op, 16384, 4) == pytest.approx(2 * model.seconds(op, 16384, 4))
+    assert slow.seconds("rotate", 65536, 4) == pytest.approx(2 * model.seconds("rotate", 65536, 4))
+    assert CostModel.from_dict(slow.to_dict()).speed == pytest.approx(slow.speed)
+    torch.manual_seed(4)
+    net = TokenMLP(tokens=16, dim=8, hidden=24).eval()
+    x = torch.rand(8, 16, 8) * 2 - 1
+    for packing in ("vector", "batch", "auto"):
+        a = he.compile(net, x[:1], calibration=x, packing=packing, cost_model=model)
+        b = he.compile(net, x[:1], calibration=x, packing=packing, cost_model=slow)
+        assert str(a.params) == str(b.params)
+        assert b.plan.predicted["seconds_per_ciphertext"] == pytest.approx(
+            2 * a.plan.predicted["seconds_per_ciphertext"])
+        assert a.plan.predicted["counts"] == b.plan.predicted["counts"]
+        chosen = {k: v for k, v in a.options.items() if k not in ("predicted", "why")}
+        assert chosen == {k: v for k, v in b.options.items() if k not in ("predicted", "why")}
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive"):
+            model.scaled(bad, "")
+    with pytest.raises(ValueError, match="speed factor"):
+        CostModel.from_dict({**model.to_dict(), "speed": -2})
+
+
+def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
+    from he import costmodel
+
+    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    factor, ratios = costmodel.probe_speed(shipped)
+    assert set(ratios) >= {"rotate", "mul_plain", "mul_ct", "rescale", "add"}
+    assert all(r > 0 for r in ratios.values())
+    assert min(ratios.values()) <= factor <= max(ratios.values())
+    # no cached table: the shipped one, scaled by the probe or by the environment's factor
+    monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent-polynets-cache")
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    probed = costmodel.default_model()
+    assert "to this machine by a probe" in probed.source and probed.speed > 0
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    monkeypatch.setenv(costmodel.SPEED_ENV, "1")
+    assert costmodel.default_model().speed == 1.0
+    assert costmodel.default_model().seconds("rotate", 8192, 3) == shipped.seconds("rotate",
+                                                                                   8192, 3)
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    monkeypatch.setenv(costmodel.SPEED_ENV, "2.5")
+    assert costmodel.default_model().speed == pytest.approx(2.5)
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    monkeypatch.setenv(costmodel.SPEED_ENV, "fast")
+    with pytest.raises(ValueError, match="POLYNETS_HE_SPEED='fast'"):
+        costmodel.default_model()
 
 
 def test_server_within_a_memory_budget_encodes_plaintexts_at_use_with_the_same_results():
