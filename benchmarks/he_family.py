@@ -48,8 +48,8 @@ sys.path.insert(0, str(HERE))
 import he  # noqa: E402
 import polynets as pn  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
-from he_inference import (TutorialConvNet, accuracy, baseline, load_mnist,  # noqa: E402
-                          ours_vector, train)
+from he_inference import (Square, TutorialConvNet, accuracy, baseline,  # noqa: E402
+                          load_mnist, ours_vector, train)
 
 
 class PatchTokens(nn.Module):
@@ -150,8 +150,9 @@ class PolyBlockTokens(nn.Module):
 
 
 class MixerBlockTokens(nn.Module):
-    """A polynomial token mixer (``pn.PoM`` on the token sequence, or ``pn.PADRe`` on the grid)
-    in a residual block after a BatchNorm'd patch embedding, mean pooling."""
+    """A polynomial token mixer (``pn.PoM`` on the token sequence; ``pn.PADRe``,
+    ``pn.CastlingAttention`` or ``pn.Conv2Former`` on the grid) in a residual block after a
+    BatchNorm'd patch embedding, mean pooling."""
 
     def __init__(self, mixer: str = "pom", dim: int = 32, patch: int = 4, degree: int = 2,
                  kernel_size: int = 3):
@@ -159,8 +160,11 @@ class MixerBlockTokens(nn.Module):
         self.embed = pn.PatchEmbed(28, patch, 1, dim)
         self.norm = pn.layers.ChannelsLastBatchNorm(dim)
         self.sequence = mixer == "pom"
-        self.mix = pn.PoM(dim, degree=degree) if self.sequence else \
-            pn.PADRe(dim, degree=degree, kernel_size=kernel_size)
+        self.mix = {"pom": lambda: pn.PoM(dim, degree=degree),
+                    "padre": lambda: pn.PADRe(dim, degree=degree, kernel_size=kernel_size),
+                    "castling": lambda: pn.CastlingAttention(dim, heads=2,
+                                                             kernel_size=kernel_size),
+                    "conv2former": lambda: pn.Conv2Former(dim, kernel_size=kernel_size)}[mixer]()
         self.head = nn.Linear(dim, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,39 @@ class MixerBlockTokens(nn.Module):
         t = t.flatten(1, 2) if self.sequence else t
         t = t + self.mix(t)
         return self.head(t.flatten(1, -2).mean(1))
+
+
+class SquareCNN(nn.Module):
+    """A small CNN as written without this library: strided convolution, BatchNorm, square,
+    average pooling, a second convolution, global average pooling, a linear head."""
+
+    def __init__(self, c1: int = 8, c2: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, c1, 5, stride=2, padding=2), nn.BatchNorm2d(c1), Square(),
+            nn.AvgPool2d(2), nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), Square(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c2, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class DepthwiseTokens(nn.Module):
+    """Depthwise-separable: a patchifying convolution, BatchNorm, a residual branch of a 3x3
+    depthwise convolution squared and a 1x1 convolution, a flattened head."""
+
+    def __init__(self, dim: int = 16, patch: int = 4):
+        super().__init__()
+        self.embed = nn.Conv2d(1, dim, patch, stride=patch)
+        self.bn = nn.BatchNorm2d(dim)
+        self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.pw = nn.Conv2d(dim, dim, 1)
+        self.head = nn.Linear(dim * (28 // patch) ** 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.bn(self.embed(x))
+        d = self.dw(t)
+        return self.head((t + self.pw(d * d)).flatten(1))
 
 
 class StackedMuLayers(nn.Module):
@@ -232,6 +269,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "p14_h128": lambda: PatchTokens(patch=14, dim=64, hidden=128),
     "padre3_k11": lambda: MixerBlockTokens("padre", degree=3, kernel_size=11),
     "polymorpher_rows": lambda: PolymorpherRows(),
+    "cnn_avgpool": lambda: SquareCNN(),
+    "depthwise": lambda: DepthwiseTokens(),
+    "castling": lambda: MixerBlockTokens("castling"),
+    "conv2former": lambda: MixerBlockTokens("conv2former"),
 }
 
 
