@@ -375,7 +375,9 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
     base = CostModel(reference.table, reference.source, dict(reference.words),
                      dict(reference.parallel))
     ratios = {op: t / base.seconds(op, ring, limbs) for op, t in sorted(measured.items())
-              if op in reference.table.get(ring, {})}
+              if op in reference.table.get(ring, {}) and t > 0}
+    if not ratios:                      # a table without this ring: nothing to compare
+        return 1.0, {}
     factor = float(np.exp(np.mean(np.log(list(ratios.values())))))
     return factor, ratios
 
@@ -417,6 +419,8 @@ def _to_this_machine(model: CostModel) -> CostModel:
             return model
         return model.scaled(factor, f"scaled x{factor:.3g} by {SPEED_ENV}")
     factor, ratios = probe_speed(model)
+    if not ratios:
+        return model
     return model.scaled(factor, f"scaled x{factor:.2f} to this machine by a probe of its "
                                 f"primitives at N={PROBE_RING} ({min(ratios.values()):.2f}-"
                                 f"{max(ratios.values()):.2f}x the table's) at "
