@@ -536,6 +536,10 @@ def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     monkeypatch.setattr(costmodel, "_CACHE", {})
     monkeypatch.setenv(costmodel.SPEED_ENV, "2.5")
     assert costmodel.default_model().speed == pytest.approx(2.5)
+    # a table that does not hold the probe's ring has nothing to compare: its factor is 1
+    only_big = CostModel({r: t for r, t in shipped.table.items() if r != costmodel.PROBE_RING},
+                         "no N=8192")
+    assert costmodel.probe_speed(only_big) == (1.0, {})
     monkeypatch.setattr(costmodel, "_CACHE", {})
     monkeypatch.setenv(costmodel.SPEED_ENV, "fast")
     with pytest.raises(ValueError, match="POLYNETS_HE_SPEED='fast'"):
