@@ -413,8 +413,10 @@ def _to_this_machine(model: CostModel) -> CostModel:
         try:
             factor = float(fixed)
         except ValueError:
+            factor = float("nan")
+        if not (np.isfinite(factor) and factor > 0):
             raise ValueError(f"{SPEED_ENV}={fixed!r}: expected a positive number (1: the "
-                             f"shipped table as it is)") from None
+                             f"shipped table as it is)")
         if factor == 1.0:
             return model
         return model.scaled(factor, f"scaled x{factor:.3g} by {SPEED_ENV}")

@@ -540,10 +540,11 @@ def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     only_big = CostModel({r: t for r, t in shipped.table.items() if r != costmodel.PROBE_RING},
                          "no N=8192")
     assert costmodel.probe_speed(only_big) == (1.0, {})
-    monkeypatch.setattr(costmodel, "_CACHE", {})
-    monkeypatch.setenv(costmodel.SPEED_ENV, "fast")
-    with pytest.raises(ValueError, match="POLYNETS_HE_SPEED='fast'"):
-        costmodel.default_model()
+    for bad in ("fast", "0", "-1", "inf"):
+        monkeypatch.setattr(costmodel, "_CACHE", {})
+        monkeypatch.setenv(costmodel.SPEED_ENV, bad)
+        with pytest.raises(ValueError, match=f"POLYNETS_HE_SPEED='{bad}': expected a positive"):
+            costmodel.default_model()
 
 
 def test_server_within_a_memory_budget_encodes_plaintexts_at_use_with_the_same_results():
