@@ -70,6 +70,11 @@ _SHIPPED = Path(__file__).with_name("cost_table.json")
 DEFAULT_PARALLEL_EFFICIENCY = 0.85
 
 
+def _is_speed(factor: float) -> bool:
+    """Whether ``factor`` can scale a table's seconds: a finite positive number."""
+    return bool(np.isfinite(factor) and factor > 0)
+
+
 @dataclass
 class CostModel:
     """Seconds per primitive call: ``table[N][op]`` is a list of ``(limbs, seconds)`` points."""
@@ -125,7 +130,7 @@ class CostModel:
 
     def scaled(self, speed: float, why: str) -> "CostModel":
         """The same table on a machine ``speed`` times as slow (``why`` joins the source)."""
-        if not (np.isfinite(speed) and speed > 0):
+        if not _is_speed(speed):
             raise ValueError(f"speed factor must be a positive number, not {speed!r}")
         return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
                          dict(self.parallel), self.speed * float(speed))
@@ -159,7 +164,7 @@ class CostModel:
         if not all(0.0 < e <= 1.0 for e in parallel.values()):
             raise ValueError(f"cost table: parallel efficiencies {parallel} not all in (0, 1]")
         speed = float(d.get("speed", 1.0))
-        if not (np.isfinite(speed) and speed > 0):
+        if not _is_speed(speed):
             raise ValueError(f"cost table: bad speed factor {speed!r}")
         return cls(table, str(d.get("source", "")), words, parallel, speed)
 
@@ -369,14 +374,15 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
     import tenseal.sealapi as seal
 
     ring, limbs = PROBE_RING, PROBE_LIMBS
+    if ring not in reference.table:     # nothing to compare: nothing timed
+        return 1.0, {}
     ctx, tools = _tools(ring, limbs)
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
     measured = _time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
-    base = CostModel(reference.table, reference.source, dict(reference.words),
-                     dict(reference.parallel))
-    ratios = {op: t / base.seconds(op, ring, limbs) for op, t in sorted(measured.items())
-              if op in reference.table.get(ring, {}) and t > 0}
-    if not ratios:                      # a table without this ring: nothing to compare
+    # the table's own seconds, without the factor it may already carry
+    ratios = {op: t * reference.speed / reference.seconds(op, ring, limbs)
+              for op, t in sorted(measured.items()) if op in reference.table[ring] and t > 0}
+    if not ratios:
         return 1.0, {}
     factor = float(np.exp(np.mean(np.log(list(ratios.values())))))
     return factor, ratios
@@ -414,7 +420,7 @@ def _to_this_machine(model: CostModel) -> CostModel:
             factor = float(fixed)
         except ValueError:
             factor = float("nan")
-        if not (np.isfinite(factor) and factor > 0):
+        if not _is_speed(factor):
             raise ValueError(f"{SPEED_ENV}={fixed!r}: expected a positive number (1: the "
                              f"shipped table as it is)")
         if factor == 1.0:
