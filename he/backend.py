@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import tenseal.sealapi as seal
@@ -284,6 +284,32 @@ class Engine:
     def new_ciphertext() -> Any:
         """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""
         return seal.Ciphertext()
+
+    def prefault(self, buffers: Mapping[float, int]) -> int:
+        """Allocate and zero-fill ciphertext storage (``buffers``: bytes of one ciphertext's
+        storage -> how many, :func:`he.tiling.allocations`), then release it. SEAL's memory pool
+        keeps what it allocated and serves later ciphertexts of the same sizes from it, so their
+        first writes find pages the kernel has already mapped and zeroed. Returns the bytes
+        touched (sizes that are no ciphertext of these parameters are skipped)."""
+        n = self.params.poly_modulus_degree
+        level_of = {self.params.limbs(level): level for level in range(self.params.levels + 1)}
+        held = []
+        touched = 0
+        for nbytes, count in buffers.items():
+            words = int(round(float(nbytes) / 8))
+            shape = next(((size, words // (size * n)) for size in (2, 3)
+                          if words % (size * n) == 0 and words // (size * n) in level_of), None)
+            if shape is None or count <= 0:
+                continue
+            size, limbs = shape
+            pid = self.parms_ids[level_of[limbs]]
+            for _ in range(int(count)):
+                ct = seal.Ciphertext(self.context, pid, size)     # storage reserved ...
+                ct.resize(self.context, pid, size)                # ... and written (zeros)
+                held.append(ct)
+            touched += words * 8 * int(count)
+        held.clear()
+        return touched
 
     def mul_scalar(self, ct: Any, value: float) -> Any:
         """``ct * value`` without rescale."""

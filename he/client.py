@@ -10,6 +10,7 @@ context that contains one.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ import tenseal.sealapi as seal
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
-from he.compiler import PACKINGS, CompiledProgram, batch_group_memory
+from he.compiler import PACKINGS, CompiledProgram, GroupMemory, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
@@ -403,11 +404,14 @@ class Server:
     ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no more cores
     than this process may use; SEAL is then called without Python's GIL, see
     :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. Results are
-    the same whatever the number.
+    the same whatever the number. ``warm``: batch packing allocates the memory of a group's
+    ciphertexts now (:meth:`warm`), so that the first request runs at the speed of the next
+    ones and a machine without the memory says so before any request.
     """
 
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
-                 memory_budget: int | None = None, threads: int | None = None):
+                 memory_budget: int | None = None, threads: int | None = None,
+                 warm: bool = True):
         if not isinstance(public_context, (bytes, bytearray, memoryview)):
             raise SerializationError(f"Server needs the public context as bytes, got "
                                      f"{type(public_context).__name__}")
@@ -438,6 +442,8 @@ class Server:
         #: the ciphertext sizes this server allocates (see he.runtime.pool_held)
         self._pool_key = (program.params.poly_modulus_degree,
                           tuple(program.params.coeff_mod_bit_sizes))
+        #: bytes and seconds :meth:`warm` took (0 where it did nothing)
+        self.warm_bytes, self.warm_seconds = 0, 0.0
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
         if threads is None:
@@ -454,6 +460,38 @@ class Server:
                 # the fused maps' compiled loops are built and checked once per process (about
                 # a second): at the server's start, not in its first request
                 _kernels.kernels()
+        if warm:
+            self.warm()
+
+    def warm(self) -> int:
+        """Batch packing: allocate and zero-fill the ciphertext storage of one group, with the
+        tiles the memory available now asks for (:func:`he.compiler.batch_group_memory`, inputs
+        loaded from bytes), and leave it in SEAL's pool, from which the group's ciphertexts are
+        then allocated. A process's first touch of fresh memory costs the kernel a page fault
+        and zeroing per page, a few seconds per GiB on some virtual machines: paid here rather
+        than in the first request, which then runs as the cost model predicts. Where the group
+        would not fit the memory available, nothing is allocated (the request will say why).
+        Returns the bytes allocated (``warm_bytes``; ``warm_seconds`` the time); other packings
+        allocate as they go, and return 0."""
+        if self.program.packing != "batch":
+            return 0
+        t0 = time.perf_counter()
+        free = self._free_memory()
+        mem = self._group_memory(free, keep=False)
+        if mem.working > free:
+            return 0
+        self.warm_bytes = self.engine.prefault(mem.buffers)
+        note_pool(self._pool_key, self.warm_bytes)
+        self.warm_seconds = time.perf_counter() - t0
+        return self.warm_bytes
+
+    def _free_memory(self) -> float:
+        """Bytes a batch group of this process may hold: the memory available, what SEAL's pool
+        kept from this process's earlier groups (or :meth:`warm`), within the budget."""
+        free = float(available_memory() + pool_held(self._pool_key))
+        if self._memory_budget is not None:
+            free = min(free, float(self._memory_budget))
+        return free
 
     @property
     def tiles(self) -> dict[int, int]:
@@ -461,10 +499,10 @@ class Server:
         ran in tiles, and in how many (:mod:`he.tiling`; empty where a group fit whole)."""
         return dict(self._tiles)
 
-    def _group_memory(self, free: float, keep: bool
-                      ) -> tuple[dict[int, int], float, tuple[int, ...]]:
-        """Tiles per segment that keep a group within ``free`` bytes, its working memory and the
-        product steps it leaves lazy (:func:`he.compiler.batch_group_memory`); the segments are
+    def _group_memory(self, free: float, keep: bool) -> GroupMemory:
+        """Tiles per segment that keep a group within ``free`` bytes, its working memory, the
+        product steps it leaves lazy and the buffers it allocates
+        (:func:`he.compiler.batch_group_memory`); the segments are
         looked for the first time a group does not fit whole (a search of seconds for deep
         programs)."""
         prog = self.program
@@ -476,7 +514,7 @@ class Server:
                 prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs),
                 keep_inputs=False)
             mem = batch_group_memory(*args, self._segments, keep_inputs=keep, lazy=lazy)
-        return mem.tiles, mem.working, mem.lazy
+        return mem
 
     @property
     def lazy_products(self) -> tuple[int, ...]:
@@ -551,16 +589,22 @@ class Server:
             # each group in tiles where it would not fit whole
             slots = self.program.params.slots
             # what SEAL's pool kept from this process's earlier groups serves this one too
-            free = available_memory() + pool_held(self._pool_key)
-            if self._memory_budget is not None:
-                free = min(free, self._memory_budget)
+            free = self._free_memory()
             # inputs given as SEAL objects are the caller's; those loaded here are freed
             keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
-            self._tiles, working, self._lazy = self._group_memory(free, keep)
+            mem = self._group_memory(free, keep)
+            self._tiles, working, self._lazy = mem.tiles, mem.working, mem.lazy
+            what = f"evaluating a group of {slots} batch-packed samples"
             try:
-                n_workers = memory_workers(
-                    workers, len(ct._groups), working, free,
-                    f"evaluating a group of {slots} batch-packed samples")
+                n_workers = memory_workers(workers, len(ct._groups), working, free, what)
+                if n_workers > 1 and pool_held(self._pool_key):
+                    # forked processes cannot reuse this one's pool, which stays resident:
+                    # they share the memory available without it (or one group runs here)
+                    alone = float(available_memory())
+                    if self._memory_budget is not None:
+                        alone = min(alone, float(self._memory_budget))
+                    n_workers = 1 if alone < working else \
+                        memory_workers(workers, len(ct._groups), working, alone, what)
             except ResourceError as exc:
                 raise ResourceError(
                     f"{exc}; vector packing holds one sample at a time (he.compile(..., "

@@ -34,7 +34,7 @@ from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_
                        peak_ciphertexts, plaintexts_held, token_grid, token_paddings,
                        token_step_counts)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
-from he.tiling import Segment, allocated_memory, choose_tiles, find_segments, row_bytes_of
+from he.tiling import Segment, allocations, choose_tiles, find_segments, row_bytes_of
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
@@ -264,6 +264,8 @@ class GroupMemory(NamedTuple):
     working: float
     untiled: float
     lazy: tuple[int, ...]
+    #: the ciphertext buffers it allocates (:func:`he.tiling.allocations`: bytes -> how many)
+    buffers: dict[float, int]
 
 
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -279,24 +281,30 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     server's choice."""
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     ring = params.poly_modulus_degree
+
+    def total(made: dict[float, int]) -> float:
+        return float(sum(b * n for b, n in made.items()))
+
     if lazy:
-        whole = allocated_memory(lowered, live, row_bytes_of(lowered, ring, params.limbs, lazy),
-                                 keep_inputs=keep_inputs)
+        made = allocations(lowered, live, row_bytes_of(lowered, ring, params.limbs, lazy),
+                           keep_inputs=keep_inputs)
+        whole = total(made)
         if whole <= room:
             return GroupMemory({}, whole + PLAIN_CACHE_BYTES, whole + PLAIN_CACHE_BYTES,
-                               tuple(int(m) for m in lazy))
+                               tuple(int(m) for m in lazy), made)
     row_bytes = row_bytes_of(lowered, ring, params.limbs)
-    untiled = allocated_memory(lowered, live, row_bytes, keep_inputs=keep_inputs)
+    made = allocations(lowered, live, row_bytes, keep_inputs=keep_inputs)
+    untiled = total(made)
     if untiled <= room:             # whole: no segments to look for
-        return GroupMemory({}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES, ())
+        return GroupMemory({}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES, (),
+                           made)
     if segments is None:
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
-    working = allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) + \
-        PLAIN_CACHE_BYTES
-    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, working,
-                       untiled + PLAIN_CACHE_BYTES, ())
+    made = allocations(lowered, live, row_bytes, segments, tiles, keep_inputs)
+    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, total(made) + PLAIN_CACHE_BYTES,
+                       untiled + PLAIN_CACHE_BYTES, (), made)
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,

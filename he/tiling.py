@@ -43,7 +43,7 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted"]
+           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -55,6 +55,10 @@ _DENSE_SHARE = 0.25
 _DENSE_MIN = 64
 
 _NONE = np.iinfo(np.int64).max
+
+#: Rows a server finishes at once (relinearises, rescales; :func:`he.runtime._threaded`), whose
+#: scratch and results are held together
+_CHUNK = 8
 
 
 @dataclass
@@ -399,25 +403,36 @@ def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
 def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
                      row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
                      tiles: dict[int, int] | None = None, keep_inputs: bool = True) -> float:
-    """Bytes of ciphertext storage a batch group allocates, as the runtime reuses it: a server
-    recycles the buffers of values that died for the next results (the smallest free buffer
-    that holds a result, else a new one, :class:`he.runtime._Buffers`), and SEAL's pool keeps
-    whatever was allocated, so the peak is everything allocated. A recycled buffer keeps the
+    """Bytes of ciphertext storage a batch group allocates (:func:`allocations`, summed)."""
+    return float(sum(b * n for b, n in allocations(lowered, live, row_bytes, segments, tiles,
+                                                    keep_inputs).items()))
+
+
+def allocations(lowered: Lowered, live: Sequence[np.ndarray],
+                row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
+                tiles: dict[int, int] | None = None, keep_inputs: bool = True
+                ) -> dict[float, int]:
+    """The ciphertext buffers a batch group allocates, as the runtime reuses them (bytes of one
+    buffer -> how many): a server recycles the buffers of values that died for the next results
+    (the smallest free buffer that holds a result, else a new one, :class:`he.runtime._Buffers`),
+    and SEAL's pool keeps whatever was allocated, so the peak is everything allocated (and a
+    server can allocate it before its first request, :meth:`he.Server.warm`). A recycled
+    buffer keeps the
     primes of the level it was first allocated at, which :func:`batch_memory` does not see:
     values of low levels written into buffers of high ones. Simulated step by step (tile by
     tile in segments, rows freed after the tile that last reads them) with counts of buffers per
-    size: a weighted map's rows computed at its inputs' level then rescaled into new ones, a
-    product's in three-polynomial scratch a few at a time, a reduction's sums held to the
-    segment's end."""
+    size: a weighted map's rows summed at its inputs' level, then rescaled a few at a time into
+    the scratch of the rows before them, a product's in three-polynomial scratch a few at a
+    time, a reduction's sums held to the segment's end. The count per size is the runtime's,
+    the group's inputs among them (within a chunk of rows: tested)."""
     steps = lowered.steps
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
     last = _last_use(lowered, keep_inputs, {s: seg.end for seg in tiled for s in seg.steps})
     free: dict[float, int] = {}
-    total = 0.0
+    made: dict[float, int] = {}
 
     def take(need: float, n: int) -> dict[float, int]:
-        nonlocal total
         held: dict[float, int] = {}
         for cap in sorted(c for c, k in free.items() if c >= need and k > 0):
             k = min(n, free[cap])
@@ -427,7 +442,7 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
             if n == 0:
                 break
         if n:
-            total += n * need
+            made[need] = made.get(need, 0) + n
             held[need] = held.get(need, 0) + n
         return held
 
@@ -448,9 +463,14 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
 
     def compute(s: int, n: int) -> dict[float, int]:
         if weighted(lowered, s):
+            # every row summed at its inputs' level at once (one fused product), then rescaled
+            # a few at a time: the first few into new buffers, the rest into the rows' scratch
             scratch = take(row_bytes(-s - 1), n)
-        elif steps[s].kind == "mul":
-            scratch = take(1.5 * row_bytes(-s - 1), min(n, 8))
+            first = take(row_bytes(s), min(n, _CHUNK))
+            release(scratch)
+            return merge([first, take(row_bytes(s), n - min(n, _CHUNK))])
+        if steps[s].kind == "mul":
+            scratch = take(1.5 * row_bytes(-s - 1), min(n, _CHUNK))
         else:
             scratch = {}
         out = take(row_bytes(s), n)
@@ -501,7 +521,7 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
             ran = seg.steps
         for j in [j for j in vals if last[j] <= si and j != lowered.output and j not in ran]:
             release(vals.pop(j))
-    return total
+    return made
 
 
 def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],

@@ -130,7 +130,7 @@ def test_a_shifted_token_model_runs_as_a_wavefront_in_a_fraction_of_its_memory()
     assert segments and segments[-1].reduce and segments[-1].end == low.output
     most = {s.end: MAX_TILES for s in segments}
     untiled = allocated_memory(low, live, rb, keep_inputs=False)
-    assert allocated_memory(low, live, rb, segments, most, keep_inputs=False) < 0.5 * untiled
+    assert allocated_memory(low, live, rb, segments, most, keep_inputs=False) < 0.6 * untiled
     for seg in segments:
         _check_plan(low, live, seg, MAX_TILES)
 
@@ -259,7 +259,7 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
     assert roomy["tiles"] == {} and roomy["working_memory_bytes"] == \
         roomy["untiled_memory_bytes"]
     from he.compiler import _server_memory
-    budget = int(_server_memory(prog.params, [], 0) + 0.9 * roomy["untiled_memory_bytes"])
+    budget = int(_server_memory(prog.params, [], 0) + 0.6 * roomy["untiled_memory_bytes"])
     tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
     p = tight.plan.predicted
     assert p["tiles"] and p["working_memory_bytes"] < p["untiled_memory_bytes"]
@@ -325,3 +325,60 @@ def test_candidates_over_the_memory_budget_rank_by_the_memory_they_need():
     one = sorted([fast_big, slow_small], key=lambda p: _rank(p, "latency", None, int(10e9)))
     assert one[0] is slow_small
     assert _rank(fast_big, "latency", None, int(40e9))[-1] == 1.0      # the cost comes last
+
+
+def test_the_simulated_buffers_are_those_a_group_allocates(compiled, monkeypatch):
+    """:func:`he.tiling.allocations` follows the runtime's reuse of buffers size by size, whole
+    and in tiles: the new ciphertext storage a group takes (its inputs loaded from bytes among
+    it) exceeds the simulated count of its size by a few rows' worth at most. A warm server
+    allocates exactly the simulated buffers before its first request (SEAL's pool then serves
+    the group's of those sizes)."""
+    import collections
+
+    import he.runtime as runtime
+    from he.runtime import PLAIN_CACHE_BYTES
+    _, x, prog, rb = compiled
+    low, live = prog.lowered, prog.plan.live
+    client = he.Client(prog)
+    ct = client.encrypt(x[:5].numpy()).to_bytes()
+    segments = find_segments(low, live, rb, keep_inputs=False)
+    most = {s.end: min(s.components, MAX_TILES) for s in segments}
+    tight = int(allocated_memory(low, live, rb, segments, most, keep_inputs=False)
+                + PLAIN_CACHE_BYTES) + 1
+    new = collections.Counter()
+    take = runtime._Buffers._take
+
+    def counted(self, eng, parms_id, limbs, size):
+        need = size * eng.params.poly_modulus_degree * limbs
+        if not any(c >= need and pool for c, pool in self.free.items()):
+            new[8 * need] += 1
+        return take(self, eng, parms_id, limbs, size)
+
+    monkeypatch.setattr(runtime._Buffers, "_take", counted)
+    for budget in (None, tight):
+        server = he.Server(prog, client.public_context(), memory_budget=budget)
+        mem = server._group_memory(server._free_memory(), keep=False)
+        assert server.warm_bytes == sum(int(b) * k for b, k in mem.buffers.items())
+        new.clear()
+        server.run(ct)
+        assert (server.tiles != {}) == (budget is not None)
+        made = dict(new)
+        made[rb(0)] = made.get(rb(0), 0) + int(live[0].sum())
+        total = sum(b * k for b, k in made.items())
+        short = sum(b * max(0, k - mem.buffers.get(b, 0)) for b, k in made.items())
+        assert short <= 0.1 * total
+
+
+def test_a_warm_server_answers_as_a_cold_one_and_other_packings_do_not_warm(compiled):
+    _, x, prog, _ = compiled
+    client = he.Client(prog)
+    ct = client.encrypt(x[:5].numpy()).to_bytes()
+    warm = he.Server(prog, client.public_context())
+    cold = he.Server(prog, client.public_context(), warm=False)
+    assert warm.warm_bytes > 0 and warm.warm_seconds > 0
+    assert cold.warm_bytes == 0 and cold.warm() > 0
+    assert np.array_equal(client.decrypt(warm.run(ct)), client.decrypt(cold.run(ct)))
+    model = nn.Sequential(nn.Linear(4, 3))
+    vec = he.compile(model, torch.rand(8, 4), packing="vector")
+    server = he.Server(vec, he.Client(vec).public_context())
+    assert server.warm_bytes == 0 and server.warm() == 0
