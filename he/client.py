@@ -404,9 +404,9 @@ class Server:
     ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no more cores
     than this process may use; SEAL is then called without Python's GIL, see
     :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. Results are
-    the same whatever the number. ``warm``: batch packing allocates the memory of a group's
-    ciphertexts now (:meth:`warm`), so that the first request runs at the speed of the next
-    ones and a machine without the memory says so before any request.
+    the same whatever the number. ``warm``: prepare now what the first request would (batch
+    packing allocates a group's ciphertext memory, tokens packing builds its fused maps and
+    encodes its weights, :meth:`warm`), so that it runs at the speed of the next ones.
     """
 
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
@@ -463,27 +463,37 @@ class Server:
         if warm:
             self.warm()
 
-    def warm(self) -> int:
-        """Batch packing: allocate and zero-fill the ciphertext storage of one group, with the
-        tiles the memory available now asks for (:func:`he.compiler.batch_group_memory`, inputs
-        loaded from bytes), and leave it in SEAL's pool, from which the group's ciphertexts are
-        then allocated. A process's first touch of fresh memory costs the kernel a page fault
-        and zeroing per page, a few seconds per GiB on some virtual machines: paid here rather
-        than in the first request, which then runs as the cost model predicts. Where the group
-        would not fit the memory available, nothing is allocated (the request will say why).
-        Returns the bytes allocated (``warm_bytes``; ``warm_seconds`` the time); other packings
-        allocate as they go, and return 0."""
-        if self.program.packing != "batch":
-            return 0
+    def warm(self) -> float:
+        """Prepare for the first request what the next ones reuse, so that it runs as the cost
+        model predicts; returns the seconds it took (``warm_seconds``; 0 where there is nothing
+        to prepare). Vector packing encodes its plaintexts as the server starts anyway.
+
+        * Batch packing: allocate and zero-fill the ciphertext storage of one group (inputs
+          loaded from bytes; tiles as the memory available now asks for,
+          :func:`he.compiler.batch_group_memory`) and leave it in SEAL's pool, from which the
+          group's ciphertexts are then allocated (``warm_bytes``). A process's first touch of
+          fresh memory costs the kernel a page fault and zeroing per page, a few seconds per
+          GiB on some virtual machines. Where the group would not fit the memory available,
+          nothing is allocated (the request will say why).
+        * Tokens packing: one group of encryptions of zero (the server's own, with the public
+          key) runs through the program: the fused maps are built, the slot-vector weights and
+          masks encoded, the group's memory allocated, as the first request would.
+        """
         t0 = time.perf_counter()
-        free = self._free_memory()
-        mem = self._group_memory(free, keep=False)
-        if mem.working > free:
-            return 0
-        self.warm_bytes = self.engine.prefault(mem.buffers)
-        note_pool(self._pool_key, self.warm_bytes)
+        if self.program.packing == "batch":
+            free = self._free_memory()
+            mem = self._group_memory(free, keep=False)
+            if mem.working > free:
+                return 0.0
+            self.warm_bytes = self.engine.prefault(mem.buffers)
+            note_pool(self._pool_key, self.warm_bytes)
+        elif self.program.packing == "tokens":
+            zeros = [self._encrypt_constant(0.0) for _ in self.program.plan.input_layout]
+            self._run_group(zeros)
+        else:
+            return 0.0
         self.warm_seconds = time.perf_counter() - t0
-        return self.warm_bytes
+        return self.warm_seconds
 
     def _free_memory(self) -> float:
         """Bytes a batch group of this process may hold: the memory available, what SEAL's pool

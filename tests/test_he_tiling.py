@@ -369,16 +369,17 @@ def test_the_simulated_buffers_are_those_a_group_allocates(compiled, monkeypatch
         assert short <= 0.1 * total
 
 
-def test_a_warm_server_answers_as_a_cold_one_and_other_packings_do_not_warm(compiled):
+def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothing_to_warm(
+        compiled):
     _, x, prog, _ = compiled
     client = he.Client(prog)
     ct = client.encrypt(x[:5].numpy()).to_bytes()
     warm = he.Server(prog, client.public_context())
     cold = he.Server(prog, client.public_context(), warm=False)
     assert warm.warm_bytes > 0 and warm.warm_seconds > 0
-    assert cold.warm_bytes == 0 and cold.warm() > 0
+    assert cold.warm_bytes == 0 and cold.warm() > 0 and cold.warm_bytes > 0
     assert np.array_equal(client.decrypt(warm.run(ct)), client.decrypt(cold.run(ct)))
     model = nn.Sequential(nn.Linear(4, 3))
     vec = he.compile(model, torch.rand(8, 4), packing="vector")
     server = he.Server(vec, he.Client(vec).public_context())
-    assert server.warm_bytes == 0 and server.warm() == 0
+    assert server.warm_bytes == 0 and server.warm() == 0 and server.warm_seconds == 0

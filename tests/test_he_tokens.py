@@ -165,6 +165,27 @@ def test_a_group_of_samples_and_the_program_file_round_trip():
         server.run(bad)
 
 
+def test_a_warm_tokens_server_builds_at_its_start_what_requests_reuse():
+    """A tokens server runs a group of encryptions of zero as it starts: its fused maps and
+    encoded weights are those every request uses (the first builds nothing more), with the
+    answers of a server that did not."""
+    model, _, _ = _lowered("monet_d1", seed=6)
+    x = torch.rand(64, 1, 8, 8)
+    prog = he.compile(model, x[:1], calibration=x, packing="tokens", precision_bits=10)
+    client = he.Client(prog)
+    ct = client.encrypt(x[:5].numpy()).to_bytes()
+    warm = he.Server(prog, client.public_context())
+    cold = he.Server(prog, client.public_context(), warm=False)
+    kern = warm.token_kernels
+    assert warm.warm_seconds > 0 and cold.warm_seconds == 0
+    assert kern.fused and kern.vectors and not cold.token_kernels.vectors
+    built = (set(kern.fused), set(kern.vectors))
+    y = client.decrypt(warm.run(ct))
+    assert (set(kern.fused), set(kern.vectors)) == built
+    assert np.array_equal(y, client.decrypt(cold.run(ct)))
+    assert np.max(np.abs(y - prog.simulate(x[:5].numpy()))) <= prog.params.expected_error
+
+
 @pytest.mark.slow
 def test_two_poly_blocks_with_masked_shifts_run_encrypted(encrypted_roundtrip):
     model, _, _ = _lowered("monet_d2", seed=5)
