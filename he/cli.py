@@ -219,7 +219,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_output(args.output)
     prog = _program(args.program)
-    server = he.Server(prog, _read(args.context, "public context"), threads=args.threads)
+    # one request: nothing to prepare ahead of it (he.Server.warm)
+    server = he.Server(prog, _read(args.context, "public context"), threads=args.threads,
+                       warm=False)
     if server.threads_note:
         print(f"one server thread: {server.threads_note}")
     out = server.run(_read(args.ciphertext, "ciphertext"), progress=True, workers=args.workers)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan, rows_reading
-from he.tiling import Segment, tile_plan
+from he.tiling import Segment, finish_chunk, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
 __all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector"]
@@ -108,7 +108,7 @@ def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
     are taken and returned in this thread, so a chunk's freed buffers serve the next and the
     memory held stays that of a few rows."""
     results: list[Any] = []
-    chunk = 4 * eng.pool.threads
+    chunk = finish_chunk(eng.pool.threads)
     for k in range(0, len(items), chunk):
         jobs = [prepare(x) for x in items[k:k + chunk]]
         intos = [buffers.take(eng, level) for _, level, _ in jobs]

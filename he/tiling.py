@@ -43,7 +43,7 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations"]
+           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations", "finish_chunk"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -56,9 +56,15 @@ _DENSE_MIN = 64
 
 _NONE = np.iinfo(np.int64).max
 
-#: Rows a server finishes at once (relinearises, rescales; :func:`he.runtime._threaded`), whose
-#: scratch and results are held together
-_CHUNK = 8
+
+def finish_chunk(threads: int = 2) -> int:
+    """Rows a server with ``threads`` threads finishes at once (relinearises, rescales;
+    :func:`he.runtime._threaded`), whose scratch and results are held together. The memory rules
+    here count them for two threads: a few rows either way."""
+    return 4 * max(1, int(threads))
+
+
+_CHUNK = finish_chunk()
 
 
 @dataclass
