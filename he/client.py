@@ -613,8 +613,19 @@ class Server:
                     alone = float(available_memory())
                     if self._memory_budget is not None:
                         alone = min(alone, float(self._memory_budget))
-                    n_workers = 1 if alone < working else \
-                        memory_workers(workers, len(ct._groups), working, alone, what)
+                    if alone >= working:
+                        n_workers = memory_workers(workers, len(ct._groups), working, alone,
+                                                   what)
+                    elif workers:
+                        gib = 2.0 ** 30
+                        raise ResourceError(
+                            f"{n_workers} processes each holding {working / gib:.1f} GiB "
+                            f"({what}) cannot use the {pool_held(self._pool_key) / gib:.1f} "
+                            f"GiB this process's SEAL pool holds, and {alone / gib:.1f} GiB "
+                            f"are available besides: workers=1 runs the groups here, "
+                            f"workers=0 chooses")
+                    else:
+                        n_workers = 1
             except ResourceError as exc:
                 raise ResourceError(
                     f"{exc}; vector packing holds one sample at a time (he.compile(..., "
