@@ -383,3 +383,23 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
     vec = he.compile(model, torch.rand(8, 4), packing="vector")
     server = he.Server(vec, he.Client(vec).public_context())
     assert server.warm_bytes == 0 and server.warm() == 0 and server.warm_seconds == 0
+
+
+def test_forked_workers_do_not_count_on_this_process_pool(compiled, monkeypatch):
+    """The memory a warm server's pool holds serves this process's groups, not those of forked
+    workers (their writes to it are copies, and it stays resident here): two processes asked
+    for where only the pool would make room for the second are refused before anything runs."""
+    import he.client
+    from he.runtime import pool_held
+    _, x, prog, _ = compiled
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    assert pool_held(server._pool_key) >= server.warm_bytes > 0
+    working = server._group_memory(server._free_memory(), keep=False).working
+    ct = client.encrypt(np.repeat(x[:1].numpy(), prog.params.slots + 1, axis=0))  # two groups
+    assert len(ct._groups) == 2
+    # with the pool, room for two groups; without it, for one
+    monkeypatch.setattr(he.client, "available_memory", lambda: int(1.5 * working))
+    assert server._free_memory() >= 2 * working
+    with pytest.raises(he.ResourceError, match="at most 1 fit"):
+        server.run(ct, workers=2)
