@@ -495,10 +495,11 @@ class Server:
         self.warm_seconds = time.perf_counter() - t0
         return self.warm_seconds
 
-    def _free_memory(self) -> float:
-        """Bytes a batch group of this process may hold: the memory available, what SEAL's pool
-        kept from this process's earlier groups (or :meth:`warm`), within the budget."""
-        free = float(available_memory() + pool_held(self._pool_key))
+    def _free_memory(self, pool: bool = True) -> float:
+        """Bytes a batch group of this process may hold: the memory available and, with
+        ``pool``, what SEAL's pool kept from this process's earlier groups (or :meth:`warm`;
+        forked processes cannot use it), within the budget."""
+        free = float(available_memory() + (pool_held(self._pool_key) if pool else 0))
         if self._memory_budget is not None:
             free = min(free, float(self._memory_budget))
         return free
@@ -610,9 +611,7 @@ class Server:
                 if n_workers > 1 and pool_held(self._pool_key):
                     # forked processes cannot reuse this one's pool, which stays resident:
                     # they share the memory available without it (or one group runs here)
-                    alone = float(available_memory())
-                    if self._memory_budget is not None:
-                        alone = min(alone, float(self._memory_budget))
+                    alone = self._free_memory(pool=False)
                     if alone >= working:
                         n_workers = memory_workers(workers, len(ct._groups), working, alone,
                                                    what)

@@ -34,7 +34,8 @@ from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_
                        peak_ciphertexts, plaintexts_held, token_grid, token_paddings,
                        token_step_counts)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
-from he.tiling import Segment, allocations, choose_tiles, find_segments, row_bytes_of
+from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_segments,
+                       row_bytes_of)
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
@@ -256,16 +257,19 @@ _BATCH_THREADED = ("mul_ct", "mul_lazy", "rescale", "fused_mac", "fused_in", "fu
 
 class GroupMemory(NamedTuple):
     """What one batch group holds (:func:`batch_group_memory`): ``tiles`` per segment end (empty:
-    the group runs whole), ``working`` bytes with them and ``untiled`` bytes without (both with
-    the encoded weights' cache), and ``lazy``, the product steps left unrelinearised (those asked
+    the group runs whole), ``working`` bytes with them (its ``buffers``) and ``untiled`` bytes
+    without (both with the encoded weights' cache), and ``lazy``, the product steps left unrelinearised (those asked
     for where the group fits whole with them, else none)."""
 
     tiles: dict[int, int]
-    working: float
     untiled: float
     lazy: tuple[int, ...]
     #: the ciphertext buffers it allocates (:func:`he.tiling.allocations`: bytes -> how many)
     buffers: dict[float, int]
+
+    @property
+    def working(self) -> float:
+        return buffer_bytes(self.buffers) + PLAIN_CACHE_BYTES
 
 
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -281,30 +285,24 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     server's choice."""
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     ring = params.poly_modulus_degree
-
-    def total(made: dict[float, int]) -> float:
-        return float(sum(b * n for b, n in made.items()))
-
     if lazy:
         made = allocations(lowered, live, row_bytes_of(lowered, ring, params.limbs, lazy),
                            keep_inputs=keep_inputs)
-        whole = total(made)
+        whole = buffer_bytes(made)
         if whole <= room:
-            return GroupMemory({}, whole + PLAIN_CACHE_BYTES, whole + PLAIN_CACHE_BYTES,
-                               tuple(int(m) for m in lazy), made)
+            return GroupMemory({}, whole + PLAIN_CACHE_BYTES, tuple(int(m) for m in lazy), made)
     row_bytes = row_bytes_of(lowered, ring, params.limbs)
     made = allocations(lowered, live, row_bytes, keep_inputs=keep_inputs)
-    untiled = total(made)
-    if untiled <= room:             # whole: no segments to look for
-        return GroupMemory({}, untiled + PLAIN_CACHE_BYTES, untiled + PLAIN_CACHE_BYTES, (),
-                           made)
+    whole = buffer_bytes(made)
+    untiled = whole + PLAIN_CACHE_BYTES
+    if whole <= room:               # whole: no segments to look for
+        return GroupMemory({}, untiled, (), made)
     if segments is None:
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
-    made = allocations(lowered, live, row_bytes, segments, tiles, keep_inputs)
-    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, total(made) + PLAIN_CACHE_BYTES,
-                       untiled + PLAIN_CACHE_BYTES, (), made)
+    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (),
+                       allocations(lowered, live, row_bytes, segments, tiles, keep_inputs))
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,

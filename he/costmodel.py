@@ -380,15 +380,6 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
         return 1.0, {}
     ctx, tools = _tools(ring, limbs)
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
-
-    def factor_of(measured: dict[str, float]) -> tuple[float, dict[str, float]]:
-        # the table's own seconds, without the factor it may already carry
-        ratios = {op: t * reference.speed / reference.seconds(op, ring, limbs)
-                  for op, t in sorted(measured.items()) if op in reference.table[ring] and t > 0}
-        if not ratios:
-            return 1.0, {}
-        return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
-
     # each primitive's least time over rounds spread through the probe: a machine slowed for a
     # moment (another process, a neighbour on the host, the first fraction of a second of a busy
     # process here) only ever adds time
@@ -396,7 +387,12 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
     for _ in range(PROBE_ROUNDS):
         got = _time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
         best = {op: min(t, best.get(op, t)) for op, t in got.items()}
-    return factor_of(best)
+    # against the table's own seconds, without the factor it may already carry
+    ratios = {op: t * reference.speed / reference.seconds(op, ring, limbs)
+              for op, t in sorted(best.items()) if op in reference.table[ring] and t > 0}
+    if not ratios:
+        return 1.0, {}
+    return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
 
 
 _CACHE: dict[str, CostModel] = {}

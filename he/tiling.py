@@ -43,7 +43,8 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations", "finish_chunk"]
+           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations", "finish_chunk",
+           "buffer_bytes"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -410,8 +411,12 @@ def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
                      row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
                      tiles: dict[int, int] | None = None, keep_inputs: bool = True) -> float:
     """Bytes of ciphertext storage a batch group allocates (:func:`allocations`, summed)."""
-    return float(sum(b * n for b, n in allocations(lowered, live, row_bytes, segments, tiles,
-                                                    keep_inputs).items()))
+    return buffer_bytes(allocations(lowered, live, row_bytes, segments, tiles, keep_inputs))
+
+
+def buffer_bytes(buffers: dict[float, int]) -> float:
+    """Bytes of ``buffers`` (bytes of one buffer -> how many)."""
+    return float(sum(b * n for b, n in buffers.items()))
 
 
 def allocations(lowered: Lowered, live: Sequence[np.ndarray],
@@ -423,9 +428,8 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
     (the smallest free buffer that holds a result, else a new one, :class:`he.runtime._Buffers`),
     and SEAL's pool keeps whatever was allocated, so the peak is everything allocated (and a
     server can allocate it before its first request, :meth:`he.Server.warm`). A recycled
-    buffer keeps the
-    primes of the level it was first allocated at, which :func:`batch_memory` does not see:
-    values of low levels written into buffers of high ones. Simulated step by step (tile by
+    buffer keeps the primes of the level it was first allocated at, which :func:`batch_memory`
+    does not see: values of low levels written into buffers of high ones. Simulated step by step (tile by
     tile in segments, rows freed after the tile that last reads them) with counts of buffers per
     size: a weighted map's rows summed at its inputs' level, then rescaled a few at a time into
     the scratch of the rows before them, a product's in three-polynomial scratch a few at a
