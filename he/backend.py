@@ -280,6 +280,16 @@ class Engine:
         """``out <- ct * pt`` without rescale, reusing ``out``'s memory."""
         self.evaluator.multiply_plain(ct, pt, out)
 
+    def copy_into(self, ct: Any, out: Any) -> None:
+        """``out <- ct`` (level, scale, words), in ``out``'s storage where it holds them: SEAL's
+        assignment, natively where :mod:`he.native` is validated, else a negation into ``out``
+        undone in place (SEAL's negation assigns first)."""
+        if self.native is not None:
+            self.native.assign(out, ct)
+        else:
+            self.evaluator.negate(ct, out)
+            self.evaluator.negate_inplace(out)
+
     @staticmethod
     def new_ciphertext() -> Any:
         """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""

@@ -541,26 +541,43 @@ class Server:
         self._encryptor.encrypt(pt, ct)
         return ct
 
-    def _run_group(self, g: list[Any], owned: bool = False) -> list[Any]:
+    def _run_group(self, g: list[Any], owned: bool = False, gi: int = 0) -> list[Any]:
         """One group's outputs; ``owned``: ``g`` was loaded for this call alone (from bytes),
-        so its ciphertexts are freed as soon as the steps reading them have run."""
+        so its ciphertexts are freed as soon as the steps reading them have run. Batch packing
+        takes ``g`` (group ``gi`` of a request) as given, bytes or SEAL ciphertexts: bytes are
+        validated first and, where a segment run in tiles reads every input, each is loaded in
+        the tile that first reads it (:attr:`he.tiling.Segment.load`), else all at once."""
         prog = self.program
         if prog.packing == "batch":
             live = prog.batch_inputs
             if len(g) != live.size:
                 raise SerializationError(f"server: an input group holds {len(g)} ciphertexts, "
                                          f"expected {live.size}")
+            ctx = self.engine.context
+            by_end = {seg.end: seg for seg in self._segments or ()}
+            tiles = [(by_end[e], k) for e, k in self._tiles.items()]
+            blobs = owned and all(isinstance(b, bytes) for b in g)
+            loads = blobs and any(seg.load is not None for seg, k in tiles if k > 1)
+
+            def load(k: int, b: Any) -> Any:
+                return load_object(seal.Ciphertext, ctx, b, f"ciphertext part {gi}.{k}") \
+                    if isinstance(b, bytes) else b
+
+            if loads:
+                for k, b in enumerate(g):   # every part valid before anything runs
+                    load(k, b)
+            else:
+                g = [load(k, b) for k, b in enumerate(g)]
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
             for k, c in zip(live, g):
                 full[k] = c
             if owned:
                 g.clear()
             fanin = prog.options.get("fused_fanin")
-            by_end = {seg.end: seg for seg in self._segments or ()}
-            tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
                                                fanin=fanin, tiles=tiles, own_inputs=owned,
-                                               lazy=self._lazy),
+                                               lazy=self._lazy,
+                                               load=(lambda b: load(-1, b)) if loads else None),
                              "evaluation")
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         if prog.packing == "tokens":
@@ -580,6 +597,13 @@ class Server:
                                      f"expected {n_in}")
         return [_seal_call(lambda: run_vector(self.engine, plan, self.kernels, g), "evaluation")]
 
+    def _group_of(self, ct: Ciphertext, i: int) -> list[Any]:
+        """Group ``i`` of a request as :meth:`_run_group` takes it: batch packing loads its own
+        (some parts maybe later), the other packings get SEAL ciphertexts."""
+        if self.program.packing == "batch":
+            return list(ct._groups[i])
+        return _load_group(self.engine.context, ct, i)
+
     def run(self, ct: Any, progress: bool = False, workers: int = 1) -> Ciphertext:
         """Evaluate the program on encrypted inputs; returns the encrypted outputs.
 
@@ -592,7 +616,6 @@ class Server:
         """
         ct = _as_ciphertext(ct)
         _check(ct, self.program, self.key_id, "input", "server")
-        ctx = self.engine.context
         if self.program.packing != "batch":
             n_workers = resolve_workers(workers)
         else:
@@ -632,8 +655,8 @@ class Server:
         if n_workers == 1 or len(ct._groups) == 1:
             # each group loaded when its turn comes, and handed over where loaded from bytes
             out_groups = fork_map(
-                lambda i: self._run_group(_load_group(ctx, ct, i), owned=all(
-                    isinstance(b, bytes) for b in ct._groups[i])),
+                lambda i: self._run_group(self._group_of(ct, i), owned=all(
+                    isinstance(b, bytes) for b in ct._groups[i]), gi=i),
                 len(ct._groups), 1, desc="server", progress=progress)
             if self.program.packing == "batch":
                 note_pool(self._pool_key, working)
@@ -646,8 +669,8 @@ class Server:
             try:
                 out_groups = fork_map(
                     lambda i: [save_object(c) for c in self._run_group(
-                        _load_group(ctx, ct, i),
-                        owned=all(isinstance(b, bytes) for b in ct._groups[i]))],
+                        self._group_of(ct, i),
+                        owned=all(isinstance(b, bytes) for b in ct._groups[i]), gi=i)],
                     len(ct._groups), n_workers, desc="server", progress=progress)
             finally:
                 eng.pool = pool

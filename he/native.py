@@ -272,10 +272,14 @@ class NativeEvaluator:
         self._call(self._rescale_fn, _cxx_address(ct), _cxx_address(into))
         return into
 
-    def _copy(self, ct: Any) -> Any:
-        out = seal.Ciphertext()
+    def assign(self, out: Any, ct: Any) -> Any:
+        """``out <- ct`` by SEAL's assignment (``out``'s storage reused where it holds ``ct``'s
+        words)."""
         self._assign_fn(_cxx_address(out), _cxx_address(ct))
         return out
+
+    def _copy(self, ct: Any) -> Any:
+        return self.assign(seal.Ciphertext(), ct)
 
     def rotate(self, ct: Any, step: int) -> Any:
         """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the

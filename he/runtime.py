@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan, rows_reading
-from he.tiling import Segment, finish_chunk, tile_plan
+from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
 __all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector"]
@@ -204,6 +204,17 @@ class _Buffers:
         out = self.free[cap].pop()
         self._parked.discard(id(out))
         out.resize(eng.context, parms_id, size)
+        return out
+
+    def adopt(self, eng: Engine, ct: Any) -> Any:
+        """``ct`` (just loaded) in the smallest free buffer that holds it, its words copied, so
+        that its own storage goes back to SEAL's pool for the next load; ``ct`` itself where
+        none does."""
+        need = ct.size() * eng.params.poly_modulus_degree * ct.coeff_modulus_size()
+        if not any(c >= need and pool for c, pool in self.free.items()):
+            return ct
+        out = self._take(eng, ct.parms_id(), ct.coeff_modulus_size(), ct.size())
+        eng.copy_into(ct, out)
         return out
 
     def like(self, eng: Engine, ct: Any) -> Any:
@@ -507,7 +518,8 @@ def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
               tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False,
-              lazy: Sequence[int] = ()) -> list[Elem]:
+              lazy: Sequence[int] = (), load: Callable[[Any], Any] | None = None
+              ) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
@@ -516,9 +528,24 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     ``own_inputs``: the input ciphertexts are handed over (no one else holds them): they are
     dropped from ``inputs`` and reused once every step reading them has run. ``lazy``: product
     steps left unrelinearised and unrescaled for the maps that read them
-    (:func:`he.plan.choose_lazy`; a group run whole only)."""
+    (:func:`he.plan.choose_lazy`; a group run whole only). ``load``: the inputs are handed over
+    unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
+    that reads every input loads each in the tile that first reads it
+    (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
+    without such a segment all are loaded first."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
+    if load is not None:
+        if not own_inputs:
+            raise ValueError("inputs handed over unloaded are owned by the evaluation")
+        if not any(seg.load is not None for seg, _ in tiles):
+            inputs[:] = [load(e) if not isinstance(e, float) else e for e in inputs]
+            load = None
+    # inputs still to load (by row), absent (0.0) until a tile loads them
+    pending = {r: e for r, e in enumerate(inputs) if not isinstance(e, float)} \
+        if load is not None else {}
+    for r in pending:
+        inputs[r] = 0.0
     lazy = frozenset() if _EAGER[0] else frozenset(int(m) for m in lazy)
     if lazy and tiles:
         raise ValueError("lazy products are for a group run whole, not in tiles")
@@ -576,14 +603,36 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                             for e in x if _is_ct(e)}
         sums: dict[int, Any] = {}
         clear = np.zeros(end.n)
+        points = release_points(lowered, seg)
+
+        def free(js: Sequence[int], tile: Any) -> None:
+            """The rows of values ``js`` no later step or tile reads, recycled."""
+            dead: list[Elem] = []
+            for s in js:
+                if s == 0 and not own_inputs:
+                    continue                    # the caller's
+                value = held[s] if s else vals[0]
+                for r in np.flatnonzero(tile.free[s]):
+                    dead.append(value[r])
+                    value[r] = 0.0
+                    if s == 0:
+                        inputs[r] = 0.0
+            if dead:
+                buffers.release(dead, [*held.values(), vals[0]], outside)
+
         for i, tile in enumerate(tile_plan(seg, k)):
+            if load is not None and seg.load is not None:
+                for r in np.flatnonzero(tile.load):
+                    if r in pending:
+                        vals[0][r] = inputs[r] = buffers.adopt(eng, load(pending.pop(r)))
             for s in seg.steps:
-                if s not in held or not tile.compute[s].any():
-                    continue
-                ins = [held[j] if j in held else vals[j] for j in steps[s].inputs]
-                out = compute(s, ins, tile.compute[s], part=True)
-                for r in np.flatnonzero(tile.compute[s]):
-                    held[s][r] = out[r]
+                if s in held and tile.compute[s].any():
+                    ins = [held[j] if j in held else vals[j] for j in steps[s].inputs]
+                    out = compute(s, ins, tile.compute[s], part=True)
+                    for r in np.flatnonzero(tile.compute[s]):
+                        held[s][r] = out[r]
+                if s in points and not (seg.reduce and s == seg.end):
+                    free(points[s], tile)
             if seg.reduce:
                 # the rows this tile computed (and, once, the inputs from before the segment)
                 srcs = [[e if m else 0.0 for e, m in zip(held[j], tile.compute[j])]
@@ -591,18 +640,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                         for j in end.inputs]
                 part = compute(seg.end, srcs, live[seg.end], part=True, partial=clear)
                 _add_sums(eng, sums, part, buffers)
-            dead: list[Elem] = []
-            for s, rows in tile.free.items():
-                if s == 0 and not own_inputs:
-                    continue                    # the caller's
-                value = held[s] if s else vals[0]
-                for r in np.flatnonzero(rows):
-                    dead.append(value[r])
-                    value[r] = 0.0
-                    if s == 0:
-                        inputs[r] = 0.0
-            if dead:
-                buffers.release(dead, [*held.values(), vals[0]], outside)
+                free(points.get(seg.end, ()), tile)
         if seg.reduce:
             held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], in_level(seg.end),
                                          buffers)

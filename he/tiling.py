@@ -78,7 +78,9 @@ class Segment:
     (and of the group's inputs, ``last[0]``, where a server that owns them frees them tile by
     tile), the latest position of a row that reads it (it is freed after that position's tile);
     ``sinks``: the sorted distinct positions of the sinks, cut into tiles. ``reduce``: the end
-    is a weighted map summed tile by tile (its rank and last are not used).
+    is a weighted map summed tile by tile (its rank and last are not used). ``load``: where the
+    group's inputs are freed tile by tile (``0 in last``), per input row the earliest position
+    of a row that reads it: a server that owns them loads each in the tile that first reads it.
     """
 
     keep: tuple[int, ...]
@@ -87,6 +89,7 @@ class Segment:
     last: dict[int, np.ndarray]
     sinks: np.ndarray
     reduce: bool = False
+    load: np.ndarray | None = None
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -105,11 +108,14 @@ class Segment:
 
 @dataclass
 class Tile:
-    """One tile of a segment: per step, the rows it computes (``compute``) and, per inner step,
-    the rows freed once it has run (``free``)."""
+    """One tile of a segment: per step, the rows it computes (``compute``), per inner step the
+    rows it frees (``free``: once the last step reading them has run in it,
+    :func:`release_points`) and the group's input rows it loads first (``load``; empty where
+    the inputs are not loaded tile by tile)."""
 
     compute: dict[int, np.ndarray] = field(default_factory=dict)
     free: dict[int, np.ndarray] = field(default_factory=dict)
+    load: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 def weighted(lowered: Lowered, s: int) -> bool:
@@ -127,25 +133,42 @@ def _kept(lowered: Lowered, reads: "_Reads", s: int, end: int) -> bool:
 
 
 def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
-                                                      dict[int, np.ndarray]]:
-    """``(tiles, tile_of, free_at)``: per step of the segment, the tile computing each row and,
-    per inner step, the tile after which each row is freed (``-1``: not live)."""
+                                                      dict[int, np.ndarray], np.ndarray]:
+    """``(tiles, tile_of, free_at, load_at)``: per step of the segment, the tile computing each
+    row, per inner step the tile in which each row is freed and, per input row, the tile that
+    loads it (``-1``: not live, or inputs not loaded tile by tile)."""
     tiles = max(1, min(int(tiles), seg.components))
     cut = np.linspace(0, seg.sinks.size, tiles + 1).round().astype(np.int64)
     bounds = seg.sinks[cut[1:-1]]
-    tile_of = {s: np.where(r >= 0, np.searchsorted(bounds, r, side="right"), -1)
-               for s, r in seg.rank.items()}
-    free_at = {s: np.where(v >= 0, np.searchsorted(bounds, v, side="right"), -1)
-               for s, v in seg.last.items()}
-    return tiles, tile_of, free_at
+
+    def index(pos: np.ndarray) -> np.ndarray:
+        return np.where(pos >= 0, np.searchsorted(bounds, pos, side="right"), -1)
+
+    tile_of = {s: index(r) for s, r in seg.rank.items()}
+    free_at = {s: index(v) for s, v in seg.last.items()}
+    load_at = index(seg.load) if seg.load is not None else np.zeros(0, dtype=np.int64)
+    return tiles, tile_of, free_at, load_at
 
 
 def tile_plan(seg: Segment, tiles: int) -> list[Tile]:
     """The segment cut into ``tiles`` tiles (at most its :attr:`~Segment.components`), its
     sinks split as evenly as their positions allow."""
-    tiles, tile_of, free_at = _tile_indices(seg, tiles)
+    tiles, tile_of, free_at, load_at = _tile_indices(seg, tiles)
     return [Tile({s: t == i for s, t in tile_of.items()},
-                 {s: f == i for s, f in free_at.items()}) for i in range(tiles)]
+                 {s: f == i for s, f in free_at.items()}, load_at == i) for i in range(tiles)]
+
+
+def release_points(lowered: Lowered, seg: Segment) -> dict[int, tuple[int, ...]]:
+    """Per step of the segment, the values whose rows a tile frees (:attr:`Tile.free`) as soon
+    as that step has run in it: the last step of the segment that reads them, so a tile holds
+    its rows of a value only while steps of the tile still read them (a reduction's inputs:
+    after the tile's part of it, which runs after every step). The one rule for the runtime
+    and the memory rules."""
+    out: dict[int, list[int]] = {}
+    for j in seg.last:
+        readers = [s for s in seg.steps if j in lowered.steps[s].inputs]
+        out.setdefault(max(readers), []).append(j)
+    return {s: tuple(sorted(v)) for s, v in out.items()}
 
 
 def _per_tile(index: np.ndarray, tiles: int) -> np.ndarray:
@@ -225,10 +248,11 @@ def _gather(indptr: np.ndarray | None, indices: np.ndarray | None, values: np.nd
 
 def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int,
            reduce: bool) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray],
-                                  dict[int, np.ndarray]]:
+                                  dict[int, np.ndarray], np.ndarray | None]:
     """For segments ending at ``end``: per step before it (and ``end`` itself unless it is a
     reduction), every row's rank and last reader's rank, and the positions of its sinks
-    (``-1``/empty where none). A step's ranks depend only on the steps after it up to the end,
+    (``-1``/empty where none); where every reader of the group's inputs is in it, per input
+    row its first reader's position (else None). A step's ranks depend only on the steps after it up to the end,
     so every segment ending there shares them."""
     steps = lowered.steps
     consumed: dict[int, np.ndarray] = {}
@@ -261,16 +285,24 @@ def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int
         last[s] = np.where(ok, np.maximum(hi, r), -1)
     # the group's inputs: freed after their last reader where every reader is in the segment
     # (what a reduction reads of them joins its first part)
+    # (and loaded where first read: the earliest reader's position; what a reduction reads of
+    # them, and any row no step reads, in the first tile)
+    load = None
     if max(reads.readers[0], default=end + 1) <= end:
         hi = np.full(steps[0].n, -1, dtype=np.int64)
+        lo = np.full(steps[0].n, _NONE, dtype=np.int64)
         for k, indptr, indices in reads.by_input[0]:
             if k in rank:
                 hi = np.maximum(hi, _gather(indptr, indices, rank[k], -1, np.maximum))
+                lo = np.minimum(lo, _gather(indptr, indices, np.where(rank[k] >= 0, rank[k],
+                                                                      _NONE), _NONE, np.minimum))
+        first = min((int(v.min()) for v in sinks.values() if v.size), default=-1)
         if reduce and 0 in consumed:
-            first = min((int(v.min()) for v in sinks.values() if v.size), default=-1)
             hi = np.where(consumed[0], np.maximum(hi, first), hi)
+            lo = np.where(consumed[0], np.minimum(lo, first), lo)
         last[0] = np.where(live[0], hi, -1)
-    return rank, last, sinks
+        load = np.where(live[0], np.where(lo == _NONE, first, lo), -1)
+    return rank, last, sinks, load
 
 
 def _segment(lowered: Lowered, reads: _Reads, swept: tuple[dict, dict, dict], start: int,
@@ -278,7 +310,7 @@ def _segment(lowered: Lowered, reads: _Reads, swept: tuple[dict, dict, dict], st
     """The segment of steps ``start..end`` (None where it would have no inner step);
     ``free_inputs``: the group's inputs, when every reader is in it, are freed tile by tile
     (``last[0]``)."""
-    rank, last, sinks = swept
+    rank, last, sinks, load = swept
     members = range(start, end + 1)
     keep = tuple(s for s in members if _kept(lowered, reads, s, end))
     inner = tuple(s for s in members if s not in keep)
@@ -287,9 +319,10 @@ def _segment(lowered: Lowered, reads: _Reads, swept: tuple[dict, dict, dict], st
     ranked = [s for s in members if not (reduce and s == end)]
     found = np.unique(np.concatenate([sinks[s] for s in ranked]))
     frees = {s: last[s] for s in inner}
+    loads = None
     if free_inputs and start == 1 and 0 in last:
-        frees[0] = last[0]
-    return Segment(keep, inner, {s: rank[s] for s in ranked}, frees, found, reduce)
+        frees[0], loads = last[0], load
+    return Segment(keep, inner, {s: rank[s] for s in ranked}, frees, found, reduce, loads)
 
 
 def _last_use(lowered: Lowered, keep_inputs: bool, at: dict[int, int] | None = None
@@ -338,26 +371,37 @@ class _Memory:
 
     def segment(self, seg: Segment, tiles: int) -> float:
         """What the segment's values from before, its rows computed and not yet freed (the
-        kept ones to its end), a reduction's sums and the largest scratch of a tile hold, at
-        the end of the tile where they are most."""
-        tiles, tile_of, free_at = _tile_indices(seg, tiles)
-        made = np.zeros(tiles)
-        freed = np.zeros(tiles)
-        scratch = np.zeros(tiles)
-        for s, t in tile_of.items():
-            rows = _per_tile(t, tiles)
-            made += self.row_bytes(s) * rows
-            scratch = np.maximum(scratch, self.scratch_row(s) * rows)
-        for s, f in free_at.items():
-            if s or not self.keep_inputs:
-                freed += self.row_bytes(s) * _per_tile(f, tiles)
-        held = np.cumsum(made) - np.concatenate([[0.0], np.cumsum(freed)[:-1]])
-        peak = float(np.max(held + scratch))
+        kept ones to its end), a reduction's sums and a step's scratch hold, at the moment of
+        a tile where they are most: a tile frees its rows of a value once the last step
+        reading them has run in it (:func:`release_points`), and loads the group's inputs it
+        reads first where a server owns them (:attr:`Segment.load`)."""
+        tiles, tile_of, free_at, load_at = _tile_indices(seg, tiles)
+        zero = np.zeros(tiles)
+        lazy = bool(load_at.size) and not self.keep_inputs
+        made = {s: self.row_bytes(s) * _per_tile(t, tiles) for s, t in tile_of.items()}
+        gone = {s: self.row_bytes(s) * _per_tile(f, tiles) for s, f in free_at.items()
+                if s or not self.keep_inputs}
+        loaded = self.row_bytes(0) * _per_tile(load_at, tiles) if lazy else zero
+        net = loaded + sum(made.values(), zero) - sum(gone.values(), zero)
+        run = np.concatenate([[0.0], np.cumsum(net)[:-1]]) + loaded   # at a tile's start
+        sums = self.scratch_row(seg.end) * float(self.live[seg.end].sum()) if seg.reduce \
+            else 0.0
+        peak = zero.copy()
+        points = release_points(self.lowered, seg)
+        for s in seg.steps:
+            if s in made:
+                run = run + made[s]
+                rows = _per_tile(tile_of[s], tiles)
+                peak = np.maximum(peak, run + self.scratch_row(s) * rows + sums)
+            if s in points and not (seg.reduce and s == seg.end):
+                run = run - sum((gone.get(j, zero) for j in points[s]), zero)
+        top = float(np.max(peak))
         if seg.reduce:
-            sums = self.scratch_row(seg.end) * float(self.live[seg.end].sum())
-            # the sums, and a tile's part of them; at the end, the rescaled result
-            peak = max(peak + 2 * sums, float(held[-1] - freed[-1]) + sums + self.full[seg.end])
-        return self.before[min(seg.steps)] + peak
+            # a tile's part of the sums beside them; at the end, the rescaled result
+            top = max(top, float(np.max(run + 2 * sums)))
+            run = run - sum((gone.get(j, zero) for j in points.get(seg.end, ())), zero)
+            top = max(top, float(run[-1]) + sums + self.full[seg.end])
+        return self.before[min(seg.steps)] - (self.full[0] if lazy else 0.0) + top
 
 
 def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
@@ -441,6 +485,7 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
     last = _last_use(lowered, keep_inputs, {s: seg.end for seg in tiled for s in seg.steps})
     free: dict[float, int] = {}
     made: dict[float, int] = {}
+    staged: list[bool] = []
 
     def take(need: float, n: int) -> dict[float, int]:
         held: dict[float, int] = {}
@@ -496,7 +541,10 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
 
     end_of = {seg.end: seg for seg in tiled}
     deferred = {s for seg in tiled for s in seg.steps if s != seg.end}
-    vals: dict[int, dict[float, int]] = {0: take(row_bytes(0), int(live[0].sum()))}
+    # inputs a server loads tile by tile (Segment.load) are taken when a tile first reads them
+    lazy = not keep_inputs and any(seg.load is not None for seg in tiled)
+    vals: dict[int, dict[float, int]] = {0: {} if lazy else take(row_bytes(0),
+                                                                 int(live[0].sum()))}
     for si in range(1, len(steps)):
         if si in deferred:
             continue
@@ -505,24 +553,42 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
             vals[si] = compute(si, int(live[si].sum()))
             ran: tuple[int, ...] = (si,)
         else:
-            count, tile_of, free_at = _tile_indices(seg, tiles[si])
+            count, tile_of, free_at, load_at = _tile_indices(seg, tiles[si])
+            loads = lazy and seg.load is not None
             held: dict[int, list[dict[float, int]]] = {s: [] for s in tile_of}
+            held[0] = [] if loads else [vals[0]]
             n_end = int(live[seg.end].sum())
             sums = take(row_bytes(-seg.end - 1), n_end) if seg.reduce else {}
-            for i in range(count):
-                for s in seg.steps:
-                    if s in tile_of:
-                        held[s].append(compute(s, int(np.count_nonzero(tile_of[s] == i))))
-                if seg.reduce:
-                    release(take(row_bytes(-seg.end - 1), n_end))
-                for s, f in free_at.items():
-                    k = int(np.count_nonzero(f == i)) if s or not keep_inputs else 0
-                    for h in held[s] if s else [vals[0]]:
+            points = release_points(lowered, seg)
+
+            def free_rows(js: Sequence[int], i: int) -> None:
+                for j in js:
+                    k = int(np.count_nonzero(free_at[j] == i)) if j or not keep_inputs else 0
+                    for h in held[j]:
                         if k == 0:
                             break
                         got = part(h, k)
                         k -= sum(got.values())
                         release(got)
+
+            for i in range(count):
+                if loads:
+                    # loaded into the buffer of a value that died where one holds it (copied
+                    # from one staging buffer of SEAL's pool), else into new memory
+                    n_in = int(np.count_nonzero(load_at == i))
+                    before = made.get(row_bytes(0), 0)
+                    held[0].append(take(row_bytes(0), n_in))
+                    if n_in and made.get(row_bytes(0), 0) - before < n_in and not staged:
+                        staged.append(True)
+                        made[row_bytes(0)] = made.get(row_bytes(0), 0) + 1
+                for s in seg.steps:
+                    if s in tile_of:
+                        held[s].append(compute(s, int(np.count_nonzero(tile_of[s] == i))))
+                    if s in points and not (seg.reduce and s == seg.end):
+                        free_rows(points[s], i)
+                if seg.reduce:
+                    release(take(row_bytes(-seg.end - 1), n_end))
+                    free_rows(points.get(seg.end, ()), i)
             for s in seg.keep:
                 vals[s] = merge(held.get(s, []))
             if seg.reduce:

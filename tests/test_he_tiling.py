@@ -211,6 +211,54 @@ def test_a_server_short_of_memory_runs_in_tiles_with_the_same_answer(compiled):
     assert np.abs(got - expected).max() <= 0.05 * prog.params.expected_error
 
 
+def test_a_tiled_server_loads_each_input_in_the_tile_that_first_reads_it(compiled, monkeypatch):
+    """Where a segment reads every input, a server that owns them (loaded from bytes) loads
+    each in the first tile reading it, once; the group then holds less than with every input
+    loaded first. Every part is validated before anything runs: a corrupted part of a later
+    tile is refused up front, not met halfway."""
+    import he.client as client_mod
+    from he.runtime import PLAIN_CACHE_BYTES
+    from he.tiling import _tile_indices
+    _, x, prog, rb = compiled
+    low, live = prog.lowered, prog.plan.live
+    segments = find_segments(low, live, rb, keep_inputs=False)
+    seg = next(s for s in segments if s.load is not None)
+    k = min(seg.components, MAX_TILES)
+    _, tile_of, _, load_at = _tile_indices(seg, k)
+    assert np.array_equal(load_at >= 0, live[0])
+    for s in seg.steps:
+        st = low.steps[s]
+        if 0 not in st.inputs or s not in tile_of:
+            continue
+        m = st.terms[st.inputs.index(0)].tocsr() if st.kind == "affine" else None
+        for i in range(k):
+            rows = np.flatnonzero(tile_of[s] == i)
+            read = np.unique(m[rows].indices) if m is not None else rows
+            assert (load_at[read] <= i).all()
+    tiles = {seg.end: k}
+    owned = allocated_memory(low, live, rb, segments, tiles, keep_inputs=False)
+    kept = allocated_memory(low, live, rb, segments, tiles, keep_inputs=True)
+    assert owned < kept
+    client = he.Client(prog)
+    ct = client.encrypt(x[:3].numpy())
+    budget = int(owned + PLAIN_CACHE_BYTES) + 1
+    tight = he.Server(prog, client.public_context(), memory_budget=budget)
+    bad = he.Ciphertext.from_bytes(ct.to_bytes())
+    last = int(np.argmax(np.where(live[0], load_at, -1)))      # loaded in the last tile
+    part = int(np.searchsorted(prog.batch_inputs, last))
+    blob = bad._groups[0][part]
+    bad._groups[0][part] = blob[:len(blob) // 2]
+    ran = []
+    real = client_mod.run_batch
+    monkeypatch.setattr(client_mod, "run_batch", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    with pytest.raises(he.SerializationError, match=f"ciphertext part 0.{part}"):
+        tight.run(bad.to_bytes())
+    assert not ran
+    got = client.decrypt(tight.run(ct.to_bytes()))
+    assert tight.tiles == tiles and ran
+    assert np.abs(got - prog.simulate(x[:3].numpy())).max() <= prog.params.expected_error
+
+
 def test_choose_tiles_takes_none_when_the_group_fits_and_the_fewest_that_fit(compiled):
     _, _, prog, rb = compiled
     low, live = prog.lowered, prog.plan.live
@@ -354,16 +402,37 @@ def test_the_simulated_buffers_are_those_a_group_allocates(compiled, monkeypatch
             new[8 * need] += 1
         return take(self, eng, parms_id, limbs, size)
 
+    adopt = runtime._Buffers.adopt
+    staged: list[bool] = []
+
+    def adopted(self, eng, c):
+        # an input loaded in a tile: into a free buffer (through one staging buffer of SEAL's
+        # pool), else its own new storage
+        need = c.size() * eng.params.poly_modulus_degree * c.coeff_modulus_size()
+        if any(cap >= need and pool for cap, pool in self.free.items()):
+            if not staged:
+                staged.append(True)
+                new[8 * need] += 1
+            return adopt(self, eng, c)
+        new[8 * need] += 1
+        return c
+
     monkeypatch.setattr(runtime._Buffers, "_take", counted)
+    monkeypatch.setattr(runtime._Buffers, "adopt", adopted)
     for budget in (None, tight):
         server = he.Server(prog, client.public_context(), memory_budget=budget)
         mem = server._group_memory(server._free_memory(), keep=False)
         assert server.warm_bytes == sum(int(b) * k for b, k in mem.buffers.items())
         new.clear()
+        staged.clear()
         server.run(ct)
         assert (server.tiles != {}) == (budget is not None)
         made = dict(new)
-        made[rb(0)] = made.get(rb(0), 0) + int(live[0].sum())
+        loads = any(seg.load is not None and server.tiles.get(seg.end, 1) > 1
+                    for seg in server._segments or ())
+        assert loads == (budget is not None)     # this program's segment reads every input
+        if not loads:
+            made[rb(0)] = made.get(rb(0), 0) + int(live[0].sum())
         total = sum(b * k for b, k in made.items())
         short = sum(b * max(0, k - mem.buffers.get(b, 0)) for b, k in made.items())
         assert short <= 0.1 * total
