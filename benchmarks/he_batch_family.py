@@ -55,12 +55,13 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
 #: server variants timed: this version (the compiler's threads); the same on one thread; the
 #: same on the compiler's threads with every product finished (where the program leaves some
 #: lazy, :func:`he.runtime.eager_products`); its fused maps' NumPy loops on one thread
-#: (``--numpy``)
-VARIANTS = ("threads", "one_thread", "eager", "numpy")
+#: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``)
+VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled")
 
 
 def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) -> float:
-    server = servers["threads" if variant in ("threads", "eager") else "one_thread"]
+    server = servers["threads" if variant in ("threads", "eager") else
+                     "tiled" if variant == "tiled" else "one_thread"]
     with _kernels.numpy_loops() if variant == "numpy" else \
             eager_products() if variant == "eager" else contextlib.nullcontext():
         t0 = time.perf_counter()
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--numpy", action="store_true",
                     help="also time the fused maps' NumPy loops (one thread)")
     ap.add_argument("--output", default=str(HERE / "results" / "he_batch_family.json"))
+    ap.add_argument("--tiled", type=float, default=None, metavar="FRACTION",
+                    help="also time a server whose memory budget is FRACTION of the group's "
+                         "working memory whole, so that it runs in tiles (he.tiling): its time "
+                         "against the whole group's and the memory it allocates")
     ap.add_argument("--in-process", action="store_true",
                     help="run every model in this process (default: each in a process of its "
                          "own, since SEAL's memory pool keeps what a model's groups allocated)")
@@ -221,9 +226,21 @@ def main(argv: list[str] | None = None) -> dict:
                     "predicted_one_thread_s": _one_thread_prediction(prog)})
         images = xte[torch.arange(slots) % len(xte)]
         request = client.encrypt(images).to_bytes()
+        if args.tiled is not None and prog.packing == "batch":
+            whole = servers["threads"]._group_memory(servers["threads"]._free_memory(),
+                                                     keep=False).working
+            servers["tiled"] = he.Server(prog, ctx, memory_budget=int(args.tiled * whole))
+            tiled_mem = servers["tiled"]._group_memory(servers["tiled"]._free_memory(),
+                                                       keep=False)
+            row.update({"whole_working_mib": whole / 2 ** 20,
+                        "tiled_budget_mib": args.tiled * whole / 2 ** 20,
+                        "tiled_working_mib": tiled_mem.working / 2 ** 20,
+                        "tiled_tiles": tiled_mem.tiles,
+                        "tiled_warm_mib": servers["tiled"].warm_bytes / 2 ** 20})
         variants = [v for v in VARIANTS if v in ("threads", "one_thread")
                     or (v == "numpy" and args.numpy)
-                    or (v == "eager" and prog.options.get("lazy_products"))]
+                    or (v == "eager" and prog.options.get("lazy_products"))
+                    or (v == "tiled" and "tiled" in servers)]
         times: dict[str, list[float]] = {v: [] for v in variants}
         try:
             # in turns
@@ -255,6 +272,18 @@ def main(argv: list[str] | None = None) -> dict:
                     "process_peak_rss_mib": resource.getrusage(
                         resource.RUSAGE_SELF).ru_maxrss / 1024})
         numpy_note = ""
+        if "tiled" in times:
+            tiled_s = min(times["tiled"])
+            tiled_got = client.decrypt(servers["tiled"].run(request).to_bytes())
+            row.update({"server_s_tiled": tiled_s, "tiled_time_ratio": tiled_s / fast,
+                        "tiled_prediction_error": pred / tiled_s - 1,
+                        "tiled_prediction_error_first": pred / times["tiled"][0] - 1,
+                        "tiled_memory_ratio": row["tiled_working_mib"] / row["whole_working_mib"],
+                        "tiled_max_abs_error_vs_simulation": float(np.max(np.abs(
+                            tiled_got[:64] - want)))})
+            numpy_note += (f", in tiles {row['tiled_tiles']} {tiled_s:.1f} s "
+                           f"({row['tiled_time_ratio']:.2f}x the time, "
+                           f"{row['tiled_memory_ratio']:.2f}x the memory)")
         if "eager" in times:
             eager_s = min(times["eager"])
             row.update({"lazy_products": prog.options["lazy_products"],

@@ -10,12 +10,14 @@ A **segment** is a run of consecutive steps: those read after it (or the output)
 whole, the others are *inner*. It runs tile by tile, as a wavefront: every live row of the
 program has a **position** in one order of all rows in which rows that read one another sit
 close (reverse Cuthill-McKee on the graph of reads: on a grid of tokens, a sweep across it), and
-the segment's **sinks** (its kept rows) are cut into tiles by position. A tile computes every row
-of the segment's steps that its sinks need and no earlier tile computed; an inner row is freed
-after the last tile that reads it. So each row is computed once, exactly as in one pass (the
-results are bit-identical), and the inner values alive at once are those of a band of tiles:
-for a Mu-Layer on tokens, the tokens of a tile; with a spatial shift, also those whose
-neighbours are still to come.
+the segment's **sinks** (its kept rows) are cut into tiles by position, each tile computing about as
+many rows as the next. A tile computes every row of the segment's steps that its sinks need and
+no earlier tile computed; an inner row is freed in the last tile that reads it, as soon as the
+last step reading it has run there (:func:`release_points`), and a server that owns the group's
+inputs loads each in the first tile that reads it. So each row is computed once, exactly as in
+one pass (the results are bit-identical), and the inner values alive at once are those of a
+band of tiles: for a Mu-Layer on tokens, the tokens of a tile; with a spatial shift, also those
+whose neighbours are still to come.
 
 A segment may end with a **reduction**: a weighted map whose rows read the whole segment (a
 classifier's head over every token) is summed tile by tile, each tile adding the products of the
@@ -138,8 +140,20 @@ def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
     row, per inner step the tile in which each row is freed and, per input row, the tile that
     loads it (``-1``: not live, or inputs not loaded tile by tile)."""
     tiles = max(1, min(int(tiles), seg.components))
-    cut = np.linspace(0, seg.sinks.size, tiles + 1).round().astype(np.int64)
-    bounds = seg.sinks[cut[1:-1]]
+    # cut where each tile computes about as many rows as the next (a row is computed at the
+    # position of the first sink it leads to, so the first tiles of a wavefront compute the
+    # most where sinks are cut evenly)
+    # (every rank is a sink's position, and every sink's position a rank: ``tiles`` nonempty
+    # tiles, each starting at a sink)
+    ranks = np.concatenate([r[r >= 0] for r in seg.rank.values()] or [seg.sinks])
+    pos, rows = np.unique(np.concatenate([ranks, seg.sinks]), return_counts=True)
+    cum = np.cumsum(rows)
+    idx = np.searchsorted(cum, cum[-1] * np.arange(1, tiles) / tiles, side="left") + 1
+    for j in range(idx.size):                       # strictly increasing, within the positions
+        idx[j] = max(idx[j], idx[j - 1] + 1 if j else 1)
+    for j in range(idx.size - 1, -1, -1):
+        idx[j] = min(idx[j], idx[j + 1] - 1 if j + 1 < idx.size else pos.size - 1)
+    bounds = pos[idx]
 
     def index(pos: np.ndarray) -> np.ndarray:
         return np.where(pos >= 0, np.searchsorted(bounds, pos, side="right"), -1)
@@ -151,8 +165,8 @@ def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
 
 
 def tile_plan(seg: Segment, tiles: int) -> list[Tile]:
-    """The segment cut into ``tiles`` tiles (at most its :attr:`~Segment.components`), its
-    sinks split as evenly as their positions allow."""
+    """The segment cut into ``tiles`` tiles (at most its :attr:`~Segment.components`), each
+    computing about as many rows as the others as far as the sinks' positions allow."""
     tiles, tile_of, free_at, load_at = _tile_indices(seg, tiles)
     return [Tile({s: t == i for s, t in tile_of.items()},
                  {s: f == i for s, f in free_at.items()}, load_at == i) for i in range(tiles)]
