@@ -295,16 +295,15 @@ class Engine:
         """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""
         return seal.Ciphertext()
 
-    def prefault(self, buffers: Mapping[float, int]) -> int:
-        """Allocate and zero-fill ciphertext storage (``buffers``: bytes of one ciphertext's
-        storage -> how many, :func:`he.tiling.allocations`), then release it. SEAL's memory pool
-        keeps what it allocated and serves later ciphertexts of the same sizes from it, so their
-        first writes find pages the kernel has already mapped and zeroed. Returns the bytes
-        touched (sizes that are no ciphertext of these parameters are skipped)."""
+    def prefault(self, buffers: Mapping[float, int]) -> list[Any]:
+        """Ciphertexts whose storage is allocated and zero-filled (``buffers``: bytes of one
+        ciphertext's storage -> how many, :func:`he.tiling.allocations`; sizes that are no
+        ciphertext of these parameters are skipped), for results to be written into
+        (:func:`he.runtime.run_batch`'s ``spare``): their first writes find pages the kernel has
+        already mapped and zeroed."""
         n = self.params.poly_modulus_degree
         level_of = {self.params.limbs(level): level for level in range(self.params.levels + 1)}
         held = []
-        touched = 0
         for nbytes, count in buffers.items():
             words = int(round(float(nbytes) / 8))
             shape = next(((size, words // (size * n)) for size in (2, 3)
@@ -317,9 +316,7 @@ class Engine:
                 ct = seal.Ciphertext(self.context, pid, size)     # storage reserved ...
                 ct.resize(self.context, pid, size)                # ... and written (zeros)
                 held.append(ct)
-            touched += words * 8 * int(count)
-        held.clear()
-        return touched
+        return held
 
     def mul_scalar(self, ct: Any, value: float) -> Any:
         """``ct * value`` without rescale."""

@@ -26,9 +26,9 @@ from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMis
                        batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import Pool, default_threads
-from he.runtime import (VectorKernels, available_memory, note_pool, pool_held, run_batch,
-                        run_vector)
-from he.tiling import find_segments, row_bytes_of
+from he.runtime import (VectorKernels, available_memory, keep_spare, note_pool, pool_held,
+                        run_batch, run_vector, spare_buffers, take_spare)
+from he.tiling import buffer_bytes, find_segments, row_bytes_of
 from he.tokens import TokenKernels, decode_outputs, encode_inputs, run_tokens
 from polynets.errors import check_int
 
@@ -468,13 +468,15 @@ class Server:
         model predicts; returns the seconds it took (``warm_seconds``; 0 where there is nothing
         to prepare). Vector packing encodes its plaintexts as the server starts anyway.
 
-        * Batch packing: allocate and zero-fill the ciphertext storage of one group (inputs
-          loaded from bytes; tiles as the memory available now asks for,
-          :func:`he.compiler.batch_group_memory`) and leave it in SEAL's pool, from which the
-          group's ciphertexts are then allocated (``warm_bytes``). A process's first touch of
-          fresh memory costs the kernel a page fault and zeroing per page, a few seconds per
-          GiB on some virtual machines. Where the group would not fit the memory available,
-          nothing is allocated (the request will say why).
+        * Batch packing: allocate and zero-fill the ciphertexts one group writes its results
+          into (inputs loaded from bytes; tiles as the memory available now asks for,
+          :func:`he.compiler.batch_group_memory`; ``warm_bytes``), less those this process
+          already holds free (another server's of the same parameters, an earlier group's).
+          A group takes them as its free buffers, the smallest that holds each result, and
+          leaves its own free ones for the next. A process's first touch of fresh memory costs
+          the kernel a page fault and zeroing per page, a few seconds per GiB on some virtual
+          machines. Where the group would not fit the memory available, nothing is allocated
+          (the request will say why).
         * Tokens packing: one group of encryptions of zero (the server's own, with the public
           key) runs through the program: the fused maps are built, the slot-vector weights and
           masks encoded, the group's memory allocated, as the first request would.
@@ -485,8 +487,13 @@ class Server:
             mem = self._group_memory(free, keep=False)
             if mem.working > free:
                 return 0.0
-            self.warm_bytes = self.engine.prefault(mem.buffers)
-            note_pool(self._pool_key, self.warm_bytes)
+            # what this process holds already (another server's, an earlier group's) serves too
+            have = spare_buffers(self._pool_key)
+            made = self.engine.prefault({b: k - have.get(b, 0) for b, k in mem.buffers.items()
+                                         if k > have.get(b, 0)})
+            keep_spare(self._pool_key, made)
+            self.warm_bytes = int(buffer_bytes(mem.buffers))
+            note_pool(self._pool_key, buffer_bytes(spare_buffers(self._pool_key)))
         elif self.program.packing == "tokens":
             zeros = [self._encrypt_constant(0.0) for _ in self.program.plan.input_layout]
             self._run_group(zeros)
@@ -574,11 +581,14 @@ class Server:
             if owned:
                 g.clear()
             fanin = prog.options.get("fused_fanin")
-            res = _seal_call(lambda: run_batch(self.engine, prog.lowered, prog.plan.live, full,
-                                               fanin=fanin, tiles=tiles, own_inputs=owned,
-                                               lazy=self._lazy,
-                                               load=(lambda b: load(-1, b)) if loads else None),
-                             "evaluation")
+            spare = take_spare(self._pool_key)
+            try:
+                res = _seal_call(lambda: run_batch(
+                    self.engine, prog.lowered, prog.plan.live, full, fanin=fanin, tiles=tiles,
+                    own_inputs=owned, lazy=self._lazy,
+                    load=(lambda b: load(-1, b)) if loads else None, spare=spare), "evaluation")
+            finally:
+                keep_spare(self._pool_key, spare)
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         if prog.packing == "tokens":
             assert self.token_kernels is not None

@@ -266,6 +266,9 @@ class GroupMemory(NamedTuple):
     lazy: tuple[int, ...]
     #: the ciphertext buffers it allocates (:func:`he.tiling.allocations`: bytes -> how many)
     buffers: dict[float, int]
+    #: the inputs are loaded tile by tile (:attr:`he.tiling.Segment.load`): a server that owns
+    #: them validates every one first and loads each again in the tile that first reads it
+    loads: bool = False
 
     @property
     def working(self) -> float:
@@ -301,8 +304,11 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
+    loads = not keep_inputs and any(seg.load is not None and tiles.get(seg.end, 1) > 1
+                                    for seg in segments)
     return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (),
-                       allocations(lowered, live, row_bytes, segments, tiles, keep_inputs))
+                       allocations(lowered, live, row_bytes, segments, tiles, keep_inputs),
+                       loads)
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -326,8 +332,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             costs.price(par, ring, params.limbs(lin)) / speedup
     tiles, working, untiled = mem.tiles, mem.working, mem.untiled
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
-    # the server deserialises each input ciphertext before anything else
-    total["load"] = int(live[0].sum())
+    # the server deserialises each input ciphertext before anything else (and again where a
+    # tile first reads it, when it loads them tile by tile)
+    total["load"] = int(live[0].sum()) * (2 if mem.loads else 1)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
     client = int(live[0].sum()) * costs.seconds("encrypt", ring, params.limbs(0))
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,

@@ -172,8 +172,8 @@ def run_demo(*, quick: bool = False, epochs: int | None = None, embed_dim: int =
     echo(f"   public context {len(public) / 2 ** 20:.1f} MiB (public, relinearisation and "
          f"{len(prog.plan.galois_steps())} Galois keys, no secret key)")
     if server.warm_bytes:
-        echo(f"   server allocated a group's {server.warm_bytes / 2 ** 20:.0f} MiB of ciphertext "
-             f"memory as it started ({server.warm_seconds:.1f} s), which its requests reuse")
+        echo(f"   server allocated a group's {server.warm_bytes / 2 ** 20:.0f} MiB of ciphertexts "
+             f"as it started ({server.warm_seconds:.1f} s), which its requests write into")
 
     k = prog.samples_per_ciphertext
     dec, total_s = _classify(prog, client, server, xte, progress, echo)

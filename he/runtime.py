@@ -26,7 +26,8 @@ from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
-__all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector"]
+__all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector",
+           "take_spare", "keep_spare", "spare_buffers"]
 
 Elem = Any  # a seal.Ciphertext or a float
 
@@ -518,8 +519,8 @@ def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
               tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False,
-              lazy: Sequence[int] = (), load: Callable[[Any], Any] | None = None
-              ) -> list[Elem]:
+              lazy: Sequence[int] = (), load: Callable[[Any], Any] | None = None,
+              spare: list[Any] | None = None) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
@@ -532,7 +533,10 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
     that reads every input loads each in the tile that first reads it
     (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
-    without such a segment all are loaded first."""
+    without such a segment all are loaded first. ``spare``: free ciphertexts (of an earlier
+    group, or allocated before the first, :meth:`he.Server.warm`) that results are written
+    into, the smallest that holds each, before any new storage is taken; handed over, and
+    refilled with the group's free buffers at its end."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
     if load is not None:
@@ -560,6 +564,10 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     plains: dict[tuple[float, int, float], Any] = {}
     fused_maps: dict[Any, Any] = {}
     buffers = _Buffers()
+    if spare is not None:
+        for ct in spare:
+            buffers.recycle(ct)
+        spare.clear()
     # the caller's: never recycled
     pinned = set() if own_inputs else {id(e) for e in inputs if _is_ct(e)}
 
@@ -673,6 +681,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                     buffers.release(dead, vals, pinned)
     result = vals[lowered.output]
     assert result is not None
+    if spare is not None:
+        keep = {id(e) for e in result if _is_ct(e)} | pinned
+        spare.extend(ct for pool in buffers.free.values() for ct in pool if id(ct) not in keep)
     return result
 
 
@@ -680,6 +691,33 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
 #: process held: SEAL's memory pool keeps what it allocated (it never hands it back to the
 #: system) and serves later allocations of the same sizes from it
 _POOL_HELD: dict[tuple[int, Any], int] = {}
+
+
+#: per process and parameter set, the ciphertexts batch groups of this process left free (and
+#: those a server allocated before its first request, :meth:`he.Server.warm`): the next group
+#: of the same parameters takes them as its free buffers
+_SPARE: dict[tuple[int, Any], list[Any]] = {}
+
+
+def take_spare(key: Any) -> list[Any]:
+    """The free ciphertexts of parameters ``key`` this process holds, handed over (empty in a
+    forked process: the parent's pages would be copied as soon as written)."""
+    return _SPARE.pop((os.getpid(), key), [])
+
+
+def keep_spare(key: Any, cts: Iterable[Any]) -> None:
+    """Keep ``cts`` (free ciphertexts of parameters ``key``) for the next batch group."""
+    _SPARE.setdefault((os.getpid(), key), []).extend(cts)
+
+
+def spare_buffers(key: Any) -> dict[float, int]:
+    """The free ciphertexts of parameters ``key`` this process holds: bytes of one's storage ->
+    how many."""
+    out: dict[float, int] = {}
+    for ct in _SPARE.get((os.getpid(), key), []):
+        b = float(8 * ct.dyn_array().capacity())
+        out[b] = out.get(b, 0) + 1
+    return out
 
 
 def pool_held(key: Any) -> int:
