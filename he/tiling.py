@@ -570,7 +570,7 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
             count, tile_of, free_at, load_at = _tile_indices(seg, tiles[si])
             loads = lazy and seg.load is not None
             held: dict[int, list[dict[float, int]]] = {s: [] for s in tile_of}
-            held[0] = [] if loads else [vals[0]]
+            held[0] = [] if loads else [vals.get(0, {})]
             n_end = int(live[seg.end].sum())
             sums = take(row_bytes(-seg.end - 1), n_end) if seg.reduce else {}
             points = release_points(lowered, seg)
