@@ -4,6 +4,10 @@ less memory."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from typing import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +22,67 @@ from he.runtime import eager_products, run_batch
 from he.tiling import (MAX_TILES, Segment, _Reads, _segment, _sweep, allocated_memory,
                        batch_memory, buffer_bytes, choose_tiles, find_segments, row_bytes_of,
                        tile_plan)
+
+
+@contextlib.contextmanager
+def _new_storage() -> Iterator[collections.Counter]:
+    """Counts the new ciphertext storage a server's group takes (bytes of one -> how many): a
+    result no free ciphertext holds, an input loaded in a tile that no free ciphertext holds,
+    and once the staging buffer of those copied into free ones (SEAL's pool serves it again)."""
+    import he.runtime as runtime
+    new: collections.Counter = collections.Counter()
+    take, adopt = runtime._Buffers._take, runtime._Buffers.adopt
+    staged: list[bool] = []
+
+    def counted(self, eng, parms_id, limbs, size):
+        need = size * eng.params.poly_modulus_degree * limbs
+        if not any(c >= need and pool for c, pool in self.free.items()):
+            new[8 * need] += 1
+        return take(self, eng, parms_id, limbs, size)
+
+    def adopted(self, eng, c):
+        need = c.size() * eng.params.poly_modulus_degree * c.coeff_modulus_size()
+        if any(cap >= need and pool for cap, pool in self.free.items()):
+            if not staged:
+                staged.append(True)
+                new[8 * need] += 1
+            return adopt(self, eng, c)
+        new[8 * need] += 1
+        return c
+
+    runtime._Buffers._take, runtime._Buffers.adopt = counted, adopted
+    try:
+        yield new
+    finally:
+        runtime._Buffers._take, runtime._Buffers.adopt = take, adopt
+
+
+def _most_tiles(low, live, rb) -> tuple[list[Segment], dict[int, int], int]:
+    """The program's segments (inputs owned by the server), each in the most tiles, and the
+    memory budget just above what a group allocates with them (the encoded weights' cache
+    included): a server given it runs in tiles."""
+    from he.runtime import PLAIN_CACHE_BYTES
+    segments = find_segments(low, live, rb, keep_inputs=False)
+    most = {s.end: min(s.components, MAX_TILES) for s in segments}
+    budget = int(allocated_memory(low, live, rb, segments, most, keep_inputs=False)
+                 + PLAIN_CACHE_BYTES) + 1
+    return segments, most, budget
+
+
+def _check_loads(low, seg: Segment, tiles: int) -> None:
+    """Every live input row is loaded in one tile, never after a tile that reads it."""
+    from he.tiling import _tile_indices
+    _, tile_of, _, load_at = _tile_indices(seg, tiles)
+    assert np.array_equal(load_at >= 0, seg.load >= 0)
+    for s in seg.steps:
+        st = low.steps[s]
+        if 0 not in st.inputs or s not in tile_of:
+            continue
+        m = st.terms[st.inputs.index(0)].tocsr() if st.kind == "affine" else None
+        for i in range(int(tile_of[s].max()) + 1):
+            rows = np.flatnonzero(tile_of[s] == i)
+            read = np.unique(m[rows].indices) if m is not None else rows
+            assert (load_at[read] <= i).all()
 
 
 class _Tokens(nn.Module):
@@ -227,17 +292,9 @@ def test_a_tiled_server_loads_each_input_in_the_tile_that_first_reads_it(compile
     segments = find_segments(low, live, rb, keep_inputs=False)
     seg = next(s for s in segments if s.load is not None)
     k = min(seg.components, MAX_TILES)
-    _, tile_of, _, load_at = _tile_indices(seg, k)
-    assert np.array_equal(load_at >= 0, live[0])
-    for s in seg.steps:
-        st = low.steps[s]
-        if 0 not in st.inputs or s not in tile_of:
-            continue
-        m = st.terms[st.inputs.index(0)].tocsr() if st.kind == "affine" else None
-        for i in range(k):
-            rows = np.flatnonzero(tile_of[s] == i)
-            read = np.unique(m[rows].indices) if m is not None else rows
-            assert (load_at[read] <= i).all()
+    assert np.array_equal(seg.load >= 0, live[0])
+    _check_loads(low, seg, k)
+    _, _, _, load_at = _tile_indices(seg, k)
     tiles = {seg.end: k}
     owned = allocated_memory(low, live, rb, segments, tiles, keep_inputs=False)
     kept = allocated_memory(low, live, rb, segments, tiles, keep_inputs=True)
@@ -385,55 +442,21 @@ def test_candidates_over_the_memory_budget_rank_by_the_memory_they_need():
 def test_the_simulated_buffers_are_those_a_group_allocates(compiled, monkeypatch):
     """:func:`he.tiling.allocations` follows the runtime's reuse of buffers size by size, whole
     and in tiles: the new ciphertext storage a group takes (its inputs loaded from bytes among
-    it) exceeds the simulated count of its size by a few rows' worth at most. A warm server
-    allocates exactly the simulated buffers before its first request (SEAL's pool then serves
-    the group's of those sizes)."""
-    import collections
-
+    it), from no free ciphertext, exceeds the simulated count of its size by a few rows' worth
+    at most."""
     import he.runtime as runtime
-    from he.runtime import PLAIN_CACHE_BYTES
     _, x, prog, rb = compiled
     low, live = prog.lowered, prog.plan.live
     client = he.Client(prog)
     ct = client.encrypt(x[:5].numpy()).to_bytes()
-    segments = find_segments(low, live, rb, keep_inputs=False)
-    most = {s.end: min(s.components, MAX_TILES) for s in segments}
-    tight = int(allocated_memory(low, live, rb, segments, most, keep_inputs=False)
-                + PLAIN_CACHE_BYTES) + 1
-    new = collections.Counter()
-    take = runtime._Buffers._take
-
-    def counted(self, eng, parms_id, limbs, size):
-        need = size * eng.params.poly_modulus_degree * limbs
-        if not any(c >= need and pool for c, pool in self.free.items()):
-            new[8 * need] += 1
-        return take(self, eng, parms_id, limbs, size)
-
-    adopt = runtime._Buffers.adopt
-    staged: list[bool] = []
-
-    def adopted(self, eng, c):
-        # an input loaded in a tile: into a free buffer (through one staging buffer of SEAL's
-        # pool), else its own new storage
-        need = c.size() * eng.params.poly_modulus_degree * c.coeff_modulus_size()
-        if any(cap >= need and pool for cap, pool in self.free.items()):
-            if not staged:
-                staged.append(True)
-                new[8 * need] += 1
-            return adopt(self, eng, c)
-        new[8 * need] += 1
-        return c
-
-    monkeypatch.setattr(runtime._Buffers, "_take", counted)
-    monkeypatch.setattr(runtime._Buffers, "adopt", adopted)
+    _, _, tight = _most_tiles(low, live, rb)
     for budget in (None, tight):
         # from no free ciphertext (a cold server in a fresh process)
         monkeypatch.setattr(runtime, "_SPARE", {})
         server = he.Server(prog, client.public_context(), memory_budget=budget, warm=False)
         mem = server._group_memory(server._free_memory(), keep=False)
-        new.clear()
-        staged.clear()
-        server.run(ct)
+        with _new_storage() as new:
+            server.run(ct)
         assert (server.tiles != {}) == (budget is not None)
         made = dict(new)
         loads = any(seg.load is not None and server.tiles.get(seg.end, 1) > 1
@@ -451,8 +474,6 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
     """A warm server holds the free ciphertexts its group's simulation allocates (those this
     process held already among them); its first request writes into them and takes little
     new storage, in tiles or whole, and answers as a cold server does."""
-    import collections
-
     import he.runtime as runtime
     from he.runtime import spare_buffers
     _, x, prog, rb = compiled
@@ -463,21 +484,7 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
     cold = he.Server(prog, client.public_context(), warm=False)
     assert cold.warm_bytes == 0 and spare_buffers(cold._pool_key) == {}
     expected = client.decrypt(cold.run(ct))
-    segments = find_segments(low, live, rb, keep_inputs=False)
-    most = {s.end: min(s.components, MAX_TILES) for s in segments}
-    from he.runtime import PLAIN_CACHE_BYTES
-    tight = int(allocated_memory(low, live, rb, segments, most, keep_inputs=False)
-                + PLAIN_CACHE_BYTES) + 1
-    new = collections.Counter()
-    take = runtime._Buffers._take
-
-    def counted(self, eng, parms_id, limbs, size):
-        need = size * eng.params.poly_modulus_degree * limbs
-        if not any(c >= need and pool for c, pool in self.free.items()):
-            new[8 * need] += 1
-        return take(self, eng, parms_id, limbs, size)
-
-    monkeypatch.setattr(runtime._Buffers, "_take", counted)
+    _, _, tight = _most_tiles(low, live, rb)
     for budget in (None, tight):
         monkeypatch.setattr(runtime, "_SPARE", {})
         warm = he.Server(prog, client.public_context(), memory_budget=budget)
@@ -486,8 +493,8 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
         assert warm.warm_seconds > 0 and spare_buffers(warm._pool_key) == mem.buffers
         again = he.Server(prog, client.public_context(), memory_budget=budget)
         assert spare_buffers(warm._pool_key) == mem.buffers       # nothing more allocated
-        new.clear()
-        got = client.decrypt(warm.run(ct))
+        with _new_storage() as new:
+            got = client.decrypt(warm.run(ct))
         assert (warm.tiles != {}) == (budget is not None)
         assert sum(b * k for b, k in new.items()) <= 0.1 * warm.warm_bytes
         if budget is None:
@@ -556,11 +563,7 @@ def test_random_token_models_in_tiles_load_their_inputs_where_read_and_answer_as
     promise). From no free ciphertext it allocates what the simulation says (within a tenth of
     the bytes); warm, its first request writes into the ciphertexts it allocated as it started
     (a fifth of their bytes new at most: a few buffers on these small groups)."""
-    import collections
-
     import he.runtime as runtime
-    from he.runtime import PLAIN_CACHE_BYTES
-    from he.tiling import _tile_indices
     torch.manual_seed(seed)
     model = _RandomTokens(patch, dim, shifts, pool)
     x = torch.rand(64, 1, 8, 8)
@@ -571,68 +574,29 @@ def test_random_token_models_in_tiles_load_their_inputs_where_read_and_answer_as
     prog = he.compile(model, x[:1], calibration=x, packing="batch")
     low, live = prog.lowered, prog.plan.live
     rb = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs)
-    segments = find_segments(low, live, rb, keep_inputs=False)
+    segments, most, budget = _most_tiles(low, live, rb)
     if not segments:
         return                                  # nothing this program could run in tiles
-    most = {s.end: min(s.components, MAX_TILES) for s in segments}
     for seg in segments:
         _check_plan(low, live, seg, most[seg.end])
-        if seg.load is None:
-            continue
-        _, tile_of, _, load_at = _tile_indices(seg, most[seg.end])
-        assert np.array_equal(load_at >= 0, live[0])
-        for s in seg.steps:
-            st = low.steps[s]
-            if 0 in st.inputs and s in tile_of:
-                m = st.terms[st.inputs.index(0)].tocsr()
-                for i in range(int(tile_of[s].max()) + 1):
-                    read = np.unique(m[np.flatnonzero(tile_of[s] == i)].indices)
-                    assert (load_at[read] <= i).all()
-    budget = int(allocated_memory(low, live, rb, segments, most, keep_inputs=False)
-                 + PLAIN_CACHE_BYTES) + 1
+        if seg.load is not None:
+            assert np.array_equal(seg.load >= 0, live[0])
+            _check_loads(low, seg, most[seg.end])
     client = he.Client(prog)
     ct = client.encrypt(x[:4].numpy()).to_bytes()
     with eager_products():
         whole = client.decrypt(he.Server(prog, client.public_context()).run(ct))
-    new = collections.Counter()
-    take = runtime._Buffers._take
-
-    def counted(self, eng, parms_id, limbs, size):
-        need = size * eng.params.poly_modulus_degree * limbs
-        if not any(c >= need and pool for c, pool in self.free.items()):
-            new[8 * need] += 1
-        return take(self, eng, parms_id, limbs, size)
-
-    adopt = runtime._Buffers.adopt
-    staged: list[bool] = []
-
-    def adopted(self, eng, c):
-        need = c.size() * eng.params.poly_modulus_degree * c.coeff_modulus_size()
-        if any(cap >= need and pool for cap, pool in self.free.items()):
-            if not staged:
-                staged.append(True)
-                new[8 * need] += 1
-            return adopt(self, eng, c)
-        new[8 * need] += 1
-        return c
-
-    runtime._Buffers._take, runtime._Buffers.adopt = counted, adopted
-    try:
-        for warm in (False, True):
-            runtime._SPARE.clear()      # as in a fresh process
-            tight = he.Server(prog, client.public_context(), memory_budget=budget, warm=warm)
-            mem = tight._group_memory(tight._free_memory(), keep=False)
-            new.clear()
-            staged.clear()
+    for warm in (False, True):
+        runtime._SPARE.clear()      # as in a fresh process
+        tight = he.Server(prog, client.public_context(), memory_budget=budget, warm=warm)
+        mem = tight._group_memory(tight._free_memory(), keep=False)
+        with _new_storage() as new:
             got = client.decrypt(tight.run(ct))
-            assert tight.tiles
-            assert np.abs(got - whole).max() <= 0.05 * prog.params.expected_error
-            assert np.abs(got - prog.simulate(x[:4].numpy())).max() <= \
-                prog.params.expected_error
-            taken = sum(b * k for b, k in new.items())
-            if warm:            # written into the ciphertexts allocated at the start
-                assert taken <= 0.2 * tight.warm_bytes
-            else:               # what the simulation says, within a tenth
-                assert taken <= 1.1 * buffer_bytes(mem.buffers)
-    finally:
-        runtime._Buffers._take, runtime._Buffers.adopt = take, adopt
+        assert tight.tiles
+        assert np.abs(got - whole).max() <= 0.05 * prog.params.expected_error
+        assert np.abs(got - prog.simulate(x[:4].numpy())).max() <= prog.params.expected_error
+        taken = sum(b * k for b, k in new.items())
+        if warm:            # written into the ciphertexts allocated at the start
+            assert taken <= 0.2 * tight.warm_bytes
+        else:               # what the simulation says, within a tenth
+            assert taken <= 1.1 * buffer_bytes(mem.buffers)
