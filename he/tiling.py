@@ -142,9 +142,8 @@ def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
     tiles = max(1, min(int(tiles), seg.components))
     # cut where each tile computes about as many rows as the next (a row is computed at the
     # position of the first sink it leads to, so the first tiles of a wavefront compute the
-    # most where sinks are cut evenly)
-    # (every rank is a sink's position, and every sink's position a rank: ``tiles`` nonempty
-    # tiles, each starting at a sink)
+    # most where sinks are cut evenly); every rank is a sink's position and every sink's
+    # position a rank, so there are ``tiles`` nonempty tiles, each starting at a sink
     ranks = np.concatenate([r[r >= 0] for r in seg.rank.values()] or [seg.sinks])
     pos, rows = np.unique(np.concatenate([ranks, seg.sinks]), return_counts=True)
     cum = np.cumsum(rows)
@@ -266,8 +265,8 @@ def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int
     """For segments ending at ``end``: per step before it (and ``end`` itself unless it is a
     reduction), every row's rank and last reader's rank, and the positions of its sinks
     (``-1``/empty where none); where every reader of the group's inputs is in it, per input
-    row its first reader's position (else None). A step's ranks depend only on the steps after it up to the end,
-    so every segment ending there shares them."""
+    row its first reader's position (else None). A step's ranks depend only on the steps after
+    it up to the end, so every segment ending there shares them."""
     steps = lowered.steps
     consumed: dict[int, np.ndarray] = {}
     if reduce:
@@ -297,10 +296,9 @@ def _sweep(lowered: Lowered, live: Sequence[np.ndarray], reads: _Reads, end: int
         ok = lv & (r != _NONE)
         rank[s] = np.where(ok, r, -1)
         last[s] = np.where(ok, np.maximum(hi, r), -1)
-    # the group's inputs: freed after their last reader where every reader is in the segment
-    # (what a reduction reads of them joins its first part)
-    # (and loaded where first read: the earliest reader's position; what a reduction reads of
-    # them, and any row no step reads, in the first tile)
+    # the group's inputs, where every reader is in the segment: freed after their last reader
+    # and loaded where first read (what a reduction reads of them joins its first part, and is
+    # loaded in the first tile, as is any row no step reads)
     load = None
     if max(reads.readers[0], default=end + 1) <= end:
         hi = np.full(steps[0].n, -1, dtype=np.int64)
