@@ -563,8 +563,7 @@ class Server:
             ctx = self.engine.context
             by_end = {seg.end: seg for seg in self._segments or ()}
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
-            blobs = owned and all(isinstance(b, bytes) for b in g)
-            loads = blobs and any(seg.load is not None for seg, k in tiles if k > 1)
+            loads = owned and any(seg.load is not None for seg, k in tiles if k > 1)
 
             def load(k: int, b: Any) -> Any:
                 return load_object(seal.Ciphertext, ctx, b, f"ciphertext part {gi}.{k}") \
