@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 import tenseal.sealapi as seal
+from tqdm.auto import tqdm
 
 from he import _kernels
 from he.backend import Engine, galois_elements, load_object, save_object
@@ -25,7 +26,7 @@ from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMis
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
                        batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
-from he.native import Pool, default_threads
+from he.native import NativeEncryptor, Pool, default_threads
 from he.runtime import (VectorKernels, available_memory, keep_spare, note_pool, pool_held,
                         run_batch, run_vector, spare_buffers, take_spare)
 from he.tiling import buffer_bytes, find_segments, row_bytes_of
@@ -148,11 +149,20 @@ class Client:
     """Key owner: makes keys, encrypts inputs, decrypts results.
 
     ``Client(program)`` generates a fresh key set; ``Client.from_secret_context(program, data)``
-    reloads one saved with :meth:`secret_context`.
+    reloads one saved with :meth:`secret_context`. ``threads``: threads that encrypt a request's
+    ciphertexts at once in this process (default: every core it may use), where SEAL's
+    encryption can be called without the GIL (:class:`he.native.NativeEncryptor`; otherwise
+    one); the ciphertexts decrypt to the same values whatever the number.
     """
 
-    def __init__(self, program: CompiledProgram, *, _secret: bytes | None = None):
+    def __init__(self, program: CompiledProgram, *, threads: int | None = None,
+                 _secret: bytes | None = None):
         self.program = program
+        if threads is not None:
+            check_int(threads, "Client threads", error=ParameterError)
+        self.threads = default_threads() if threads is None else int(threads)
+        self._native: NativeEncryptor | None = None
+        self._pool = Pool(self.threads)
         self.engine = Engine(program.params)
         ctx = self.engine.context
         if _secret is None:
@@ -201,8 +211,9 @@ class Client:
                                        "key_id": self.key_id}, blobs)
 
     @classmethod
-    def from_secret_context(cls, program: CompiledProgram, data: bytes) -> "Client":
-        return cls(program, _secret=data)
+    def from_secret_context(cls, program: CompiledProgram, data: bytes, *,
+                            threads: int | None = None) -> "Client":
+        return cls(program, threads=threads, _secret=data)
 
     # ------------------------------------------------------------------ encrypt / decrypt
     def _check_input(self, x: Any) -> np.ndarray:
@@ -247,7 +258,22 @@ class Client:
         reader regenerates it when loading."""
         eng = self.engine
         pt = eng.encode_vector(values, 0, eng.scales[0])
+        native = self._native
+        if native is not None and native.ok:
+            return save_object(native.encrypt(pt))
         return save_object(self._encryptor.encrypt_symmetric(pt))
+
+    def _encryption_threads(self, n: int) -> int:
+        """Threads that encrypt ``n`` ciphertexts here: :attr:`threads` where SEAL's encryption
+        runs without the GIL (validated once, :class:`he.native.NativeEncryptor`), else one."""
+        if self.threads < 2 or n < 2:
+            return 1
+        if self._native is None:
+            eng = self.engine
+            probe = eng.encode_vector(np.linspace(-1.0, 1.0, eng.slots), 0, eng.scales[0])
+            self._native = NativeEncryptor(eng.context, self._encryptor, self._decryptor,
+                                           eng.encoder, probe)
+        return min(self.threads, n) if self._native.ok else 1
 
     def encrypt(self, x: Any, progress: bool = False, workers: int = 1) -> Ciphertext:
         """Encrypt a batch ``x`` of shape ``(B, *input_shape)``.
@@ -256,8 +282,9 @@ class Client:
         reach the output (``program.batch_inputs``, the same for every input); vector
         packing: one group per ``plan.interleave`` samples (one ciphertext, or the plan's input
         planes), the samples interleaved slot by slot.
-        ``workers``: processes that encode, encrypt and serialise (``0``: one per CPU core); the
-        ciphertexts decrypt to the same values whatever the number.
+        ``workers``: processes that encode, encrypt and serialise (``0``: one per CPU core); with
+        one, the client's :attr:`threads` encrypt at once where they can; the ciphertexts
+        decrypt to the same values whatever the number.
         """
         x = self._check_input(x)
         b = x.shape[0]
@@ -289,12 +316,21 @@ class Client:
                     columns.append(vec.ravel())
                 sizes.append(len(plan.input_layout))
         n_workers = resolve_workers(workers)
-        chunks = np.array_split(np.arange(len(columns)),
-                                max(1, len(columns) if n_workers == 1 else min(len(columns),
-                                                                               8 * n_workers)))
-        parts = fork_map(lambda i: [self._encrypt_vector(columns[j]) for j in chunks[i]],
-                         len(chunks), n_workers, desc="encrypt", progress=progress)
-        blobs = iter([blob for part in parts for blob in part])
+        threads = self._encryption_threads(len(columns)) if n_workers == 1 else 1
+        if threads > 1:
+            with tqdm(total=len(columns), desc="encrypt", disable=not progress,
+                      leave=False) as bar:
+                def one(j: int) -> bytes:
+                    blob = self._encrypt_vector(columns[j])
+                    bar.update()
+                    return blob
+                blobs = iter(self._pool.map(one, range(len(columns))))
+        else:
+            chunks = np.array_split(np.arange(len(columns)), max(
+                1, len(columns) if n_workers == 1 else min(len(columns), 8 * n_workers)))
+            parts = fork_map(lambda i: [self._encrypt_vector(columns[j]) for j in chunks[i]],
+                             len(chunks), n_workers, desc="encrypt", progress=progress)
+            blobs = iter([blob for part in parts for blob in part])
         groups: list[list[Any]] = [[next(blobs) for _ in range(size)] for size in sizes]
         return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
                           key_id=self.key_id, role="input", n_samples=b, groups=groups)

@@ -20,7 +20,7 @@ import numpy as np
 from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
-from he.native import default_threads
+from he.native import default_threads, native_platform
 from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
                        TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
@@ -139,6 +139,13 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 _NOT_PRIMITIVES = ("plaintexts", "babies", "giants")
 
 
+def client_threads() -> int:
+    """Threads a client on this machine encrypts a request's ciphertexts on (:class:`he.Client`
+    's default: every core, where SEAL's encryption can be called without the GIL), which the
+    predictions of a round trip assume."""
+    return default_threads() if native_platform() else 1
+
+
 def _threads(options: dict[str, Any]) -> int:
     """Server threads a compiled program's predictions assume (programs saved before the
     option: one)."""
@@ -214,7 +221,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     total["load"] = len(plan.input_layout)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
     k = plan.interleave
-    client = len(plan.input_layout) * costs.seconds("encrypt", ring, params.limbs(0))
+    client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
@@ -336,7 +343,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     # tile first reads it, when it loads them tile by tile)
     total["load"] = int(live[0].sum()) * (2 if mem.loads else 1)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
-    client = int(live[0].sum()) * costs.seconds("encrypt", ring, params.limbs(0))
+    client = costs.client_seconds(int(live[0].sum()), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
             "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
@@ -676,6 +683,12 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         return costs.price({k: v for k, v in counts.items() if k != "plaintexts"}, ring,
                            params.limbs(level))
 
+    def plane_price(counts: dict[str, int]) -> float:
+        """Input planes: the client's encryptions (on its threads) and the server's folds."""
+        rest = {k: v for k, v in counts.items() if k != "encrypt"}
+        return costs.price(rest, ring, params.limbs(0)) + costs.client_seconds(
+            counts.get("encrypt", 0), ring, params.limbs(0), client_threads())
+
     objective = options["objective"]
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
@@ -688,9 +701,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         tries = [samples] if samples is not None else \
             [most >> i for i in range(most.bit_length())][:8]
         for k in tries:
-            per_ct = choose_plane_packing(
-                lowered, orders, slots // k,
-                lambda counts: costs.price(counts, ring, params.limbs(0)), max_planes=max_planes)
+            per_ct = choose_plane_packing(lowered, orders, slots // k, plane_price,
+                                          max_planes=max_planes)
             trial = build_vector_plan(lowered, slots, orders, interleave=k,
                                       output_shape=tuple(program.output_shape),
                                       max_planes=max_planes,
@@ -887,7 +899,7 @@ def _predict_tokens(plan: TokenPlan, params: CKKSParams, costs: CostModel,
     n_in = len(plan.input_layout)
     total["load"] = n_in
     seconds += n_in * costs.seconds("load", ring, params.limbs(0))
-    client = n_in * costs.seconds("encrypt", ring, params.limbs(0))
+    client = costs.client_seconds(n_in, ring, params.limbs(0), client_threads())
     k = plan.interleave
     out = plan.steps[plan.output]
     held = plaintexts_held(plan)

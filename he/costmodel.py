@@ -128,6 +128,20 @@ class CostModel:
         """Seconds of ``counts[op]`` calls of each primitive at one ring and limb count."""
         return sum(n * self.seconds(op, ring, limbs) for op, n in counts.items() if n)
 
+    def client_seconds(self, n: int, ring: int, limbs: int, threads: int = 1) -> float:
+        """Seconds a client takes to encode, encrypt and serialise ``n`` input ciphertexts of
+        ``limbs`` primes on ``threads`` threads (:class:`he.Client`): the encryptions run at
+        once, without the GIL (:class:`he.native.NativeEncryptor`), at the speed-up per thread
+        measured for rotations, while the encodings and serialisations (priced as one
+        ``encode`` and one ``load`` of the same ciphertext) take turns. One thread: ``n``
+        times ``encrypt``."""
+        one = self.seconds("encrypt", ring, limbs)
+        t = min(int(threads), int(n))
+        if t < 2:
+            return n * one
+        held = min(one, self.seconds("encode", ring, limbs) + self.seconds("load", ring, limbs))
+        return max(n * held, n * one / (t * self.parallel_efficiency(ring)))
+
     def scaled(self, speed: float, why: str) -> "CostModel":
         """The same table on a machine ``speed`` times as slow (``why`` joins the source)."""
         if not _is_speed(speed):

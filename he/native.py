@@ -22,6 +22,9 @@ rotations, products and rescales of a probe ciphertext are compared byte for byt
 ``tenseal.sealapi``'s; a missing symbol, another platform or any mismatch leaves
 :attr:`NativeEvaluator.ok` false with the reason, and the runtime keeps ``tenseal.sealapi``
 (one core).
+
+A client's secret-key encryptions go the same way (:class:`NativeEncryptor`, through
+``seal::Encryptor::encrypt_internal``), so its threads encrypt a request's ciphertexts at once.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, TypeVar
 
+import numpy as np
 import tenseal.sealapi as seal
 
 from he.fused import _DYN_OFFSET, _cxx_address, raw_access
 
-__all__ = ["NativeEvaluator", "Pool", "default_threads", "NATIVE_PLATFORMS"]
+__all__ = ["NativeEvaluator", "NativeEncryptor", "Pool", "default_threads", "native_platform",
+           "NATIVE_PLATFORMS"]
 
 #: (system, machine) pairs where SEAL's symbols are called natively: the Itanium C++ ABI
 #: (non-trivial arguments passed by address) and the binding's layout as validated here
@@ -54,6 +59,8 @@ _SQUARE = "_ZNK4seal9Evaluator14square_inplaceERNS_10CiphertextENS_16MemoryPoolH
 _RELIN = ("_ZNK4seal9Evaluator20relinearize_internalERNS_10CiphertextERKNS_9RelinKeysEmNS_16"
           "MemoryPoolHandleE")
 _RESCALE = "_ZNK4seal9Evaluator15rescale_to_nextERKNS_10CiphertextERS1_NS_16MemoryPoolHandleE"
+_ENCRYPT = ("_ZNK4seal9Encryptor16encrypt_internalERKNS_9PlaintextEbbRNS_10CiphertextENS_16"
+            "MemoryPoolHandleE")
 T = TypeVar("T")
 
 
@@ -106,16 +113,8 @@ class NativeEvaluator:
             self.reason = str(exc)
 
     def _bind(self) -> None:
-        if sys.byteorder != "little" or \
-                (platform.system(), platform.machine()) not in NATIVE_PLATFORMS:
-            raise _Unavailable(f"no native rotations on {platform.system()} "
-                               f"{platform.machine()}")
-        module = sys.modules.get(seal.Ciphertext.__module__)
-        path = getattr(module, "__file__", None)
-        if not path:
-            raise _Unavailable("the SEAL extension module's file is unknown")
+        lib = _library()
         try:
-            lib = ctypes.CDLL(path)
             rotate = getattr(lib, _ROTATE)
             assign = getattr(lib, _ASSIGN)
             mul_plain = getattr(lib, _MUL_PLAIN)
@@ -248,10 +247,8 @@ class NativeEvaluator:
 
     def _call(self, fn: Any, *args: Any) -> None:
         """``fn(evaluator, *args, pool)``: one of SEAL's ``Evaluator`` members, called without
-        the GIL, with the pool handle of a fresh, empty ciphertext lent as its last argument
-        (see the module docstring)."""
-        holder = seal.Ciphertext()
-        fn(self._ev, *args, _cxx_address(holder) + _DYN_OFFSET)
+        the GIL (:func:`_lend_pool`)."""
+        _lend_pool(fn, self._ev, *args)
 
     def product(self, a: Any, b: Any, out: Any, relinearize: bool = True) -> Any:
         """``out <- a * b`` relinearised to two polynomials (three polynomials where not
@@ -298,6 +295,141 @@ class NativeEvaluator:
 
 class _Unavailable(Exception):
     pass
+
+
+def native_platform() -> bool:
+    """Whether SEAL's symbols may be called natively here (:data:`NATIVE_PLATFORMS`, little
+    endian); :class:`NativeEvaluator` and :class:`NativeEncryptor` still validate before use."""
+    return sys.byteorder == "little" and \
+        (platform.system(), platform.machine()) in NATIVE_PLATFORMS
+
+
+def _library() -> ctypes.CDLL:
+    """The extension module that defines ``tenseal.sealapi``'s classes, opened by
+    :mod:`ctypes` (whose calls release the GIL)."""
+    if not native_platform():
+        raise _Unavailable(f"no native SEAL calls on {platform.system()} {platform.machine()}")
+    module = sys.modules.get(seal.Ciphertext.__module__)
+    path = getattr(module, "__file__", None)
+    if not path:
+        raise _Unavailable("the SEAL extension module's file is unknown")
+    try:
+        return ctypes.CDLL(path)
+    except OSError as exc:
+        raise _Unavailable(f"the SEAL extension module cannot be opened: {exc}") from None
+
+
+def _lend_pool(fn: Any, *args: Any) -> None:
+    """``fn(*args, pool)`` without the GIL, the pool handle of a fresh, empty ciphertext lent
+    as its last argument (see the module docstring)."""
+    holder = seal.Ciphertext()
+    fn(*args, _cxx_address(holder) + _DYN_OFFSET)
+
+
+class NativeEncryptor:
+    """Secret-key encryption of CKKS plaintexts without the GIL, so a client's threads encrypt
+    a request's ciphertexts at once (encoding and serialising, in ``tenseal.sealapi``, hold the
+    GIL and take turns).
+
+    ``encrypt(pt)`` calls ``seal::Encryptor::encrypt_internal`` (symmetric, seed saved: the
+    ciphertext serialises in SEAL's seeded form, as ``encrypt_symmetric``'s does) on
+    ``encryptor``, which must hold the secret key. Encryption is randomised, so it cannot be
+    compared byte for byte: before the first use a probe plaintext (``probe_plain``, nonzero)
+    is encrypted natively, checked for its level, scale and form, serialised, loaded back
+    through SEAL's validation and decrypted with ``decryptor``; its error must stay within 16
+    times that of ``tenseal.sealapi``'s own encryption of the same plaintext (and ``2^10`` over
+    its scale). Anything else leaves :attr:`ok` false with :attr:`reason`, and callers keep
+    ``tenseal.sealapi``.
+    """
+
+    def __init__(self, context: Any, encryptor: Any, decryptor: Any, encoder: Any,
+                 probe_plain: Any):
+        self.ok = False
+        self.reason = ""
+        self._encryptor = encryptor
+        #: per level of the context, the words of a plaintext there (what SEAL checks)
+        self._words: dict[tuple[int, ...], int] = {}
+        data = context.first_context_data()
+        while data is not None:
+            parms = data.parms()
+            self._words[tuple(data.parms_id())] = \
+                int(parms.poly_modulus_degree()) * len(parms.coeff_modulus())
+            data = data.next_context_data()
+        try:
+            try:
+                fn = getattr(_library(), _ENCRYPT)
+            except AttributeError as exc:
+                raise _Unavailable(f"SEAL's symbols are not exported: {exc}") from None
+            ptr = ctypes.c_void_p
+            fn.restype = None
+            fn.argtypes = [ptr, ptr, ctypes.c_bool, ctypes.c_bool, ptr, ptr]
+            self._fn = fn
+            self._enc = _cxx_address(encryptor)
+            if not self._enc:
+                raise _Unavailable("the binding's object layout is not the expected one")
+            self._validate(context, decryptor, encoder, probe_plain)
+            self.ok = True
+        except _Unavailable as exc:
+            self.reason = str(exc)
+
+    def accepts(self, pt: Any) -> bool:
+        """True when SEAL would encrypt ``pt`` without raising: in NTT form at a level of this
+        context, with that level's number of words."""
+        return pt.is_ntt_form() and \
+            self._words.get(tuple(pt.parms_id())) == int(pt.coeff_count())
+
+    def encrypt(self, pt: Any) -> Any:
+        """A fresh ciphertext of ``pt`` (NTT form, at ``pt``'s level and scale), encrypted with
+        the secret key, its random half kept as a seed; called without the GIL. A plaintext
+        SEAL would refuse (:meth:`accepts`) raises ValueError."""
+        if not self.accepts(pt):
+            raise ValueError("the plaintext is not in NTT form at a level of this context")
+        out = seal.Ciphertext()
+        _lend_pool(self._fn, self._enc, _cxx_address(pt), False, True, _cxx_address(out))
+        return out
+
+    def _validate(self, context: Any, decryptor: Any, encoder: Any, pt: Any) -> None:
+        from he.backend import load_object, save_object
+        if not self.accepts(pt) or pt.is_zero():
+            raise _Unavailable("the probe plaintext is not usable")
+        # SEAL's own encryption first: an encryptor without the secret key raises here, as a
+        # Python exception, before any native call could
+        try:
+            expect = save_object(self._encryptor.encrypt_symmetric(pt))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise _Unavailable(f"the encryptor cannot encrypt with a secret key: {exc}") from None
+
+        def error(ct: Any) -> float:
+            out = seal.Plaintext()
+            decryptor.decrypt(ct, out)
+            got = np.asarray(encoder.decode_double(out))
+            return float(np.max(np.abs(got - want)))
+
+        want = np.asarray(encoder.decode_double(pt))
+        try:
+            reference = load_object(seal.Ciphertext, context, expect, "encryption")
+        except Exception as exc:                   # noqa: BLE001 - any failure disables it
+            raise _Unavailable(f"SEAL's own encryption does not load back: {exc}") from None
+        # the binding's object layout, checked against SEAL's own accessors before any address
+        # is handed to SEAL
+        raw = raw_access(reference)
+        if not raw.ok:
+            raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
+                               f"{raw.reason}")
+        ct = self.encrypt(pt)
+        if ct.size() != 2 or not ct.is_ntt_form() or list(ct.parms_id()) != list(pt.parms_id()) \
+                or float(ct.scale) != float(pt.scale):
+            raise _Unavailable("a native encryption's level, scale or form is not the plaintext's")
+        blob = save_object(ct)
+        if abs(len(blob) - len(expect)) > len(expect) // 8:
+            raise _Unavailable("a native encryption does not serialise in the seeded form")
+        try:
+            loaded = load_object(seal.Ciphertext, context, blob, "native encryption")
+        except Exception as exc:                   # noqa: BLE001 - any failure disables it
+            raise _Unavailable(f"a native encryption does not load back: {exc}") from None
+        bound = max(16.0 * error(reference), 2.0 ** 10 / float(pt.scale))
+        if not error(loaded) <= bound:
+            raise _Unavailable("a native encryption does not decrypt to its plaintext")
 
 
 class Pool:

@@ -302,3 +302,88 @@ def test_native_products_and_rescales_refuse_what_seal_would_raise_on(batch_setu
         c = out
     else:
         pytest.fail("SEAL never refused the growing scale")
+
+
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def _planes_program(packing: str = "vector") -> tuple[nn.Module, torch.Tensor,
+                                                       he.CompiledProgram]:
+    """A convolution, squared: in vector packing the client feeds its first map from several
+    input planes; in batch packing a group is one ciphertext per pixel."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), _Square(), nn.Flatten(),
+                          nn.Linear(36, 3))
+    x = torch.randn(16, 1, 8, 8)
+    options = {"samples_per_ciphertext": 1} if packing == "vector" else {}
+    prog = he.compile(model.eval(), x[:1], calibration=x, packing=packing, **options)
+    return model, x, prog
+
+
+@native_only
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+def test_a_client_encrypts_a_requests_ciphertexts_on_its_threads_to_the_same_values(packing):
+    """Native secret-key encryption (GIL released, validated by decryption) on two threads
+    gives ciphertexts that decrypt through the server to what one thread's do, within the
+    promise of the model, and in SEAL's seeded form."""
+    model, x, prog = _planes_program(packing)
+    if packing == "vector":
+        assert len(prog.plan.input_layout) > 1
+    one = he.Client(prog, threads=1)
+    two = he.Client.from_secret_context(prog, one.secret_context(), threads=2)
+    server = he.Server(prog, one.public_context())
+    xs = x[:3]
+    ct_one, ct_two = one.encrypt(xs), two.encrypt(xs)
+    assert one._native is None and two._native is not None and two._native.ok, \
+        two._native and two._native.reason
+    # fresh randomness, same sizes (seeded form: half a ciphertext each)
+    assert ct_one.to_bytes() != ct_two.to_bytes()
+    assert abs(len(ct_one.to_bytes()) - len(ct_two.to_bytes())) < len(ct_one.to_bytes()) // 20
+    with torch.no_grad():
+        want = model(xs).double().numpy()
+    promise = prog.params.expected_error
+    for ct in (ct_one, ct_two):
+        assert np.max(np.abs(one.decrypt(server.run(ct)) - want)) <= promise
+
+
+@native_only
+def test_native_encryption_refuses_what_seal_would_raise_on_and_needs_the_secret_key():
+    from he.native import NativeEncryptor
+
+    _, _, prog = _planes_program()
+    client = he.Client(prog, threads=2)
+    eng = client.engine
+    probe = eng.encode_vector(np.linspace(-1.0, 1.0, eng.slots), 0, eng.scales[0])
+    native = NativeEncryptor(eng.context, client._encryptor, client._decryptor, eng.encoder,
+                             probe)
+    assert native.ok, native.reason
+    # a plaintext of another level's size, or not in NTT form, is refused before SEAL sees it
+    lower = eng.encode_vector(np.ones(eng.slots), 1, eng.scales[1])
+    assert native.accepts(lower)
+    with pytest.raises(ValueError, match="NTT form"):
+        native.encrypt(seal.Plaintext())
+    # an encryptor without the secret key is found out by SEAL's own call, never natively
+    public_only = seal.Encryptor(eng.context, client.public_key)
+    refused = NativeEncryptor(eng.context, public_only, client._decryptor, eng.encoder, probe)
+    assert not refused.ok and "secret key" in refused.reason
+
+
+def test_client_threads_are_checked_and_the_round_trip_prices_them():
+    from he.costmodel import default_model
+
+    _, _, prog = _planes_program()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(he.HEError, match="threads"):
+            he.Client(prog, threads=bad)
+    costs = default_model()
+    ring, limbs = prog.params.poly_modulus_degree, prog.params.limbs(0)
+    one = costs.client_seconds(6, ring, limbs, 1)
+    assert one == pytest.approx(6 * costs.seconds("encrypt", ring, limbs))
+    two = costs.client_seconds(6, ring, limbs, 2)
+    assert two < one
+    # the encodings and serialisations take turns: never faster than them one after another
+    held = costs.seconds("encode", ring, limbs) + costs.seconds("load", ring, limbs)
+    assert two >= 6 * min(held, costs.seconds("encrypt", ring, limbs)) - 1e-12
+    assert costs.client_seconds(1, ring, limbs, 8) == costs.client_seconds(1, ring, limbs, 1)
