@@ -307,7 +307,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     (``compile_kwargs``: more arguments of ``he.compile``, e.g. ``ring_degree``)."""
     prog, client, public, server, compile_s, setup_s, rss, _ = _compiled(
         model, xcal, "vector", precision_bits, costs, **compile_kwargs)
-    outs, times, server_times, ct_sizes = [], [], [], []
+    outs, times, server_times, ct_sizes, enc_times = [], [], [], [], []
     for i in tqdm(range(n), desc="polynets vector packing", leave=False):
         t0 = time.perf_counter()
         ct = client.encrypt(x[i:i + 1]).to_bytes()
@@ -317,15 +317,20 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
         outs.append(client.decrypt(out)[0])
         times.append(time.perf_counter() - t0)
         server_times.append(t2 - t1)
+        enc_times.append(t1 - t0)
         ct_sizes.append(len(ct))
-    # the same ciphertexts on a server of one thread: the baseline of the threaded server
+    # the same requests from a client and on a server of one thread each: the baselines of
+    # the threaded client's encryption and the threaded server
     single = he.Server(prog, public, threads=1)
-    one_thread = []
+    single_client = he.Client.from_secret_context(prog, client.secret_context(), threads=1)
+    one_thread, enc_one_thread = [], []
     for i in range(n):
-        ct = client.encrypt(x[i:i + 1]).to_bytes()
+        t0 = time.perf_counter()
+        ct = single_client.encrypt(x[i:i + 1]).to_bytes()
         t1 = time.perf_counter()
         single.run(ct)
         one_thread.append(time.perf_counter() - t1)
+        enc_one_thread.append(t1 - t0)
     k = prog.plan.interleave
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
     pred = prog.plan.predicted
@@ -336,6 +341,11 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "server_median_s": statistics.median(server_times),
             "server_threads": server.engine.pool.threads, "threads_note": server.threads_note,
             "server_one_thread_median_s": statistics.median(one_thread),
+            "client_encrypt_median_s": statistics.median(enc_times),
+            "client_threads": client.threads if client._native is not None
+            and client._native.ok else 1,
+            "client_encrypt_one_thread_median_s": statistics.median(enc_one_thread),
+            "predicted_client_s": pred["client_seconds"],
             "threads_speedup": statistics.median(one_thread) / statistics.median(server_times),
             "predicted_server_s": pred["seconds_per_ciphertext"],
             "prediction_error": pred["seconds_per_ciphertext"] /
@@ -492,7 +502,9 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
           f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
           f"{v['server_median_s']:.3f} s on {v['server_threads']} threads (predicted "
           f"{v['predicted_server_s']:.3f} s; one thread {v['server_one_thread_median_s']:.3f}"
-          f" s), "
+          f" s), client encryption {v['client_encrypt_median_s'] * 1e3:.1f} ms on "
+          f"{v['client_threads']} threads (predicted {v['predicted_client_s'] * 1e3:.1f} ms; "
+          f"one thread {v['client_encrypt_one_thread_median_s'] * 1e3:.1f} ms), "
           f"{v['images_per_ciphertext']} images per ciphertext -> "
           f"{v['filled_images_per_s']:.1f} img/s; max error vs simulation "
           f"{v['max_abs_error_vs_simulation']:.2e} (promised {v['promised_error']:.2e})")

@@ -27,8 +27,8 @@ from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMis
                        batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import NativeEncryptor, Pool, default_threads
-from he.runtime import (VectorKernels, available_memory, keep_spare, note_pool, pool_held,
-                        run_batch, run_vector, spare_buffers, take_spare)
+from he.runtime import (SpillFile, VectorKernels, available_memory, keep_spare, note_pool,
+                        pool_held, run_batch, run_vector, spare_buffers, take_spare)
 from he.tiling import buffer_bytes, find_segments, row_bytes_of
 from he.tokens import TokenKernels, decode_outputs, encode_inputs, run_tokens
 from polynets.errors import check_int
@@ -470,6 +470,11 @@ class Server:
             if program.packing == "tokens" else None
         self.threads_note = ""
         self._tiles: dict[int, int] = {}
+        #: the tiles spill the rows they hold for later tiles to disk (he.tiling.spills)
+        self._spill = False
+        #: rows this server has written to disk and read back (batch packing, in tiles that
+        #: would not fit otherwise)
+        self.spilled = 0
         #: product steps the last request left unrelinearised (a group run whole)
         self._lazy: tuple[int, ...] = ()
         #: segments of steps a group can run in tiles, found when a group first needs them
@@ -617,13 +622,18 @@ class Server:
                 g.clear()
             fanin = prog.options.get("fused_fanin")
             spare = take_spare(self._pool_key)
+            spill = SpillFile() if self._spill and tiles else None
             try:
                 res = _seal_call(lambda: run_batch(
                     self.engine, prog.lowered, prog.plan.live, full, fanin=fanin, tiles=tiles,
                     own_inputs=owned, lazy=self._lazy,
-                    load=(lambda b: load(-1, b)) if loads else None, spare=spare), "evaluation")
+                    load=(lambda b: load(-1, b)) if loads else None, spare=spare,
+                    spill=spill), "evaluation")
             finally:
                 keep_spare(self._pool_key, spare)
+                if spill is not None:
+                    self.spilled += spill.written
+                    spill.close()
             return [self._encrypt_constant(e) if isinstance(e, float) else e for e in res]
         if prog.packing == "tokens":
             assert self.token_kernels is not None
@@ -673,6 +683,7 @@ class Server:
             keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
             mem = self._group_memory(free, keep)
             self._tiles, working, self._lazy = mem.tiles, mem.working, mem.lazy
+            self._spill = bool(mem.spills)
             what = f"evaluating a group of {slots} batch-packed samples"
             try:
                 n_workers = memory_workers(workers, len(ct._groups), working, free, what)

@@ -35,7 +35,7 @@ from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_
                        token_step_counts)
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_segments,
-                       row_bytes_of)
+                       row_bytes_of, spills)
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
@@ -276,6 +276,9 @@ class GroupMemory(NamedTuple):
     #: the inputs are loaded tile by tile (:attr:`he.tiling.Segment.load`): a server that owns
     #: them validates every one first and loads each again in the tile that first reads it
     loads: bool = False
+    #: rows written to disk and read back between the tiles that read them
+    #: (:func:`he.tiling.spills`), where the tiles alone do not fit: ``(step, how many times)``
+    spills: tuple[tuple[int, int], ...] = ()
 
     @property
     def working(self) -> float:
@@ -291,8 +294,10 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     group's input ciphertexts are the caller's and live to the end (a server frees those it
     loaded from bytes once read). ``lazy``: product steps to leave unrelinearised (larger
     ciphertexts); kept where the group fits whole with them, else every product is finished
-    (a group in tiles finishes every product). The one rule for the compiler's prediction and a
-    server's choice."""
+    (a group in tiles finishes every product). Where no number of tiles fits, the tiles also
+    spill the rows they hold for later tiles to disk (:func:`he.tiling.spills`), the fewest
+    tiles that fit so (each spill costs a write and a read). The one rule for the compiler's
+    prediction and a server's choice."""
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     ring = params.poly_modulus_degree
     if lazy:
@@ -311,11 +316,22 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
+    made = allocations(lowered, live, row_bytes, segments, tiles, keep_inputs)
+    spilled: dict[int, int] = {}
+    if segments and buffer_bytes(made) > room:
+        on_disk = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs, True)
+        with_spill = allocations(lowered, live, row_bytes, segments, on_disk, keep_inputs, True)
+        if buffer_bytes(with_spill) < buffer_bytes(made):
+            tiles, made = on_disk, with_spill
+            for seg in segments:
+                if tiles.get(seg.end, 1) > 1:
+                    for s, v in spills(lowered, seg, tiles[seg.end]).items():
+                        if v[0].size:
+                            spilled[s] = spilled.get(s, 0) + int(v[0].size)
     loads = not keep_inputs and any(seg.load is not None and tiles.get(seg.end, 1) > 1
                                     for seg in segments)
-    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (),
-                       allocations(lowered, live, row_bytes, segments, tiles, keep_inputs),
-                       loads)
+    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (), made, loads,
+                       tuple(sorted(spilled.items())))
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -343,6 +359,10 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     # tile first reads it, when it loads them tile by tile)
     total["load"] = int(live[0].sum()) * (2 if mem.loads else 1)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
+    # a row spilled is written out and read back with a checksum each way: priced as one
+    # deserialisation of a ciphertext of its level
+    total["spill"] = sum(n for _, n in mem.spills)
+    seconds += sum(n * costs.seconds("load", ring, params.limbs(levels[s])) for s, n in mem.spills)
     client = costs.client_seconds(int(live[0].sum()), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
@@ -355,6 +375,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             # what evaluating one group adds to a server whose keys are loaded
             "working_memory_bytes": working, "untiled_memory_bytes": untiled,
             "tiles": {str(e): k for e, k in tiles.items()},
+            "spills": {str(s): n for s, n in mem.spills},
             "lazy_products": list(mem.lazy)}
 
 
@@ -848,6 +869,9 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                 f"segment(s) of steps run in tiles "
                 f"({', '.join(f'{k} at step {e}' for e, k in predicted['tiles'].items())}), "
                 f"{predicted['working_memory_bytes'] / gib:.1f} GiB")
+        if predicted.get("spills"):
+            why += (f", where tiles alone would not fit: {sum(predicted['spills'].values())} "
+                    f"rows written to disk and read back between the tiles that read them")
     out = {**options, "fused_fanin": fanin, "server_threads": threads,
            "threads_why": threads_why, "predicted": predicted, "why": why}
     if lazy:

@@ -123,6 +123,18 @@ class RawAccess:
             raise RuntimeError("ciphertext storage does not match its sizes")
         return addr, count
 
+    def mark_ntt_form(self, ct: Any) -> None:
+        """Flag ``ct`` as in NTT form (the boolean between its parameters id and its size), as
+        SEAL's results are, for words written into it directly; checked through SEAL's
+        accessor, restored and refused where that does not see it."""
+        if ct.is_ntt_form():
+            return
+        flag = ctypes.c_bool.from_address(_cxx_address(ct) + 4 * 8)
+        flag.value = True
+        if not ct.is_ntt_form():
+            flag.value = False
+            raise RuntimeError("the NTT-form flag is not where expected")
+
     def view(self, ct: Any) -> np.ndarray:
         """The ciphertext's words as a writable ``(size * limbs, N)`` uint64 array."""
         addr, count = self._data_address(ct)

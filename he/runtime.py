@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -21,13 +23,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from he.backend import Engine
+from he.errors import SerializationError
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
 
 __all__ = ["live_rows", "run_batch", "eager_products", "VectorKernels", "run_vector",
-           "take_spare", "keep_spare", "spare_buffers"]
+           "take_spare", "keep_spare", "spare_buffers", "SpillFile"]
 
 Elem = Any  # a seal.Ciphertext or a float
 
@@ -516,11 +519,92 @@ def _finish_sums(eng: Engine, st: Step, sums: dict[int, Any], clear: np.ndarray,
     return out
 
 
+class SpillFile:
+    """Rows of a batch group written out between the tiles that read them
+    (:func:`he.tiling.spills`) and read back into ciphertext buffers.
+
+    An unlinked temporary file (private to this process, gone once closed, on disk: not in
+    ``/dev/shm``): each row's words go to an offset that is reused once the row is read back,
+    so the file holds at most the rows out at once. Its scale and a CRC-32 of its words are
+    kept here; a row that comes back short or with another checksum raises
+    :class:`~he.errors.SerializationError`: a corrupted file is an error, never a wrong
+    answer. ``ok`` is false where the words cannot be reached in place (:mod:`he.fused`'s
+    validated layout): rows then stay in memory.
+    """
+
+    def __init__(self) -> None:
+        self._file: Any = None
+        self._raw: Any = None
+        self._free: dict[int, list[int]] = {}
+        self._end = 0
+        self._rows: dict[Any, tuple[int, int, float, int]] = {}
+        #: rows written out, and read back
+        self.written = self.read_back = 0
+
+    def write(self, key: Any, ct: Any) -> bool:
+        """Write ``ct``'s words out under ``key``; False (nothing written) where it cannot."""
+        if self._raw is None:
+            self._raw = raw_access(ct)
+        if not self._raw.ok or key in self._rows:
+            return False
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix="polynets-spill-")
+        words = memoryview(self._raw.view(ct)).cast("B")
+        size = words.nbytes
+        offsets = self._free.get(size)
+        if offsets:
+            at = offsets.pop()
+        else:
+            at, self._end = self._end, self._end + size
+        fd, done = self._file.fileno(), 0
+        while done < size:
+            done += os.pwrite(fd, words[done:], at + done)
+        self._rows[key] = (at, size, float(ct.scale), zlib.crc32(words))
+        self.written += 1
+        return True
+
+    def read(self, key: Any, eng: Engine, ct: Any, level: int) -> Any:
+        """The row written under ``key``, its words read into ``ct`` (a buffer, resized to two
+        polynomials at ``level``, flagged in NTT form), its scale restored."""
+        at, size, scale, crc = self._rows.pop(key)
+        ct.resize(eng.context, eng.parms_ids[level], 2)
+        self._raw.mark_ntt_form(ct)
+        words = memoryview(self._raw.view(ct)).cast("B")
+        if words.nbytes != size:
+            raise SerializationError(f"a row spilled to disk was {size} bytes, its buffer "
+                                     f"holds {words.nbytes}")
+        fd, done = self._file.fileno(), 0
+        while done < size:
+            got = os.preadv(fd, [words[done:]], at + done)
+            if got <= 0:
+                raise SerializationError("a row spilled to disk came back short (the file was "
+                                         "truncated)")
+            done += got
+        if zlib.crc32(words) != crc:
+            raise SerializationError("a row spilled to disk came back corrupted (checksum "
+                                     "mismatch)")
+        ct.scale = scale
+        self._free.setdefault(size, []).append(at)
+        self.read_back += 1
+        return ct
+
+    def holds(self, key: Any) -> bool:
+        return key in self._rows
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._rows.clear()
+        self._free.clear()
+        self._end = 0
+
+
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
               tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False,
               lazy: Sequence[int] = (), load: Callable[[Any], Any] | None = None,
-              spare: list[Any] | None = None) -> list[Elem]:
+              spare: list[Any] | None = None, spill: SpillFile | None = None) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
     fan-in from which step ``s``'s weighted rows are fused (the compiler's choice; ``0``: none;
@@ -536,7 +620,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     without such a segment all are loaded first. ``spare``: free ciphertexts (of an earlier
     group, or allocated before the first, :meth:`he.Server.warm`) that results are written
     into, the smallest that holds each, before any new storage is taken; handed over, and
-    refilled with the group's free buffers at its end."""
+    refilled with the group's free buffers at its end. ``spill``: the segments' tiles write the
+    rows they hold for a later tile out to it and read them back there
+    (:func:`he.tiling.spills`; same results), their buffers reused meanwhile."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
     if load is not None:
@@ -628,7 +714,28 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             if dead:
                 buffers.release(dead, [*held.values(), vals[0]], outside)
 
-        for i, tile in enumerate(tile_plan(seg, k)):
+        def spill_out(tile: Any) -> None:
+            """The rows this tile holds for a later one, written out and their buffers freed
+            (those that cannot be stay)."""
+            dead: list[Elem] = []
+            for s, rows in tile.spill.items():
+                value = held[s]
+                for r in np.flatnonzero(rows):
+                    e = value[r]
+                    if _is_ct(e) and spill.write((s, r), e):
+                        # absent until read back, as rows not computed yet are: no step of
+                        # the tiles in between reads it (he.tiling.spills)
+                        dead.append(e)
+                        value[r] = 0.0
+            if dead:
+                buffers.release(dead, [*held.values(), vals[0]], outside)
+
+        for i, tile in enumerate(tile_plan(seg, k, lowered if spill is not None else None)):
+            for s, rows in tile.reload.items():
+                for r in np.flatnonzero(rows):
+                    if spill.holds((s, r)):
+                        held[s][r] = spill.read((s, r), eng, buffers.take(eng, levels[s]),
+                                                levels[s])
             if load is not None and seg.load is not None:
                 for r in np.flatnonzero(tile.load):
                     if r in pending:
@@ -649,6 +756,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                 part = compute(seg.end, srcs, live[seg.end], part=True, partial=clear)
                 _add_sums(eng, sums, part, buffers)
                 free(points.get(seg.end, ()), tile)
+            if spill is not None:
+                spill_out(tile)
         if seg.reduce:
             held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], in_level(seg.end),
                                          buffers)

@@ -46,7 +46,7 @@ from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
            "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations", "finish_chunk",
-           "buffer_bytes"]
+           "buffer_bytes", "spills"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -113,11 +113,15 @@ class Tile:
     """One tile of a segment: per step, the rows it computes (``compute``), per inner step the
     rows it frees (``free``: once the last step reading them has run in it,
     :func:`release_points`) and the group's input rows it loads first (``load``; empty where
-    the inputs are not loaded tile by tile)."""
+    the inputs are not loaded tile by tile). Where the segment spills (:func:`spills`): per
+    inner step the rows it reads back from disk before anything runs (``reload``) and those it
+    writes out after everything has (``spill``)."""
 
     compute: dict[int, np.ndarray] = field(default_factory=dict)
     free: dict[int, np.ndarray] = field(default_factory=dict)
     load: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    spill: dict[int, np.ndarray] = field(default_factory=dict)
+    reload: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def weighted(lowered: Lowered, s: int) -> bool:
@@ -163,12 +167,66 @@ def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
     return tiles, tile_of, free_at, load_at
 
 
-def tile_plan(seg: Segment, tiles: int) -> list[Tile]:
+def tile_plan(seg: Segment, tiles: int, lowered: Lowered | None = None) -> list[Tile]:
     """The segment cut into ``tiles`` tiles (at most its :attr:`~Segment.components`), each
-    computing about as many rows as the others as far as the sinks' positions allow."""
+    computing about as many rows as the others as far as the sinks' positions allow; with
+    ``lowered`` (its program), spilling between the tiles that read a row (:func:`spills`)."""
     tiles, tile_of, free_at, load_at = _tile_indices(seg, tiles)
-    return [Tile({s: t == i for s, t in tile_of.items()},
-                 {s: f == i for s, f in free_at.items()}, load_at == i) for i in range(tiles)]
+    out = [Tile({s: t == i for s, t in tile_of.items()},
+                {s: f == i for s, f in free_at.items()}, load_at == i) for i in range(tiles)]
+    if lowered is not None:
+        for s, (rows, out_at, back_at) in spills(lowered, seg, tiles).items():
+            n = seg.rank[s].size
+            for i, tile in enumerate(out):
+                tile.spill[s] = np.isin(np.arange(n), rows[out_at == i])
+                tile.reload[s] = np.isin(np.arange(n), rows[back_at == i])
+    return out
+
+
+#: :func:`spills` of the last few (segment, tiles) asked for: the memory rules ask again for
+#: every tile count they try
+_SPILLS: list[tuple[Segment, int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]] = []
+
+
+def spills(lowered: Lowered, seg: Segment, tiles: int
+           ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Where a segment in ``tiles`` tiles spills its inner rows to disk: per inner step,
+    ``(rows, out_at, back_at)``, one entry per spill: the row is written out at the end of tile
+    ``out_at`` (one that reads it) and read back at the start of tile ``back_at``, the next
+    that reads it, where that is not the next tile. A row is held only in the tiles that read it
+    (its own, and every tile computing a row of a step of the segment that reads it; a
+    reduction reads it in its own), so the band of rows a spatial shift keeps between the
+    tokens it joins goes to disk. The one rule for the runtime and the memory rules."""
+    for cached_seg, cached_tiles, result in _SPILLS:
+        if cached_seg is seg and cached_tiles == tiles:
+            return result
+    tiles, tile_of, _, _ = _tile_indices(seg, tiles)
+    steps = lowered.steps
+    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for j in seg.inner:
+        mine = tile_of[j]
+        rows = [np.flatnonzero(mine >= 0)]
+        at = [mine[rows[0]]]
+        for k, tk in tile_of.items():
+            st = steps[k]
+            for t, i in enumerate(st.inputs):
+                if i != j:
+                    continue
+                if st.kind == "affine":
+                    m = st.terms[t].tocoo()
+                    ok = (tk[m.row] >= 0) & (mine[m.col] >= 0)
+                    rows.append(m.col[ok].astype(np.int64))
+                    at.append(tk[m.row[ok]])
+                else:
+                    r = np.flatnonzero((tk >= 0) & (mine >= 0))
+                    rows.append(r)
+                    at.append(tk[r])
+        key = np.unique(np.concatenate(rows) * tiles + np.concatenate(at))
+        row, tile = key // tiles, key % tiles
+        gap = (row[1:] == row[:-1]) & (tile[1:] > tile[:-1] + 1)
+        out[j] = (row[1:][gap], tile[:-1][gap], tile[1:][gap])
+    _SPILLS[:] = [*_SPILLS[-7:], (seg, tiles, out)]
+    return out
 
 
 def release_points(lowered: Lowered, seg: Segment) -> dict[int, tuple[int, ...]]:
@@ -364,9 +422,10 @@ class _Memory:
     segment does not depend on how the other steps are grouped."""
 
     def __init__(self, lowered: Lowered, live: Sequence[np.ndarray],
-                 row_bytes: Callable[[int], float], keep_inputs: bool = True):
+                 row_bytes: Callable[[int], float], keep_inputs: bool = True,
+                 spill: bool = False):
         self.lowered, self.live, self.row_bytes = lowered, live, row_bytes
-        self.keep_inputs = keep_inputs
+        self.keep_inputs, self.spill = keep_inputs, spill
         steps = lowered.steps
         last = _last_use(lowered, keep_inputs)
         self.full = [row_bytes(j) * float(live[j].sum()) for j in range(len(steps))]
@@ -386,7 +445,9 @@ class _Memory:
         kept ones to its end), a reduction's sums and a step's scratch hold, at the moment of
         a tile where they are most: a tile frees its rows of a value once the last step
         reading them has run in it (:func:`release_points`), and loads the group's inputs it
-        reads first where a server owns them (:attr:`Segment.load`)."""
+        reads first where a server owns them (:attr:`Segment.load`); where it spills
+        (:func:`spills`), a row read back is held from the tile's start, one written out until
+        its end."""
         tiles, tile_of, free_at, load_at = _tile_indices(seg, tiles)
         zero = np.zeros(tiles)
         lazy = bool(load_at.size) and not self.keep_inputs
@@ -394,8 +455,14 @@ class _Memory:
         gone = {s: self.row_bytes(s) * _per_tile(f, tiles) for s, f in free_at.items()
                 if s or not self.keep_inputs}
         loaded = self.row_bytes(0) * _per_tile(load_at, tiles) if lazy else zero
-        net = loaded + sum(made.values(), zero) - sum(gone.values(), zero)
-        run = np.concatenate([[0.0], np.cumsum(net)[:-1]]) + loaded   # at a tile's start
+        out, back = zero.copy(), zero.copy()
+        if self.spill:
+            for s, (_, out_at, back_at) in spills(self.lowered, seg, tiles).items():
+                out += self.row_bytes(s) * _per_tile(out_at, tiles)
+                back += self.row_bytes(s) * _per_tile(back_at, tiles)
+        start = loaded + back
+        net = start + sum(made.values(), zero) - sum(gone.values(), zero) - out
+        run = np.concatenate([[0.0], np.cumsum(net)[:-1]]) + start   # at a tile's start
         sums = self.scratch_row(seg.end) * float(self.live[seg.end].sum()) if seg.reduce \
             else 0.0
         peak = zero.copy()
@@ -450,11 +517,12 @@ def find_segments(lowered: Lowered, live: Sequence[np.ndarray],
 
 def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
                  segments: Sequence[Segment] = (), tiles: dict[int, int] | None = None,
-                 keep_inputs: bool = True) -> float:
+                 keep_inputs: bool = True, spill: bool = False) -> float:
     """Bytes of ciphertexts a batch group holds at its peak (:class:`_Memory`), its segments
-    run in ``tiles[end]`` tiles each (one, or none given: not tiled). ``row_bytes(s)``: one
-    row of step ``s``; ``row_bytes(-s - 1)``: one row of ``s`` at its inputs' level."""
-    mem = _Memory(lowered, live, row_bytes, keep_inputs)
+    run in ``tiles[end]`` tiles each (one, or none given: not tiled), spilling between the
+    tiles that read a row where ``spill`` (:func:`spills`). ``row_bytes(s)``: one row of step
+    ``s``; ``row_bytes(-s - 1)``: one row of ``s`` at its inputs' level."""
+    mem = _Memory(lowered, live, row_bytes, keep_inputs, spill)
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
     covered = {s for seg in tiled for s in seg.steps}
@@ -465,9 +533,11 @@ def batch_memory(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
 
 def allocated_memory(lowered: Lowered, live: Sequence[np.ndarray],
                      row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
-                     tiles: dict[int, int] | None = None, keep_inputs: bool = True) -> float:
+                     tiles: dict[int, int] | None = None, keep_inputs: bool = True,
+                     spill: bool = False) -> float:
     """Bytes of ciphertext storage a batch group allocates (:func:`allocations`, summed)."""
-    return buffer_bytes(allocations(lowered, live, row_bytes, segments, tiles, keep_inputs))
+    return buffer_bytes(allocations(lowered, live, row_bytes, segments, tiles, keep_inputs,
+                                    spill))
 
 
 def buffer_bytes(buffers: dict[float, int]) -> float:
@@ -477,8 +547,8 @@ def buffer_bytes(buffers: dict[float, int]) -> float:
 
 def allocations(lowered: Lowered, live: Sequence[np.ndarray],
                 row_bytes: Callable[[int], float], segments: Sequence[Segment] = (),
-                tiles: dict[int, int] | None = None, keep_inputs: bool = True
-                ) -> dict[float, int]:
+                tiles: dict[int, int] | None = None, keep_inputs: bool = True,
+                spill: bool = False) -> dict[float, int]:
     """The ciphertext buffers a batch group allocates, as the runtime reuses them (bytes of one
     buffer -> how many): a server recycles the buffers of values that died for the next results
     (the smallest free buffer that holds a result, else a new one, :class:`he.runtime._Buffers`),
@@ -489,8 +559,10 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
     tile in segments, rows freed after the tile that last reads them) with counts of buffers per
     size: a weighted map's rows summed at its inputs' level, then rescaled a few at a time into
     the scratch of the rows before them, a product's in three-polynomial scratch a few at a
-    time, a reduction's sums held to the segment's end. The count per size is the runtime's,
-    the group's inputs among them (within a chunk of rows: tested)."""
+    time, a reduction's sums held to the segment's end; where ``spill``, rows read back at a
+    tile's start into taken buffers and those written out released at its end (:func:`spills`).
+    The count per size is the runtime's, the group's inputs among them (within a chunk of rows:
+    tested)."""
     steps = lowered.steps
     tiles = tiles or {}
     tiled = [seg for seg in segments if tiles.get(seg.end, 1) > 1]
@@ -566,6 +638,7 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
             ran: tuple[int, ...] = (si,)
         else:
             count, tile_of, free_at, load_at = _tile_indices(seg, tiles[si])
+            spilled = spills(lowered, seg, tiles[si]) if spill else {}
             loads = lazy and seg.load is not None
             held: dict[int, list[dict[float, int]]] = {s: [] for s in tile_of}
             held[0] = [] if loads else [vals.get(0, {})]
@@ -575,15 +648,21 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
 
             def free_rows(js: Sequence[int], i: int) -> None:
                 for j in js:
-                    k = int(np.count_nonzero(free_at[j] == i)) if j or not keep_inputs else 0
-                    for h in held[j]:
-                        if k == 0:
-                            break
-                        got = part(h, k)
-                        k -= sum(got.values())
-                        release(got)
+                    drop(j, int(np.count_nonzero(free_at[j] == i)) if j or not keep_inputs
+                         else 0)
+
+            def drop(j: int, k: int) -> None:
+                """``k`` rows of ``j`` released (the largest buffers holding its rows)."""
+                for h in held[j]:
+                    if k == 0:
+                        break
+                    got = part(h, k)
+                    k -= sum(got.values())
+                    release(got)
 
             for i in range(count):
+                for s, (_, _, back_at) in spilled.items():
+                    held[s].append(take(row_bytes(s), int(np.count_nonzero(back_at == i))))
                 if loads:
                     # loaded into the buffer of a value that died where one holds it (copied
                     # from one staging buffer of SEAL's pool), else into new memory
@@ -601,6 +680,8 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
                 if seg.reduce:
                     release(take(row_bytes(-seg.end - 1), n_end))
                     free_rows(points.get(seg.end, ()), i)
+                for s, (_, out_at, _) in spilled.items():
+                    drop(s, int(np.count_nonzero(out_at == i)))
             for s in seg.keep:
                 vals[s] = merge(held.get(s, []))
             if seg.reduce:
@@ -613,16 +694,18 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
 
 
 def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callable[[int], float],
-                 segments: Sequence[Segment], budget: float, keep_inputs: bool = True
-                 ) -> dict[int, int]:
+                 segments: Sequence[Segment], budget: float, keep_inputs: bool = True,
+                 spill: bool = False) -> dict[int, int]:
     """Per segment end, the tiles (1: not tiled, 2, 4, ... up to its components or
-    :data:`MAX_TILES`) that keep what the group allocates (:func:`allocated_memory`) within
-    ``budget`` bytes: none where it fits whole, else more tiles segment by segment, the first
-    first, until it fits; where the most do not, the most (the least memory)."""
+    :data:`MAX_TILES`) that keep what the group allocates (:func:`allocated_memory`, spilling
+    where ``spill``) within ``budget`` bytes: none where it fits whole, else more tiles segment
+    by segment, the first first, until it fits; where the most do not, the most (the least
+    memory)."""
     tiles: dict[int, int] = {seg.end: 1 for seg in segments}
 
     def fits() -> bool:
-        return allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs) <= budget
+        return allocated_memory(lowered, live, row_bytes, segments, tiles, keep_inputs,
+                                spill) <= budget
 
     if fits():
         return tiles

@@ -600,3 +600,102 @@ def test_random_token_models_in_tiles_load_their_inputs_where_read_and_answer_as
             assert taken <= 0.2 * tight.warm_bytes
         else:               # what the simulation says, within a tenth
             assert taken <= 1.1 * buffer_bytes(mem.buffers)
+
+
+@pytest.fixture(scope="module")
+def shifted_monet():
+    """A MONet whose spatial shifts make its tiles hold rows for later tiles (a band)."""
+    torch.manual_seed(0)
+    model = pn.MONet(img_size=16, in_chans=1, num_classes=3, patch_size=2, embed_dim=8,
+                     depth=2, merges=1, norm="batch").eval()
+    x = torch.rand(8, 1, 16, 16)
+    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    rb = row_bytes_of(prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs)
+    return model, x, prog, rb
+
+
+def test_spilling_tiles_write_out_what_later_tiles_read_with_the_same_words(shifted_monet):
+    """Rows a tile holds for a later one go to disk and come back where next read: the same
+    ciphertexts word for word, each row out and back once per gap, and the memory rules (peak
+    and allocation) hold less."""
+    from he.runtime import SpillFile
+    from he.tiling import spills
+    _, x, prog, rb = shifted_monet
+    low, live = prog.lowered, prog.plan.live
+    segments = find_segments(low, live, rb, keep_inputs=False)
+    most = {s.end: min(s.components, MAX_TILES) for s in segments}
+    events = sum(v[0].size for seg in segments for v in spills(low, seg, most[seg.end]).values())
+    assert events > 0
+    for seg in segments:
+        for s, (rows, out_at, back_at) in spills(low, seg, most[seg.end]).items():
+            assert s in seg.inner and (back_at > out_at + 1).all()
+    assert batch_memory(low, live, rb, segments, most, False, True) < \
+        batch_memory(low, live, rb, segments, most, False)
+    assert allocated_memory(low, live, rb, segments, most, False, True) < \
+        allocated_memory(low, live, rb, segments, most, False)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    group = client.encrypt(x[:4].numpy())._seal_groups(server.engine.context)[0]
+    full: list = [0.0] * int(np.prod(prog.input_shape))
+    for k, c in zip(prog.batch_inputs, group):
+        full[k] = c
+    fanin = prog.options.get("fused_fanin")
+    tiles = [(seg, most[seg.end]) for seg in segments]
+    kept = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=tiles)
+    spill = SpillFile()
+    spilled = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=tiles,
+                        spill=spill)
+    assert spill.written == spill.read_back == events
+    spill.close()
+    for a, b in zip(kept, spilled):
+        assert (a == b) if isinstance(a, float) else save_object(a) == save_object(b)
+
+
+def test_a_row_spilled_to_a_corrupted_or_truncated_file_is_an_error(shifted_monet):
+    import os
+    from he.runtime import SpillFile
+    _, x, prog, _ = shifted_monet
+    client = he.Client(prog)
+    eng = client.engine
+    ct = client.encrypt(x[:2].numpy())._seal_groups(eng.context)[0][0]
+    level = eng.level(ct)
+    spill = SpillFile()
+    assert spill.write("a", ct) and spill.write("b", ct) and not spill.write("a", ct)
+    back = spill.read("a", eng, eng.new_ciphertext(), level)
+    assert save_object(back) == save_object(ct)
+    fd = spill._file.fileno()
+    at = spill._rows["b"][0]
+    os.pwrite(fd, b"\x01\x02\x03", at + 100)
+    with pytest.raises(he.SerializationError, match="corrupted"):
+        spill.read("b", eng, eng.new_ciphertext(), level)
+    assert spill.write("c", ct)
+    os.ftruncate(fd, spill._rows["c"][0] + 10)
+    with pytest.raises(he.SerializationError, match="short"):
+        spill.read("c", eng, eng.new_ciphertext(), level)
+    spill.close()
+
+
+def test_a_server_whose_tiles_do_not_fit_spills_and_answers_the_same(shifted_monet):
+    """Below what the most tiles allocate, a server spills (the compiler's rule, priced in its
+    prediction) and answers as a roomy one does, within noise (a head summed tile by tile)."""
+    from he.compiler import batch_group_memory
+    from he.runtime import PLAIN_CACHE_BYTES
+    _, x, prog, rb = shifted_monet
+    low, live = prog.lowered, prog.plan.live
+    segments, most, floor = _most_tiles(low, live, rb)
+    spilled = allocated_memory(low, live, rb, segments, most, False, True)
+    budget = int((spilled + PLAIN_CACHE_BYTES + floor) / 2)
+    assert spilled + PLAIN_CACHE_BYTES < budget < floor
+    mem = batch_group_memory(low, live, prog.params, budget, segments, keep_inputs=False)
+    assert mem.spills and mem.working <= budget
+    client = he.Client(prog)
+    ct = client.encrypt(x[:4].numpy()).to_bytes()
+    with eager_products():
+        expected = client.decrypt(he.Server(prog, client.public_context()).run(ct))
+    tight = he.Server(prog, client.public_context(), memory_budget=budget)
+    got = client.decrypt(tight.run(ct))
+    assert tight.tiles and tight.spilled == sum(n for _, n in mem.spills)
+    assert np.abs(got - expected).max() <= 0.05 * prog.params.expected_error
+    again = he.compile(prog.program, x[:1], calibration=x, packing="batch",
+                       memory_budget=budget)
+    assert again.plan.predicted["spills"] and "written to disk" in again.plan.why
