@@ -269,7 +269,9 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
            "ciphertext_bytes": len(ct),
            # what the server's run added to this process at its peak (one process only)
            "server_peak_rss_added_mib": rss.peak_mib - rss0 if workers == 1 else None,
-           "server_tiles": {str(e): k for e, k in server.tiles.items()}}
+           "server_tiles": {str(e): k for e, k in server.tiles.items()},
+           # rows its tiles wrote to disk and read back (none where the tiles fit)
+           "server_spilled_rows": server.spilled}
     if warm:
         t4 = time.perf_counter()
         server.run(ct, workers=workers).to_bytes()
@@ -387,6 +389,7 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
            "predicted_images_per_s": slots / pred["seconds_per_ciphertext"],
            "counts": pred["counts"], "why": prog.plan.why,
            "predicted_tiles": pred.get("tiles", {}),
+           "predicted_spills": pred.get("spills", {}),
            "predicted_untiled_memory_gib": pred.get("untiled_memory_bytes", 0) / 2 ** 30}
     if pred["seconds_per_ciphertext"] > budget_s:
         res["skipped"] = (f"predicted {pred['seconds_per_ciphertext']:.0f} s per group > "
@@ -676,7 +679,9 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{t['server_images_per_s']:.1f}; predicted {t['predicted_images_per_s']:.1f});"
                   f" tiles {tiles}: server memory added {t['server_peak_rss_added_mib']:.0f} MiB"
                   f" (predicted {t['predicted_working_memory_gib'] * 1024:.0f} MiB, untiled "
-                  f"{t['predicted_untiled_memory_gib'] * 1024:.0f} MiB)")
+                  f"{t['predicted_untiled_memory_gib'] * 1024:.0f} MiB)"
+                  + (f"; {t['server_spilled_rows']} rows spilled to disk and read back"
+                     if t.get("server_spilled_rows") else ""))
         else:
             one = t["single_process"]
             print(f"   batch N={t['ring']}: encrypted accuracy {100 * t['encrypted_accuracy']:.2f}%"

@@ -359,10 +359,9 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     # tile first reads it, when it loads them tile by tile)
     total["load"] = int(live[0].sum()) * (2 if mem.loads else 1)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
-    # a row spilled is written out and read back with a checksum each way: priced as one
-    # deserialisation of a ciphertext of its level
+    # a row spilled is written out and read back, checksummed each way, at its level's size
     total["spill"] = sum(n for _, n in mem.spills)
-    seconds += sum(n * costs.seconds("load", ring, params.limbs(levels[s])) for s, n in mem.spills)
+    seconds += sum(n * costs.seconds("spill", ring, params.limbs(levels[s])) for s, n in mem.spills)
     client = costs.client_seconds(int(live[0].sum()), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,

@@ -563,11 +563,12 @@ class SpillFile:
         self.written += 1
         return True
 
-    def read(self, key: Any, eng: Engine, ct: Any, level: int) -> Any:
+    def read(self, key: Any, ct: Any, context: Any, parms_id: Any) -> Any:
         """The row written under ``key``, its words read into ``ct`` (a buffer, resized to two
-        polynomials at ``level``, flagged in NTT form), its scale restored."""
+        polynomials at the level ``parms_id`` of ``context``, flagged in NTT form), its scale
+        restored."""
         at, size, scale, crc = self._rows.pop(key)
-        ct.resize(eng.context, eng.parms_ids[level], 2)
+        ct.resize(context, parms_id, 2)
         self._raw.mark_ntt_form(ct)
         words = memoryview(self._raw.view(ct)).cast("B")
         if words.nbytes != size:
@@ -734,8 +735,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             for s, rows in tile.reload.items():
                 for r in np.flatnonzero(rows):
                     if spill.holds((s, r)):
-                        held[s][r] = spill.read((s, r), eng, buffers.take(eng, levels[s]),
-                                                levels[s])
+                        held[s][r] = spill.read((s, r), buffers.take(eng, levels[s]),
+                                                eng.context, eng.parms_ids[levels[s]])
             if load is not None and seg.load is not None:
                 for r in np.flatnonzero(tile.load):
                     if r in pending:

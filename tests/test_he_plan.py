@@ -486,6 +486,8 @@ def test_measured_costs_grow_with_the_limbs():
     rot = dict(model.table[8192]["rotate"])
     assert min(rot) == 1 and max(rot) >= 2
     assert model.seconds("rotate", 8192, max(rot)) > model.seconds("add", 8192, max(rot))
+    # a row spilled to disk and read back is timed, not derived
+    assert dict(model.table[8192]["spill"])[max(rot)] > 0
 
 
 def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_plan():

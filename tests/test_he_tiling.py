@@ -658,20 +658,20 @@ def test_a_row_spilled_to_a_corrupted_or_truncated_file_is_an_error(shifted_mone
     client = he.Client(prog)
     eng = client.engine
     ct = client.encrypt(x[:2].numpy())._seal_groups(eng.context)[0][0]
-    level = eng.level(ct)
+    pid = ct.parms_id()
     spill = SpillFile()
     assert spill.write("a", ct) and spill.write("b", ct) and not spill.write("a", ct)
-    back = spill.read("a", eng, eng.new_ciphertext(), level)
+    back = spill.read("a", eng.new_ciphertext(), eng.context, pid)
     assert save_object(back) == save_object(ct)
     fd = spill._file.fileno()
     at = spill._rows["b"][0]
     os.pwrite(fd, b"\x01\x02\x03", at + 100)
     with pytest.raises(he.SerializationError, match="corrupted"):
-        spill.read("b", eng, eng.new_ciphertext(), level)
+        spill.read("b", eng.new_ciphertext(), eng.context, pid)
     assert spill.write("c", ct)
     os.ftruncate(fd, spill._rows["c"][0] + 10)
     with pytest.raises(he.SerializationError, match="short"):
-        spill.read("c", eng, eng.new_ciphertext(), level)
+        spill.read("c", eng.new_ciphertext(), eng.context, pid)
     spill.close()
 
 
