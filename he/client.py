@@ -433,7 +433,9 @@ class Server:
     ``memory_budget``: bytes of encoded plaintexts (vector packing's diagonals) to keep; those
     beyond it are encoded at each use (default: half the memory available); in batch packing,
     bytes a group may hold (default: the memory available), beyond which segments of its steps
-    run in tiles (:mod:`he.tiling`; same results, less memory). ``threads``:
+    run in tiles (:mod:`he.tiling`; same results, less memory), and where no number of tiles
+    fits, tiles that spill the rows they hold for later tiles to disk (:func:`he.tiling.spills`,
+    :attr:`spilled` counts them). ``threads``:
     threads that rotate one sample's values at once (vector packing), or compute a group's
     ciphertext products and rescales (batch packing; divided among the processes of
     :meth:`run`'s ``workers``); default: those the compiler chose,

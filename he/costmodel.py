@@ -346,7 +346,7 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
 
     def spilled() -> None:
         spill.write(0, ct)
-        spill.read(0, back, ctx, pid)
+        spill.read(0, back, ctx)
 
     timings["spill"] = spilled
     result = {op: _time(fn, reps) for op, fn in timings.items()}

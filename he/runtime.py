@@ -537,7 +537,7 @@ class SpillFile:
         self._raw: Any = None
         self._free: dict[int, list[int]] = {}
         self._end = 0
-        self._rows: dict[Any, tuple[int, int, float, int]] = {}
+        self._rows: dict[Any, tuple[int, int, float, int, Any]] = {}
         #: rows written out, and read back
         self.written = self.read_back = 0
 
@@ -559,15 +559,15 @@ class SpillFile:
         fd, done = self._file.fileno(), 0
         while done < size:
             done += os.pwrite(fd, words[done:], at + done)
-        self._rows[key] = (at, size, float(ct.scale), zlib.crc32(words))
+        self._rows[key] = (at, size, float(ct.scale), zlib.crc32(words), ct.parms_id())
         self.written += 1
         return True
 
-    def read(self, key: Any, ct: Any, context: Any, parms_id: Any) -> Any:
-        """The row written under ``key``, its words read into ``ct`` (a buffer, resized to two
-        polynomials at the level ``parms_id`` of ``context``, flagged in NTT form), its scale
+    def read(self, key: Any, ct: Any, context: Any) -> Any:
+        """The row written under ``key``, its words read into ``ct`` (a buffer of ``context``,
+        resized to the row's level and two polynomials, flagged in NTT form), its scale
         restored."""
-        at, size, scale, crc = self._rows.pop(key)
+        at, size, scale, crc, parms_id = self._rows.pop(key)
         ct.resize(context, parms_id, 2)
         self._raw.mark_ntt_form(ct)
         words = memoryview(self._raw.view(ct)).cast("B")
@@ -736,7 +736,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                 for r in np.flatnonzero(rows):
                     if spill.holds((s, r)):
                         held[s][r] = spill.read((s, r), buffers.take(eng, levels[s]),
-                                                eng.context, eng.parms_ids[levels[s]])
+                                                eng.context)
             if load is not None and seg.load is not None:
                 for r in np.flatnonzero(tile.load):
                     if r in pending:

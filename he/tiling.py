@@ -25,6 +25,11 @@ rows it computed, and rescaled once at the end. Its inputs in the segment become
 freed in the tile that computed them, where otherwise they would be kept whole. The sums are
 those of one pass in another order: modular sums, so the same words up to where constants join.
 
+Where no number of tiles fits, a segment's tiles also **spill** (:func:`spills`): a row is held
+only in the tiles that read it, and between two of them that are not next to each other it is
+written to disk at the end of the first and read back at the start of the second (the band a
+spatial shift holds goes to disk).
+
 :func:`find_segments` cuts the program into single steps and segments so that the peak with the
 most tiles is lowest, by :func:`batch_memory` (every value at its own level's size, so that the
 pieces of a program contribute independently); :func:`allocated_memory` is the rule for what a
