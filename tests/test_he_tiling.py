@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Iterator
+import functools
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -549,6 +550,22 @@ class _RandomTokens(nn.Module):
         return self.head(t.mean((1, 2)) if self.pool else t.flatten(1))
 
 
+def _random_tokens_compiled(seed: int, patch: int, dim: int, shifts: tuple[bool, ...],
+                            pool: bool, n: int) -> tuple[torch.Tensor, he.CompiledProgram, Any]:
+    """A :class:`_RandomTokens` model (its BatchNorm statistics from ``n`` random images),
+    compiled to batch packing: the images, the program and its bytes per row."""
+    torch.manual_seed(seed)
+    model = _RandomTokens(patch, dim, shifts, pool)
+    x = torch.rand(n, 1, 8, 8)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    return x, prog, row_bytes_of(prog.lowered, prog.params.poly_modulus_degree,
+                                 prog.params.limbs)
+
+
 @pytest.mark.slow
 @settings(max_examples=4, deadline=None,
           phases=(Phase.explicit, Phase.reuse, Phase.generate))   # examples of a minute each
@@ -564,16 +581,8 @@ def test_random_token_models_in_tiles_load_their_inputs_where_read_and_answer_as
     the bytes); warm, its first request writes into the ciphertexts it allocated as it started
     (a fifth of their bytes new at most: a few buffers on these small groups)."""
     import he.runtime as runtime
-    torch.manual_seed(seed)
-    model = _RandomTokens(patch, dim, shifts, pool)
-    x = torch.rand(64, 1, 8, 8)
-    model.train()
-    with torch.no_grad():
-        model(x)
-    model.eval()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    x, prog, rb = _random_tokens_compiled(seed, patch, dim, shifts, pool, 64)
     low, live = prog.lowered, prog.plan.live
-    rb = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs)
     segments, most, budget = _most_tiles(low, live, rb)
     if not segments:
         return                                  # nothing this program could run in tiles
@@ -618,7 +627,6 @@ def test_spilling_tiles_write_out_what_later_tiles_read_with_the_same_words(shif
     """Rows a tile holds for a later one go to disk and come back where next read: the same
     ciphertexts word for word, each row out and back once per gap, and the memory rules (peak
     and allocation) hold less."""
-    from he.runtime import SpillFile
     from he.tiling import spills
     _, x, prog, rb = shifted_monet
     low, live = prog.lowered, prog.plan.live
@@ -633,18 +641,25 @@ def test_spilling_tiles_write_out_what_later_tiles_read_with_the_same_words(shif
         batch_memory(low, live, rb, segments, most, False)
     assert allocated_memory(low, live, rb, segments, most, False, True) < \
         allocated_memory(low, live, rb, segments, most, False)
+    _spills_to_the_same_words(prog, x[:4], [(seg, most[seg.end]) for seg in segments], events)
+
+
+def _spills_to_the_same_words(prog: he.CompiledProgram, x: torch.Tensor,
+                              plan: list[tuple[Segment, int]], events: int) -> None:
+    """One group of ``x`` run in the tiles of ``plan`` in memory, then spilling: the same
+    ciphertexts word for word, each of the ``events`` planned spills written and read once."""
+    from he.runtime import SpillFile
     client = he.Client(prog)
     server = he.Server(prog, client.public_context())
-    group = client.encrypt(x[:4].numpy())._seal_groups(server.engine.context)[0]
+    group = client.encrypt(x.numpy())._seal_groups(server.engine.context)[0]
     full: list = [0.0] * int(np.prod(prog.input_shape))
     for k, c in zip(prog.batch_inputs, group):
         full[k] = c
-    fanin = prog.options.get("fused_fanin")
-    tiles = [(seg, most[seg.end]) for seg in segments]
-    kept = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=tiles)
+    run = functools.partial(run_batch, server.engine, prog.lowered, prog.plan.live,
+                            fanin=prog.options.get("fused_fanin"), tiles=plan)
+    kept = run(list(full))
     spill = SpillFile()
-    spilled = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=tiles,
-                        spill=spill)
+    spilled = run(list(full), spill=spill)
     assert spill.written == spill.read_back == events
     spill.close()
     for a, b in zip(kept, spilled):
@@ -710,34 +725,12 @@ def test_random_shifted_token_models_spill_to_the_same_words(seed, patch, dim, s
                                                              tiles):
     """On random token models with spatial shifts, tiles that spill give the ciphertexts of the
     same tiles in memory, word for word, each planned spill written out and read back once."""
-    from he.runtime import SpillFile
     from he.tiling import spills
-    torch.manual_seed(seed)
-    model = _RandomTokens(patch, dim, shifts, pool)
-    x = torch.rand(16, 1, 8, 8)
-    model.train()
-    with torch.no_grad():
-        model(x)
-    model.eval()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    x, prog, rb = _random_tokens_compiled(seed, patch, dim, shifts, pool, 16)
     low, live = prog.lowered, prog.plan.live
-    rb = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs)
     segments = find_segments(low, live, rb, keep_inputs=False)
     plan = [(seg, min(seg.components, tiles)) for seg in segments]
     events = sum(v[0].size for seg, k in plan for v in spills(low, seg, k).values())
     if not events:
         return                                  # no row held across a tile here
-    client = he.Client(prog)
-    server = he.Server(prog, client.public_context())
-    group = client.encrypt(x[:3].numpy())._seal_groups(server.engine.context)[0]
-    full: list = [0.0] * int(np.prod(prog.input_shape))
-    for k, c in zip(prog.batch_inputs, group):
-        full[k] = c
-    fanin = prog.options.get("fused_fanin")
-    kept = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=plan)
-    spill = SpillFile()
-    got = run_batch(server.engine, low, live, list(full), fanin=fanin, tiles=plan, spill=spill)
-    assert spill.written == spill.read_back == events
-    spill.close()
-    for a, b in zip(kept, got):
-        assert (a == b) if isinstance(a, float) else save_object(a) == save_object(b)
+    _spills_to_the_same_words(prog, x[:3], plan, events)
