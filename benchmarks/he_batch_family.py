@@ -55,18 +55,50 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
 #: server variants timed: this version (the compiler's threads); the same on one thread; the
 #: same on the compiler's threads with every product finished (where the program leaves some
 #: lazy, :func:`he.runtime.eager_products`); its fused maps' NumPy loops on one thread
-#: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``)
-VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled")
+#: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``); in
+#: the most tiles, held in memory and, under a budget those do not fit, spilling to disk
+#: (``--spilled``)
+VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled", "in_tiles", "spilled")
 
 
 def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) -> float:
     server = servers["threads" if variant in ("threads", "eager") else
-                     "tiled" if variant == "tiled" else "one_thread"]
+                     variant if variant in ("tiled", "in_tiles", "spilled") else "one_thread"]
     with _kernels.numpy_loops() if variant == "numpy" else \
             eager_products() if variant == "eager" else contextlib.nullcontext():
         t0 = time.perf_counter()
         server.run(request).to_bytes()
         return time.perf_counter() - t0
+
+
+def _spill_servers(prog: he.CompiledProgram, ctx: bytes, row: dict) -> dict[str, he.Server]:
+    """A server in the program's most tiles (the memory they allocate, just), and one under a
+    budget halfway to what they allocate spilling (so they do not fit: it spills); none where
+    the program has no segment or nothing to spill. Their memory joins ``row``."""
+    from he.compiler import _predict_batch, batch_group_memory
+    from he.runtime import PLAIN_CACHE_BYTES
+    from he.tiling import MAX_TILES, allocated_memory, find_segments, row_bytes_of
+
+    low, live = prog.lowered, prog.plan.live
+    rb = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs)
+    segments = find_segments(low, live, rb, keep_inputs=False)
+    most = {s.end: min(s.components, MAX_TILES) for s in segments}
+    floor = allocated_memory(low, live, rb, segments, most, False) + PLAIN_CACHE_BYTES
+    spilling = allocated_memory(low, live, rb, segments, most, False, True) + PLAIN_CACHE_BYTES
+    if not segments or spilling >= floor:
+        return {}
+    out = {}
+    for name, budget in (("in_tiles", int(floor) + 1), ("spilled", int((spilling + floor) / 2))):
+        mem = batch_group_memory(low, live, prog.params, budget, segments, keep_inputs=False)
+        row.update({f"{name}_budget_mib": budget / 2 ** 20,
+                    f"{name}_working_mib": mem.working / 2 ** 20, f"{name}_tiles": mem.tiles,
+                    f"{name}_spills": sum(n for _, n in mem.spills),
+                    f"{name}_predicted_s": _predict_batch(
+                        low, live, prog.params, he.costmodel.default_model(),
+                        prog.options["fused_fanin"], prog.server_threads,
+                        budget)["seconds_per_ciphertext"]})
+        out[name] = he.Server(prog, ctx, memory_budget=budget)
+    return out
 
 
 def _one_thread_prediction(prog: he.CompiledProgram) -> float:
@@ -172,6 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time a server whose memory budget is FRACTION of the group's "
                          "working memory whole, so that it runs in tiles (he.tiling): its time "
                          "against the whole group's and the memory it allocates")
+    ap.add_argument("--spilled", action="store_true",
+                    help="also time a server in the most tiles (memory just above what they "
+                         "allocate) and one under a budget they do not fit, which spills the "
+                         "rows its tiles hold for later tiles to disk (he.tiling.spills): its "
+                         "time and memory against the first's")
     ap.add_argument("--in-process", action="store_true",
                     help="run every model in this process (default: each in a process of its "
                          "own, since SEAL's memory pool keeps what a model's groups allocated)")
@@ -237,10 +274,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "tiled_working_mib": tiled_mem.working / 2 ** 20,
                         "tiled_tiles": tiled_mem.tiles,
                         "tiled_warm_mib": servers["tiled"].warm_bytes / 2 ** 20})
+        if args.spilled and prog.packing == "batch":
+            servers.update(_spill_servers(prog, ctx, row))
         variants = [v for v in VARIANTS if v in ("threads", "one_thread")
                     or (v == "numpy" and args.numpy)
                     or (v == "eager" and prog.options.get("lazy_products"))
-                    or (v == "tiled" and "tiled" in servers)]
+                    or (v in ("tiled", "in_tiles", "spilled") and v in servers)]
         times: dict[str, list[float]] = {v: [] for v in variants}
         try:
             # in turns
@@ -284,6 +323,24 @@ def main(argv: list[str] | None = None) -> dict:
             numpy_note += (f", in tiles {row['tiled_tiles']} {tiled_s:.1f} s "
                            f"({row['tiled_time_ratio']:.2f}x the time, "
                            f"{row['tiled_memory_ratio']:.2f}x the memory)")
+        if "spilled" in times:
+            in_tiles_s, spilled_s = min(times["in_tiles"]), min(times["spilled"])
+            spilled_got = client.decrypt(servers["spilled"].run(request).to_bytes())
+            row.update({"server_s_in_tiles": in_tiles_s, "server_s_spilled": spilled_s,
+                        # per request (timed ones and the one decrypted)
+                        "spilled_rows": servers["spilled"].spilled // (len(times["spilled"]) + 1),
+                        "spilled_time_ratio": spilled_s / in_tiles_s,
+                        "spilled_memory_ratio": row["spilled_working_mib"] /
+                        row["in_tiles_working_mib"],
+                        "spilled_prediction_error": row["spilled_predicted_s"] / spilled_s - 1,
+                        "spilled_max_abs_error_vs_simulation": float(np.max(np.abs(
+                            spilled_got[:64] - want)))})
+            numpy_note += (f", in {row['in_tiles_tiles']} tiles {in_tiles_s:.1f} s and "
+                           f"{row['in_tiles_working_mib']:.0f} MiB, spilling in "
+                           f"{row['spilled_tiles']} {spilled_s:.1f} s "
+                           f"({row['spilled_time_ratio']:.2f}x the time, "
+                           f"{row['spilled_memory_ratio']:.2f}x the memory, "
+                           f"{row['spilled_rows']} rows out and back)")
         if "eager" in times:
             eager_s = min(times["eager"])
             row.update({"lazy_products": prog.options["lazy_products"],
