@@ -153,7 +153,8 @@ def test_the_compiler_prices_input_planes_against_one_input_ciphertext():
     chosen = prog.plan.predicted["round_trip_seconds"]
     assert chosen == pytest.approx(min(planes, single), rel=2e-3)
     no_planes = prog.options.get("max_planes") == 0
-    assert no_planes == (single < planes)
+    if single != planes:            # (the reason prints three digits: a near tie reads equal)
+        assert no_planes == (single < planes)
     assert (prog.plan.cost()["input_ciphertexts"] == 1) or not no_planes
 
 
