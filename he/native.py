@@ -146,12 +146,7 @@ class NativeEvaluator:
 
     def _validate(self, probe: Any, step: int, plain: Any) -> None:
         from he.backend import save_object
-        # the binding's object layout, checked against SEAL's own accessors before any address
-        # is handed to SEAL
-        raw = raw_access(probe)
-        if not raw.ok:
-            raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
-                               f"{raw.reason}")
+        _check_layout(probe)
         holders = (seal.Ciphertext(), seal.Ciphertext())
         words = [(ctypes.c_uint64 * 2).from_address(_cxx_address(h) + _DYN_OFFSET)
                  for h in holders]
@@ -319,6 +314,15 @@ def _library() -> ctypes.CDLL:
         raise _Unavailable(f"the SEAL extension module cannot be opened: {exc}") from None
 
 
+def _check_layout(ct: Any) -> None:
+    """The binding's object layout, checked on ``ct`` against SEAL's own accessors
+    (:func:`he.fused.raw_access`) before any address is handed to SEAL."""
+    raw = raw_access(ct)
+    if not raw.ok:
+        raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
+                           f"{raw.reason}")
+
+
 def _lend_pool(fn: Any, *args: Any) -> None:
     """``fn(*args, pool)`` without the GIL, the pool handle of a fresh, empty ciphertext lent
     as its last argument (see the module docstring)."""
@@ -410,12 +414,7 @@ class NativeEncryptor:
             reference = load_object(seal.Ciphertext, context, expect, "encryption")
         except Exception as exc:                   # noqa: BLE001 - any failure disables it
             raise _Unavailable(f"SEAL's own encryption does not load back: {exc}") from None
-        # the binding's object layout, checked against SEAL's own accessors before any address
-        # is handed to SEAL
-        raw = raw_access(reference)
-        if not raw.ok:
-            raise _Unavailable(f"the binding's ciphertext layout is not the expected one: "
-                               f"{raw.reason}")
+        _check_layout(reference)
         ct = self.encrypt(pt)
         if ct.size() != 2 or not ct.is_ntt_form() or list(ct.parms_id()) != list(pt.parms_id()) \
                 or float(ct.scale) != float(pt.scale):

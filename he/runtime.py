@@ -528,8 +528,8 @@ class SpillFile:
     so the file holds at most the rows out at once. Its scale and a CRC-32 of its words are
     kept here; a row that comes back short or with another checksum raises
     :class:`~he.errors.SerializationError`: a corrupted file is an error, never a wrong
-    answer. ``ok`` is false where the words cannot be reached in place (:mod:`he.fused`'s
-    validated layout): rows then stay in memory.
+    answer. Where the words cannot be reached in place (:mod:`he.fused`'s validated layout),
+    :meth:`write` writes nothing and returns False: rows then stay in memory.
     """
 
     def __init__(self) -> None:
