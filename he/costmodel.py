@@ -88,6 +88,9 @@ class CostModel:
     words: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WORD_COSTS))
     #: per ring, speed-up per thread of rotations on several threads at once (1: perfect)
     parallel: dict[int, float] = field(default_factory=dict)
+    #: per ring, speed-up per thread of a client's encryptions (encode, encrypt, serialise) on
+    #: several threads at once; none measured: no gain (:meth:`client_seconds`)
+    client_parallel: dict[int, float] = field(default_factory=dict)
     #: this machine's seconds per second of the table's (every primitive and word cost times
     #: this; see :func:`probe_speed`)
     speed: float = 1.0
@@ -134,28 +137,35 @@ class CostModel:
 
     def client_seconds(self, n: int, ring: int, limbs: int, threads: int = 1) -> float:
         """Seconds a client takes to encode, encrypt and serialise ``n`` input ciphertexts of
-        ``limbs`` primes on ``threads`` threads (:class:`he.Client`): the encryptions run at
-        once, without the GIL (:class:`he.native.NativeEncryptor`), at the speed-up per thread
-        measured for rotations, while the encodings and serialisations (priced as one
-        ``encode`` and one ``load`` of the same ciphertext) take turns. One thread: ``n``
-        times ``encrypt``."""
+        ``limbs`` primes on ``threads`` threads (:class:`he.Client`): ``n`` times ``encrypt``,
+        divided by the speed-up this table measured for a client's threads in this ring
+        (:meth:`client_efficiency`; the encryptions run without the GIL, the encodings and
+        serialisations take turns). A table that did not measure it assumes no gain."""
         one = self.seconds("encrypt", ring, limbs)
         t = min(int(threads), int(n))
         if t < 2:
             return n * one
-        held = min(one, self.seconds("encode", ring, limbs) + self.seconds("load", ring, limbs))
-        return max(n * held, n * one / (t * self.parallel_efficiency(ring)))
+        return n * one / max(1.0, t * self.client_efficiency(ring))
+
+    def client_efficiency(self, ring: int) -> float:
+        """Speed-up per thread of a client's encryptions on several threads at once, in ring
+        ``ring`` (the nearest measured ring's); ``0`` where the table measured none, so that
+        :meth:`client_seconds` assumes no gain rather than one this machine may not give."""
+        return _nearest(self.client_parallel, ring, 0.0)
 
     def scaled(self, speed: float, why: str) -> "CostModel":
         """The same table on a machine ``speed`` times as slow (``why`` joins the source)."""
         if not _is_speed(speed):
             raise ValueError(f"speed factor must be a positive number, not {speed!r}")
         return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
-                         dict(self.parallel), self.speed * float(speed))
+                         dict(self.parallel), dict(self.client_parallel),
+                         self.speed * float(speed))
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
+                "client_parallel_efficiency": {str(r): e
+                                               for r, e in self.client_parallel.items()},
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
                           for r, ops in self.table.items()}}
 
@@ -178,20 +188,27 @@ class CostModel:
             if k not in WORD_PRIMITIVES or not float(v) > 0:
                 raise ValueError(f"cost table: bad word cost {k!r}: {v!r}")
             words[k] = float(v)
-        parallel = {int(r): float(e) for r, e in dict(d.get("parallel_efficiency", {})).items()}
-        if not all(0.0 < e <= 1.0 for e in parallel.values()):
-            raise ValueError(f"cost table: parallel efficiencies {parallel} not all in (0, 1]")
+        parallel, client = ({int(r): float(e) for r, e in dict(d.get(key, {})).items()}
+                            for key in ("parallel_efficiency", "client_parallel_efficiency"))
+        for what, eff in (("parallel", parallel), ("client parallel", client)):
+            if not all(0.0 < e <= 1.0 for e in eff.values()):
+                raise ValueError(f"cost table: {what} efficiencies {eff} not all in (0, 1]")
         speed = float(d.get("speed", 1.0))
         if not _is_speed(speed):
             raise ValueError(f"cost table: bad speed factor {speed!r}")
-        return cls(table, str(d.get("source", "")), words, parallel, speed)
+        return cls(table, str(d.get("source", "")), words, parallel, client, speed)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
         (the nearest measured ring's; :data:`DEFAULT_PARALLEL_EFFICIENCY` where none was)."""
-        if not self.parallel:
-            return DEFAULT_PARALLEL_EFFICIENCY
-        return self.parallel[min(self.parallel, key=lambda r: abs(np.log2(r) - np.log2(ring)))]
+        return _nearest(self.parallel, ring, DEFAULT_PARALLEL_EFFICIENCY)
+
+
+def _nearest(per_ring: dict[int, float], ring: int, default: float) -> float:
+    """The value of the ring nearest ``ring`` (in log N) in ``per_ring``; ``default`` if empty."""
+    if not per_ring:
+        return default
+    return per_ring[min(per_ring, key=lambda r: abs(np.log2(r) - np.log2(ring)))]
 
 
 def cache_path() -> Path:
@@ -216,12 +233,47 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
     rings = list(rings)
     table = {ring: _measure_ring(ring, progress) for ring in rings}
     parallel = {ring: _parallel_efficiency(ring) for ring in rings}
+    client = {ring: _client_efficiency(ring) for ring in rings}
     if progress:
-        print("  rotations on every core at once, speed-up per thread: " + ", ".join(
-            f"N={ring} {e:.2f}" for ring, e in parallel.items()))
+        for what, eff in (("rotations", parallel), ("a client's encryptions", client)):
+            print(f"  {what} on every core at once, speed-up per thread: " + ", ".join(
+                f"N={ring} {e:.2f}" for ring, e in eff.items()))
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
-                     parallel=parallel)
+                     parallel=parallel, client_parallel={r: e for r, e in client.items() if e})
+
+
+def _small_context(ring: int) -> tuple[Any, Any, Any, Any, Any]:
+    """A context of ring ``ring`` with two data primes (small ciphertexts, where a call's fixed
+    costs weigh most): context, key generator, encoder, a plaintext of every slot, and its
+    public-key encryption."""
+    import tenseal.sealapi as seal
+
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(ring)
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40, 28, 40]))
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    encoder = seal.CKKSEncoder(ctx)
+    pt = seal.Plaintext()
+    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 28, pt)
+    ct = seal.Ciphertext()
+    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    return ctx, keygen, encoder, pt, ct
+
+
+def _speedup_per_thread(task: Any, threads: int) -> float:
+    """Speed-up per thread of ``4 * threads`` calls of ``task`` on ``threads`` threads of
+    :class:`he.native.Pool` against one (1: perfect; at least 0.1)."""
+    from he.native import Pool
+
+    tasks = list(range(4 * threads))
+    one, many = Pool(1), Pool(threads)
+    serial = _time(lambda: one.map(task, tasks), 1)
+    parallel = _time(lambda: many.map(task, tasks), 1)
+    return float(min(1.0, max(0.1, serial / (threads * parallel))))
 
 
 def _parallel_efficiency(ring: int) -> float:
@@ -230,26 +282,15 @@ def _parallel_efficiency(ring: int) -> float:
     the default where there is one core or no native path)."""
     import tenseal.sealapi as seal
 
-    from he.native import NativeEvaluator, Pool, default_threads
+    from he.native import NativeEvaluator, default_threads
 
     threads = default_threads()
     if threads < 2:
         return DEFAULT_PARALLEL_EFFICIENCY
-    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
-    enc.set_poly_modulus_degree(ring)
-    # two data primes: small ciphertexts, where a rotation's fixed costs weigh most
-    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40, 28, 40]))
-    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
-    keygen = seal.KeyGenerator(ctx)
-    pk = seal.PublicKey()
-    keygen.create_public_key(pk)
+    ctx, keygen, _, pt, ct = _small_context(ring)
     gk = seal.GaloisKeys()
     keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
-    encoder, ev = seal.CKKSEncoder(ctx), seal.Evaluator(ctx)
-    pt = seal.Plaintext()
-    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 28, pt)
-    ct = seal.Ciphertext()
-    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    ev = seal.Evaluator(ctx)
     native = NativeEvaluator(ctx, ev, gk, ct, 1, pt)
     if not native.ok:
         return DEFAULT_PARALLEL_EFFICIENCY
@@ -261,11 +302,36 @@ def _parallel_efficiency(ring: int) -> float:
             ev.add_inplace(acc, native.multiply_plain(ct, pt))
         return native.rotate(acc, 1)
 
-    tasks = list(range(4 * threads))
-    one, many = Pool(1), Pool(threads)
-    serial = _time(lambda: one.map(giant_step, tasks), 1)
-    parallel = _time(lambda: many.map(giant_step, tasks), 1)
-    return float(min(1.0, max(0.1, serial / (threads * parallel))))
+    return _speedup_per_thread(giant_step, threads)
+
+
+def _client_efficiency(ring: int) -> float:
+    """Speed-up per thread of a client's work per input ciphertext (encode, encrypt with the
+    secret key without the GIL, serialise; :class:`he.Client`) on every core of this process
+    at once, against one thread; ``0`` where there is one core or no native encryption, as
+    clients there encrypt on one thread."""
+    import tenseal.sealapi as seal
+
+    from he.backend import save_object
+    from he.native import NativeEncryptor, default_threads
+
+    threads = default_threads()
+    if threads < 2:
+        return 0.0
+    ctx, keygen, encoder, pt, _ = _small_context(ring)
+    secret = keygen.secret_key()
+    native = NativeEncryptor(ctx, seal.Encryptor(ctx, secret), seal.Decryptor(ctx, secret),
+                             encoder, pt)
+    if not native.ok:
+        return 0.0
+    values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
+
+    def request(_: int) -> bytes:
+        plain = seal.Plaintext()
+        encoder.encode(values, 2.0 ** 28, plain)
+        return save_object(native.encrypt(plain))
+
+    return _speedup_per_thread(request, threads)
 
 
 def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]]]:
