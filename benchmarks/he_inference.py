@@ -499,12 +499,41 @@ def ours_tokens(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision
     return res
 
 
+class Drift:
+    """How many times slower this machine runs SEAL's primitives now than when the run's cost
+    model was set up: :func:`he.costmodel.probe_speed` now over the same probe at the start. A
+    shared machine's speed drifts over a run by more than the cost model's error, so each
+    measurement is bracketed by two probes and its prediction is also reported scaled by their
+    geometric mean (next to the unscaled one, which the compiler's choices used)."""
+
+    def __init__(self, costs: he.costmodel.CostModel | None):
+        self.reference = costs or he.costmodel.default_model()
+        self.start = self._probe()
+
+    def _probe(self) -> float:
+        return he.costmodel.probe_speed(self.reference)[0]
+
+    def now(self) -> float:
+        return self._probe() / self.start
+
+    def annotate(self, entry: dict, before: float) -> None:
+        """Add ``machine_drift`` and ``prediction_error_drift_corrected`` to a result whose
+        ``prediction_error`` is predicted over measured seconds, less one."""
+        if "prediction_error" not in entry:
+            return
+        drift = float(np.sqrt(before * self.now()))
+        entry["machine_drift"] = drift
+        entry["prediction_error_drift_corrected"] = (1 + entry["prediction_error"]) * drift - 1
+
+
 def _print_vector(name: str, e: dict, v: dict) -> None:
     print(f"{name}: degree {e['degree']}, plaintext {100 * e['plain_accuracy']:.2f}%; "
           f"vector N={v['ring']} latency {v['median_s'] * 1e3:.0f} ms "
           f"({v['latency_speedup_vs_baseline']:.1f}x vs baseline), server "
           f"{v['server_median_s']:.3f} s on {v['server_threads']} threads (predicted "
-          f"{v['predicted_server_s']:.3f} s; one thread {v['server_one_thread_median_s']:.3f}"
+          f"{v['predicted_server_s']:.3f} s, {100 * v['prediction_error']:+.0f}%; "
+          f"{100 * v.get('prediction_error_drift_corrected', float('nan')):+.0f}% at the "
+          f"machine's speed then; one thread {v['server_one_thread_median_s']:.3f}"
           f" s), client encryption {v['client_encrypt_median_s'] * 1e3:.1f} ms on "
           f"{v['client_threads']} threads (predicted {v['predicted_client_s'] * 1e3:.1f} ms; "
           f"one thread {v['client_encrypt_one_thread_median_s'] * 1e3:.1f} ms), "
@@ -566,6 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.n_latency
 
     costs = None if args.shipped_costs else he.costmodel.measure(progress=True)
+    drift = Drift(costs)
     t0 = time.perf_counter()
     base_model = train(TutorialConvNet(), xtr, ytr, 1 if args.quick else 10, augment=False,
                        lr=1e-3, tutorial=True)
@@ -604,12 +634,18 @@ def main(argv: list[str] | None = None) -> dict:
         cert = pn.certify(model, xte[:1])
         print(cert)
         packings = args.packings.split(",")
-        vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs) \
-            if "vector" in packings else None
-        bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
-                         args.batch_budget, costs, args.batch_memory, args.batch_once) \
-            if "batch" in packings else {"skipped": "--packings", "ring": 0,
-                                         "predicted_images_per_s": float("nan")}
+        vec = bat = None
+        if "vector" in packings:
+            before = drift.now()
+            vec = ours_vector(model, xtr, xte, n, args.precision_bits, costs)
+            drift.annotate(vec, before)
+        if "batch" in packings:
+            before = drift.now()
+            bat = ours_batch(model, xtr, xte, args.precision_bits, max(1, args.workers),
+                             args.batch_budget, costs, args.batch_memory, args.batch_once)
+            drift.annotate(bat, before)
+        else:
+            bat = {"skipped": "--packings", "ring": 0, "predicted_images_per_s": float("nan")}
         entry = {"epochs": epochs, "train_seconds": train_s, "degree": cert.degree,
                  "certified_levels": cert.levels, "plain_accuracy": accuracy(plain, ynp),
                  "batch": {k: v for k, v in bat.items() if k != "logits"}}
@@ -676,8 +712,10 @@ def main(argv: list[str] | None = None) -> dict:
             tiles = t["server_tiles"] or "none"
             print(f"   batch N={t['ring']}: encrypted accuracy {100 * t['encrypted_accuracy']:.2f}%"
                   f", {t['images_per_s']:.1f} img/s with 1 process (server alone "
-                  f"{t['server_images_per_s']:.1f}; predicted {t['predicted_images_per_s']:.1f});"
-                  f" tiles {tiles}: server memory added {t['server_peak_rss_added_mib']:.0f} MiB"
+                  f"{t['server_images_per_s']:.1f}; predicted {t['predicted_images_per_s']:.1f},"
+                  f" error {100 * t['prediction_error']:+.0f}%, "
+                  f"{100 * t.get('prediction_error_drift_corrected', float('nan')):+.0f}% at the"
+                  f" machine's speed then); tiles {tiles}: server memory added {t['server_peak_rss_added_mib']:.0f} MiB"
                   f" (predicted {t['predicted_working_memory_gib'] * 1024:.0f} MiB, untiled "
                   f"{t['predicted_untiled_memory_gib'] * 1024:.0f} MiB)"
                   + (f"; {t['server_spilled_rows']} rows spilled to disk and read back"
