@@ -25,12 +25,11 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
-from he.native import GaloisKeySet, NativeEvaluator, Pool, default_threads, galois_element
+from he.native import NativeEvaluator, Pool, default_threads
 from he.params import CKKSParams, seal_security_level
 from he.plan import rotation_path
 
-__all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements",
-           "galois_chunks"]
+__all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements"]
 
 
 def build_context(params: CKKSParams) -> Any:
@@ -53,23 +52,7 @@ def build_context(params: CKKSParams) -> Any:
 def galois_elements(steps: list[int], ring_degree: int) -> list[int]:
     """SEAL Galois elements for left rotations by ``steps`` slots (``3^step mod 2N``)."""
     half = ring_degree // 2
-    return sorted({galois_element(s, ring_degree) for s in steps if int(s) % half})
-
-
-#: uncompressed bytes of Galois keys one chunk may hold: SEAL cannot load a compressed object
-#: of 2^31 bytes or more uncompressed (its buffer's size is an int; the load never returns)
-GALOIS_CHUNK_BYTES = 1 << 30
-
-
-def galois_chunks(elements: list[int], params: CKKSParams) -> list[list[int]]:
-    """``elements`` split into the chunks a key set's Galois keys are generated, serialised and
-    loaded in (:class:`he.native.GaloisKeySet`): as many keys per chunk as fit
-    :data:`GALOIS_CHUNK_BYTES` uncompressed (a key: one two-polynomial ciphertext over every
-    prime, special one included, per data prime), at least one."""
-    primes = len(params.coeff_mod_bit_sizes)
-    key_bytes = (primes - 1) * 2 * primes * params.poly_modulus_degree * 8
-    per = max(1, GALOIS_CHUNK_BYTES // key_bytes)
-    return [list(elements[i:i + per]) for i in range(0, len(elements), per)]
+    return sorted({pow(3, int(s) % half, 2 * ring_degree) for s in steps if int(s) % half})
 
 
 # SEAL reads and writes files only; a memory-backed directory, where there is one, saves the disk
@@ -170,7 +153,7 @@ class Engine:
                                        if params.drops(lv) else 1.0) / self.scales[lv]
                 for lv in range(params.levels)]
         self.relin_keys: Any = None
-        self.galois_keys: GaloisKeySet | None = None
+        self.galois_keys: Any = None
         #: rotation steps the Galois keys cover when they are a key basis; None: every step
         self.key_steps: frozenset[int] | None = None
         #: rotations and plaintext products without the GIL (:mod:`he.native`), once
@@ -425,7 +408,6 @@ class Engine:
                 ct = native.rotate(ct, s)
                 continue
             out = seal.Ciphertext()
-            self.evaluator.rotate_vector(ct, s, self.galois_keys.for_step(s, self.slots * 2),
-                                         out)
+            self.evaluator.rotate_vector(ct, s, self.galois_keys, out)
             ct = out
         return ct

@@ -19,14 +19,14 @@ import tenseal.sealapi as seal
 from tqdm.auto import tqdm
 
 from he import _kernels
-from he.backend import Engine, galois_chunks, galois_elements, load_object, save_object
+from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import PACKINGS, CompiledProgram, GroupMemory, batch_group_memory
 from he.container import digest, pack, unpack
 from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMismatchError,
                        ParameterError, ResourceError, SecretKeyError, SerializationError,
                        batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
-from he.native import GaloisKeySet, NativeEncryptor, Pool, default_threads
+from he.native import NativeEncryptor, Pool, default_threads
 from he.runtime import (SpillFile, VectorKernels, available_memory, keep_spare, note_pool,
                         pool_held, run_batch, run_vector, spare_buffers, take_spare)
 from he.tiling import buffer_bytes, find_segments, row_bytes_of
@@ -172,16 +172,12 @@ class Client:
             keygen.create_public_key(self.public_key)
             self.relin_keys = seal.RelinKeys()
             keygen.create_relin_keys(self.relin_keys)
-            self.galois_keys: GaloisKeySet | None = None
+            self.galois_keys = None
             steps = program.plan.galois_steps()
             if steps:
+                self.galois_keys = seal.GaloisKeys()
                 elements = galois_elements(steps, program.params.poly_modulus_degree)
-                chunks = []
-                for part in galois_chunks(elements, program.params):
-                    chunk = seal.GaloisKeys()
-                    keygen.create_galois_keys(part, chunk)
-                    chunks.append(chunk)
-                self.galois_keys = GaloisKeySet(chunks)
+                keygen.create_galois_keys(elements, self.galois_keys)
             self._public_key_bytes = save_object(self.public_key)
             self.key_id = key_set_id(self._public_key_bytes)
         else:
@@ -200,8 +196,7 @@ class Client:
     def _public_blobs(self) -> dict[str, list[bytes]]:
         return {"public_key": [self._public_key_bytes],
                 "relin_keys": [save_object(self.relin_keys)],
-                "galois_keys": [save_object(c) for c in self.galois_keys.chunks]
-                if self.galois_keys else []}
+                "galois_keys": [save_object(self.galois_keys)] if self.galois_keys else []}
 
     def public_context(self) -> bytes:
         """Public, relinearisation and the needed Galois keys (no secret key), as bytes."""
@@ -425,9 +420,9 @@ def key_set_id(public_key_bytes: bytes) -> str:
 def _load_public(ctx: Any, blobs: dict[str, list[bytes]]) -> tuple[Any, Any, Any]:
     pk = load_object(seal.PublicKey, ctx, blobs["public_key"][0], "public key")
     rk = load_object(seal.RelinKeys, ctx, blobs["relin_keys"][0], "relinearisation keys")
-    chunks = [load_object(seal.GaloisKeys, ctx, blob, "Galois keys")
-              for blob in blobs["galois_keys"]]
-    return pk, rk, GaloisKeySet(chunks) if chunks else None
+    gk = (load_object(seal.GaloisKeys, ctx, blobs["galois_keys"][0], "Galois keys")
+          if blobs["galois_keys"] else None)
+    return pk, rk, gk
 
 
 class Server:

@@ -51,11 +51,7 @@ MAX_BLOBS = 1 << 20
 _Counts = tuple[int, int]
 _Schema = dict[str, _Counts]
 
-#: chunks of Galois keys a key set may send (:func:`he.backend.galois_chunks`; a chunk holds a
-#: key at least, and no plan has more rotation keys than this)
-MAX_GALOIS_CHUNKS = 1 << 12
-_PUBLIC_KEYS: _Schema = {"public_key": (1, 1), "relin_keys": (1, 1),
-                         "galois_keys": (0, MAX_GALOIS_CHUNKS)}
+_PUBLIC_KEYS: _Schema = {"public_key": (1, 1), "relin_keys": (1, 1), "galois_keys": (0, 1)}
 BLOB_SCHEMAS: dict[str, _Schema | tuple[str, _Counts]] = {
     "public-context": _PUBLIC_KEYS,
     "secret-context": {**_PUBLIC_KEYS, "secret_key": (1, 1)},

@@ -42,7 +42,7 @@ import tenseal.sealapi as seal
 
 from he.fused import _DYN_OFFSET, _cxx_address, raw_access
 
-__all__ = ["NativeEvaluator", "NativeEncryptor", "GaloisKeySet", "galois_element", "Pool", "default_threads", "native_platform",
+__all__ = ["NativeEvaluator", "NativeEncryptor", "Pool", "default_threads", "native_platform",
            "NATIVE_PLATFORMS"]
 
 #: (system, machine) pairs where SEAL's symbols are called natively: the Itanium C++ ABI
@@ -88,7 +88,7 @@ class NativeEvaluator:
         self.reason = ""
         self._context = context
         self._evaluator = evaluator
-        self._keys = GaloisKeySet.of_keys(galois_keys)
+        self._keys = galois_keys
         self._relin = relin_keys
         self._ring = int(context.first_context_data().parms().poly_modulus_degree())
         #: bits of the modulus at every level (SEAL's bound on a product's scale)
@@ -104,8 +104,7 @@ class NativeEvaluator:
                     int(nxt.total_coeff_modulus_bit_count()),
                     float(data.parms().coeff_modulus()[-1].value()))
             data = nxt
-        #: per rotation step (mod slots): the address of the chunk holding its key, 0 if none
-        self._key_at: dict[int, int] = {}
+        self._has_key: dict[int, bool] = {}
         try:
             self._bind()
             self._validate(probe, probe_step, probe_plain)
@@ -139,9 +138,9 @@ class NativeEvaluator:
         self._mul_fn, self._square_fn, self._relin_fn, self._rescale_fn = \
             mul, square, relin, rescale
         self._ev = _cxx_address(self._evaluator)
-        keys_bound = self._keys is None or all(_cxx_address(c) for c in self._keys.chunks)
+        self._gk = _cxx_address(self._keys) if self._keys is not None else 0
         self._rk = _cxx_address(self._relin) if self._relin is not None else 0
-        if not self._ev or not keys_bound \
+        if not self._ev or (self._keys is not None and not self._gk) \
                 or (self._relin is not None and not self._rk):
             raise _Unavailable("the binding's object layout is not the expected one")
 
@@ -160,7 +159,7 @@ class NativeEvaluator:
             if not self._key(s):
                 continue
             expect = seal.Ciphertext()
-            self._evaluator.rotate_vector(probe, s, self._keys.for_step(s, self._ring), expect)
+            self._evaluator.rotate_vector(probe, s, self._keys, expect)
             if save_object(self.rotate(probe, s)) != save_object(expect):
                 raise _Unavailable("a native rotation differs from tenseal.sealapi's")
         expect = seal.Ciphertext()
@@ -192,20 +191,19 @@ class NativeEvaluator:
             if save_object(self.rescale(got, seal.Ciphertext())) != save_object(into):
                 raise _Unavailable("a native rescale differs from tenseal.sealapi's")
 
-    def _key(self, step: int) -> int:
-        """The address of the Galois key chunk that rotates by ``step``; 0 where none does."""
+    def _key(self, step: int) -> bool:
         half = self._ring // 2
         s = int(step) % half
-        if s not in self._key_at:
-            chunk = self._keys.chunk(galois_element(s, self._ring)) if s and self._keys else None
-            self._key_at[s] = _cxx_address(chunk) if chunk is not None else 0
-        return self._key_at[s]
+        if s not in self._has_key:
+            elt = pow(3, s, 2 * self._ring)
+            self._has_key[s] = bool(s) and bool(self._keys.has_key(elt))
+        return self._has_key[s]
 
     def accepts_rotation(self, ct: Any, step: int) -> bool:
         """True when SEAL would rotate ``ct`` by ``step`` without raising: two polynomials in
         NTT form at a level of this context, not transparent, and a Galois key for the step."""
         return ct.size() == 2 and ct.is_ntt_form() and tuple(ct.parms_id()) in self._parms \
-            and not ct.is_transparent() and bool(self._key(step))
+            and not ct.is_transparent() and self._key(step)
 
     def accepts_product(self, ct: Any, pt: Any) -> bool:
         """True when SEAL would multiply ``ct`` by ``pt`` without raising: both in NTT form at
@@ -279,7 +277,7 @@ class NativeEvaluator:
         """``ct`` rotated left by ``step`` slots (one key switching), without the GIL; the
         caller has checked :meth:`accepts_rotation`."""
         out = self._copy(ct)
-        self._call(self._rotate_fn, _cxx_address(out), int(step), self._key(step))
+        self._call(self._rotate_fn, _cxx_address(out), int(step), self._gk)
         return out
 
     def multiply_plain(self, ct: Any, pt: Any) -> Any:
@@ -431,52 +429,6 @@ class NativeEncryptor:
         bound = max(16.0 * error(reference), 2.0 ** 10 / float(pt.scale))
         if not error(loaded) <= bound:
             raise _Unavailable("a native encryption does not decrypt to its plaintext")
-
-
-def galois_element(step: int, ring: int) -> int:
-    """SEAL's Galois element for a left rotation by ``step`` slots in ring ``ring``
-    (``3^(step mod N/2) mod 2N``; 1, the identity, for a step of a multiple of N/2)."""
-    return pow(3, int(step) % (ring // 2), 2 * ring)
-
-
-class GaloisKeySet:
-    """A key set's Galois keys, held as one or more SEAL ``GaloisKeys`` objects (chunks) that
-    each hold the keys of some Galois elements. SEAL cannot load a compressed object larger
-    than 2^31 bytes uncompressed (the load never returns), so a large key set is generated,
-    serialised and loaded in chunks (:func:`he.backend.galois_chunks`) and rotations find the
-    chunk holding their key here. A single ``GaloisKeys`` is one chunk."""
-
-    def __init__(self, chunks: Iterable[Any]):
-        self.chunks = list(chunks)
-        if not self.chunks:
-            raise ValueError("a Galois key set needs at least one chunk")
-        self._of: dict[int, Any] = {}
-
-    @classmethod
-    def of_keys(cls, keys: Any) -> "GaloisKeySet | None":
-        """``keys`` as a key set (``None`` stays ``None``; a key set is returned as it is)."""
-        if keys is None or isinstance(keys, GaloisKeySet):
-            return keys
-        return cls([keys])
-
-    def chunk(self, element: int) -> Any | None:
-        """The chunk holding the key of Galois element ``element``, or None."""
-        element = int(element)
-        if element not in self._of:
-            self._of[element] = next((c for c in self.chunks if c.has_key(element)), None)
-        return self._of[element]
-
-    def has_key(self, element: int) -> bool:
-        return self.chunk(element) is not None
-
-    def for_step(self, step: int, ring: int) -> Any:
-        """The chunk holding the key that rotates by ``step`` slots in ring ``ring`` (the
-        first chunk where none does, so that SEAL raises its own error)."""
-        return self.chunk(galois_element(step, ring)) or self.chunks[0]
-
-    def size(self) -> int:
-        """Galois keys held, all chunks together."""
-        return sum(int(c.size()) for c in self.chunks)
 
 
 class Pool:

@@ -131,53 +131,6 @@ def test_vector_packing_generates_only_the_galois_keys_it_uses(mlp):
     assert client.galois_keys.size() == len(used)
 
 
-def test_galois_key_chunks_stay_below_what_seal_can_load():
-    from he.backend import GALOIS_CHUNK_BYTES, galois_chunks
-
-    # SEAL's load of a compressed object of 2^31 bytes or more uncompressed never returns: a
-    # deep program's key set (N=16384, eleven primes, 80 rotation keys: 2.3 GB) goes in chunks
-    params = he.CKKSParams(poly_modulus_degree=16384,
-                           coeff_mod_bit_sizes=(42,) + (31,) * 9 + (52,), scale_bits=31,
-                           levels=9, security_bits=128, expected_error=1e-4, max_abs=1.0,
-                           why="")
-    elements = list(range(3, 163, 2))
-    chunks = galois_chunks(elements, params)
-    key = 10 * 2 * 11 * 16384 * 8
-    assert len(elements) * key > 2 ** 31 and len(chunks) > 1
-    assert [e for c in chunks for e in c] == elements
-    assert all(0 < len(c) * key <= GALOIS_CHUNK_BYTES < 2 ** 31 for c in chunks)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_key_set_in_many_galois_chunks_serves_every_rotation(mlp, monkeypatch, threads):
-    """Galois keys generated, sent and loaded in chunks (here one key each): the server finds
-    each rotation's key in its chunk, natively on threads or through tenseal.sealapi, and
-    decrypts within the promise; a client reloaded from its secret context holds the same
-    chunks."""
-    import he.backend
-    from he.container import unpack
-
-    model, x = mlp
-    prog = he.compile(model, x, packing="vector")
-    monkeypatch.setattr(he.backend, "GALOIS_CHUNK_BYTES", 1)
-    client = he.Client(prog)
-    used = len(he.backend.galois_elements(prog.plan.galois_steps(),
-                                          prog.params.poly_modulus_degree))
-    assert used > 1
-    assert len(client.galois_keys.chunks) == client.galois_keys.size() == used
-    _, blobs = unpack(client.public_context(), "public-context", "context")
-    assert len(blobs["galois_keys"]) == used
-    again = he.Client.from_secret_context(prog, client.secret_context())
-    assert len(again.galois_keys.chunks) == used
-    server = he.Server(prog, client.public_context(), threads=threads)
-    if threads > 1 and he.native.native_platform():
-        assert server.engine.native is not None, server.threads_note
-    y = again.decrypt(server.run(client.encrypt(x)))
-    with torch.no_grad():
-        ref = model(x).double().numpy()
-    assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
-
-
 def test_server_and_public_context_hold_no_secret_key(mlp_setup):
     prog, client, server, x = mlp_setup
     public = client.public_context()
