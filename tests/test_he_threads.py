@@ -179,10 +179,10 @@ def test_calibration_times_a_clients_threads_themselves():
     from he.costmodel import _client_efficiency
 
     # the client's own work per ciphertext (encode, native encryption, serialise) on every core
-    # against one: a speed-up per thread in (0, 1], which the encodings and serialisations
-    # (taking turns under the GIL) keep below one
+    # against one: a speed-up per thread in (0, 1]; 0 would mean the native encryption did not
+    # validate, and the floor of 0.1 that threads ran five times slower than one
     e = _client_efficiency(8192)
-    assert 0.1 <= e <= 1.0
+    assert 0.1 < e <= 1.0
 
 
 @pytest.mark.parametrize("babies,giants", [(0, 0), (1, 1), (3, 7), (8, 8), (16, 3)])
