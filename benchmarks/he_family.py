@@ -21,7 +21,8 @@ Per model: the ring and chain chosen, rotations, the round trip (encrypt, serial
 decrypt; median of ``--n-latency`` images), the server's time next to the cost model's prediction
 (primitives timed at the start of the run), the decryption's error next to the promise, and the
 ratio to the recipe's latency, measured again right after each model (a shared machine's speed
-drifts over a run).
+drifts over a run). Each model runs in a forked process of its own: its memory goes back to the
+system when it ends, and a model killed for memory is reported as failed while the run goes on.
 
     python benchmarks/he_family.py --data-dir ../shared/data/mnist [--models a,b] [--quick]
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -285,6 +287,43 @@ def chosen_models(spec: str, known: dict[str, Callable[[], nn.Module]] = MODELS)
     return names
 
 
+class ProcessDied(RuntimeError):
+    """A model's process ended before it answered (killed for memory, or a crash in SEAL)."""
+
+
+def isolated(fn: Callable[[], dict]) -> dict:
+    """``fn()`` in a forked process of its own, so that each model's keys, ciphertexts and SEAL's
+    memory pool (which keeps what it once allocated) go back to the system when it ends, and a
+    model killed for memory does not end the run (:class:`ProcessDied`); an exception in it is
+    raised here. In this process where ``fork`` is unavailable."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return fn()
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", fn()))
+        except BaseException as exc:             # noqa: BLE001 - reported to the parent
+            send.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    process = ctx.Process(target=child)
+    process.start()
+    send.close()
+    try:
+        status, value = receive.recv()
+    except EOFError:
+        process.join()
+        raise ProcessDied(f"the model's process ended with exit code {process.exitcode} before "
+                          f"it answered (killed for memory?)") from None
+    finally:
+        receive.close()
+    process.join()
+    if status == "error":
+        raise RuntimeError(f"in the model's process: {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=str(HERE.parents[1] / "shared" / "data" / "mnist"))
@@ -329,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline_tenseal_tutorial": {"median_latency_s": base["median_s"],
                                       "params": base["params"]},
         "models": {}}
-    for name in names:
+    def measure(name: str) -> dict:
         model = train(MODELS[name](), xtr, ytr, epochs, augment=True, lr=2e-3)
         with torch.no_grad():
             plain = model(xte).double().numpy()
@@ -344,20 +383,35 @@ def main(argv: list[str] | None = None) -> dict:
                                                 plain[:n].argmax(1)))
         row["recipe_latency_s"] = recipe_s
         row["speedup_vs_recipe"] = recipe_s / vec["median_s"]
+        return row
+
+    for name in names:
+        try:
+            row = isolated(lambda: measure(name))
+        except ProcessDied as exc:
+            row = {"error": str(exc)}
+            print(f"{name:12s} {row['error']}", flush=True)
+        else:
+            print(f"{name:12s} N={row['ring']:5d} {row['levels']} levels, {row['plan']}\n"
+                  f"{'':12s} {row['median_s'] * 1e3:6.0f} ms per image "
+                  f"({row['speedup_vs_recipe']:.1f}x the recipe's "
+                  f"{row['recipe_latency_s'] * 1e3:.0f} ms), server "
+                  f"{row['server_median_s'] * 1e3:.0f} ms (predicted "
+                  f"{row['prediction_error']:+.0%}), error "
+                  f"{row['max_abs_error_vs_simulation']:.1e} <= {row['promised_error']:.1e}: "
+                  f"{row['within_promise']}", flush=True)
         result["models"][name] = row
-        print(f"{name:12s} N={row['ring']:5d} {row['levels']} levels, {row['plan']}\n"
-              f"{'':12s} {row['median_s'] * 1e3:6.0f} ms per image ({row['speedup_vs_recipe']:.1f}x"
-              f" the recipe's {recipe_s * 1e3:.0f} ms), server "
-              f"{row['server_median_s'] * 1e3:.0f} ms (predicted "
-              f"{row['prediction_error']:+.0%}), error {row['max_abs_error_vs_simulation']:.1e} "
-              f"<= {row['promised_error']:.1e}: {row['within_promise']}", flush=True)
         atomic_write_bytes(out, json.dumps(result, indent=1).encode())
-    ratios = [r["speedup_vs_recipe"] for r in result["models"].values()]
-    preds = [r["prediction_error"] for r in result["models"].values()]
+    done = [r for r in result["models"].values() if "error" not in r]
+    if not done:
+        raise SystemExit("no model finished")
+    ratios = [r["speedup_vs_recipe"] for r in done]
+    preds = [r["prediction_error"] for r in done]
     result["summary"] = {
         "speedup_min": min(ratios), "speedup_median": statistics.median(ratios),
         "speedup_max": max(ratios), "prediction_error_range": [min(preds), max(preds)],
-        "all_within_promise": all(r["within_promise"] for r in result["models"].values())}
+        "all_within_promise": all(r["within_promise"] for r in done),
+        "models_failed": sorted(k for k, r in result["models"].items() if "error" in r)}
     print(json.dumps(result["summary"], indent=1))
     atomic_write_bytes(out, json.dumps(result, indent=1).encode())
     print(f"wrote {out}")

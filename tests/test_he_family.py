@@ -67,3 +67,15 @@ def test_wide_values_benchmark_times_the_split_against_the_whole_ring(tmp_path):
     assert row["chosen_vs_whole"] == pytest.approx(row["whole_latency_s"] /
                                                    row["chosen"]["median_s"])
     assert json.loads(out.read_text())["summary"]["all_within_promise"]
+
+
+def test_each_family_model_runs_in_a_process_of_its_own_and_a_dead_one_is_reported():
+    import os
+
+    bench = _benchmark("he_family")
+    assert bench.isolated(lambda: {"pid": os.getpid()})["pid"] != os.getpid()
+    with pytest.raises(bench.ProcessDied, match="exit code 9"):  # as a kill for memory leaves it
+        bench.isolated(lambda: os._exit(9))
+    with pytest.raises(RuntimeError, match="ValueError: bad model"):
+        bench.isolated(lambda: (_ for _ in ()).throw(ValueError("bad model")))
+    assert bench.isolated(lambda: {"after": True}) == {"after": True}
