@@ -709,6 +709,14 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         return costs.price(rest, ring, params.limbs(0)) + costs.client_seconds(
             counts.get("encrypt", 0), ring, params.limbs(0), client_threads())
 
+    def served(trial: VectorPlan) -> tuple[int, str, dict[str, Any]]:
+        """The server threads ``trial`` would run on, why, and its prediction on them: every
+        candidate is priced as it would be served, so that the one kept is the cheapest as
+        served (not the cheapest on threads the rule then declines)."""
+        return _chosen_threads(
+            _threads(options), _predict_vector(trial, params, costs, 1),
+            lambda n: _predict_vector(trial, params, costs, n), "baby- and giant-step rotations")
+
     objective = options["objective"]
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
@@ -728,22 +736,20 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                                       max_planes=max_planes,
                                       max_input_ciphertexts=int(options["max_input_ciphertexts"]),
                                       planes_per_ct=per_ct, price=price)
-            predicted = _predict_vector(trial, params, costs, _threads(options))
+            threads, threads_why, predicted = served(trial)
             score = _objective_cost(predicted, objective, options.get("batch_size"),
                                     options.get("bandwidth"))
             scores[max_planes] = min(score, scores.get(max_planes, score))
             if best is None or score < best[0]:
-                best = (score, trial, per_ct, predicted, orders, max_planes)
+                best = (score, trial, per_ct, predicted, orders, max_planes, threads,
+                        threads_why)
     assert best is not None
-    score, plan, per_ct, predicted, orders, max_planes = best
+    score, plan, per_ct, predicted, orders, max_planes, threads, threads_why = best
     most = slots // widest_period(lowered, orders)
     planes_why = ""
     if len(scores) > 1:
         planes_why = (f"; the first maps from the client's input planes: {scores[MAX_PLANES]:.3g}"
                       f" s, from one input ciphertext: {scores[0]:.3g} s")
-    threads, threads_why, predicted = _chosen_threads(
-        _threads(options), _predict_vector(plan, params, costs, 1),
-        lambda n: _predict_vector(plan, params, costs, n), "baby- and giant-step rotations")
     changed = sum(o is not None for o in orders)
     opts = {**options, "server_threads": threads, "threads_why": threads_why,
             "layouts": [None if o is None else list(o) for o in orders],
