@@ -136,7 +136,8 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 
 #: op_counts entries that are not primitives: plaintexts held, and the rotations among
 #: ``rotate`` that the server spreads over its threads
-_NOT_PRIMITIVES = ("plaintexts", "babies", "giants")
+_NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "baby_items", "giant_items",
+                   "giant_products")
 
 
 def client_threads() -> int:
@@ -175,18 +176,28 @@ def _chosen_threads(threads: int, serial: dict[str, Any], on: Callable[[int], di
 
 
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
-    """Seconds of one vector step whose baby-step rotations, then giant-step rotations, are
-    spread over ``threads`` threads (:func:`he.runtime._affine`): each phase takes as many
-    rounds as its rotations fill, a round as long as one rotation divided by ``efficiency``
-    (rotations running at once share the memory). Plaintext products and additions stream
-    through memory, so they are priced as if run one after the other whatever the threads."""
+    """Seconds of one vector step whose baby-step rotations, then giant steps, are spread over
+    ``threads`` threads (:func:`he.runtime._affine`). A giant step sums its plaintext products
+    then rotates the sum, so its products and their additions run on the threads with its
+    rotation (``giant_items`` steps, ``giant_products`` products). Each phase takes as many
+    rounds as its items fill, a round as long as its average item divided by ``efficiency``
+    (work running at once shares the cores and the memory); the rest of the step (the folds,
+    the rescale) runs in one thread. Counts without ``giant_items`` (saved before it) spread
+    the giant rotations alone."""
     serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
     babies, giants = c.get("babies", 0), c.get("giants", 0)
-    if threads <= 1 or babies + giants == 0:
+    items, products = c.get("giant_items", giants), c.get("giant_products", 0)
+    baby_items = c.get("baby_items", babies)
+    if threads <= 1 or baby_items + items == 0:
         return serial
-    rot = price({"rotate": 1})
-    rounds = sum(min(n, math.ceil(n / threads) / efficiency) for n in (babies, giants))
-    return serial - rot * (babies + giants - rounds)
+
+    def spread(work: float, n: int) -> float:
+        """Seconds of ``n`` equal items of ``work`` seconds in all on the threads."""
+        return work / n * min(n, math.ceil(n / threads) / efficiency) if n else 0.0
+
+    baby = price({"rotate": babies})
+    giant = price({"rotate": giants, "mul_plain": products, "add": max(0, products - items)})
+    return serial - baby - giant + spread(baby, baby_items) + spread(giant, items)
 
 
 #: Serialised size of a ciphertext over the bits its residues need (SEAL's zstd leaves part of
@@ -216,7 +227,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
             costs.parallel_efficiency(ring))
         plaintexts.append((c["plaintexts"], lin))
-    total = {k: sum(c[k] for c in counts) for k in counts[0]} if counts else {}
+    total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))

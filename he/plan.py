@@ -791,7 +791,11 @@ class VectorPlan:
         maps that read it, giant steps shared by a step's terms of one input period, one
         rescale per step, folds shared by the step's terms; a rotation composed from a key basis
         counts each key switching it takes. ``babies`` and ``giants`` (where a step has maps)
-        count the rotations among ``rotate`` that the runtime spreads over its threads."""
+        count the rotations among ``rotate`` that the runtime spreads over its threads
+        (``baby_items`` the distinct baby steps, each one rotation of one or more key
+        switchings), ``giant_items`` the giant steps it spreads (each sums its products, then rotates; the
+        giant step of no rotation too) and ``giant_products`` the plaintext products among
+        ``mul_plain`` that they take."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
@@ -805,12 +809,15 @@ class VectorPlan:
                 babies_done |= new
                 giants: dict[int, set[int]] = {}
                 for _, mv in mvs:
-                    giants.setdefault(mv.p_in, set()).update(g for g in mv.giants if g)
+                    giants.setdefault(mv.p_in, set()).update(mv.giants)
                 diags = sum(mv.n_diagonals for _, mv in mvs)
                 widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
                 folds = len(widest.folds)
                 c["babies"] = sum(w(b) for _, _, b in new)
-                c["giants"] = sum(w(g) for gs in giants.values() for g in gs)
+                c["baby_items"] = len(new)
+                c["giants"] = sum(w(g) for gs in giants.values() for g in gs if g)
+                c["giant_items"] = sum(len(gs) for gs in giants.values())
+                c["giant_products"] = diags
                 c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
                 c["mul_plain"] += diags
                 c["plaintexts"] += diags

@@ -221,6 +221,29 @@ def test_threads_shorten_a_step_by_its_rotation_rounds_and_never_lengthen_it(bab
     assert serial - two == pytest.approx(babies + giants - rounds)
 
 
+def test_a_giant_steps_products_run_on_the_threads_with_its_rotation():
+    from he.compiler import _threaded_seconds
+
+    # 2 baby steps; 4 giant steps (one of no rotation) summing 8 products each: the products
+    # and their additions are spread with the giant rotations, the folds and rescale are not
+    c = {"rotate": 2 + 3 + 2, "mul_plain": 32, "add": 32 + 2, "rescale": 1, "plaintexts": 32,
+         "babies": 2, "baby_items": 2, "giants": 3, "giant_items": 4, "giant_products": 32}
+    prices = {"rotate": 1.0, "mul_plain": 0.1, "add": 0.01, "rescale": 0.3}
+
+    def price(counts):
+        return sum(n * prices[op] for op, n in counts.items())
+
+    serial = _threaded_seconds(c, price, 1, 0.8)
+    two = _threaded_seconds(c, price, 2, 0.8)
+    giant = 3 * 1.0 + 32 * 0.1 + (32 - 4) * 0.01
+    rest = serial - 2 * 1.0 - giant
+    assert two == pytest.approx(rest + 2 * 1.0 * (1 / 0.8) / 2 + giant * (2 / 0.8) / 4)
+    # the same counts without the giant steps' products priced on the threads save less
+    old = {k: v for k, v in c.items() if k not in ("giant_items", "giant_products",
+                                                   "baby_items")}
+    assert two < _threaded_seconds(old, price, 2, 0.8) < serial
+
+
 @pytest.mark.parametrize("bad", [0, -3, "many", 1.5, True, None])
 def test_a_program_file_with_a_bad_thread_count_is_refused(setup, bad):
     _, _, prog, _, _ = setup
