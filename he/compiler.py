@@ -726,7 +726,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         served (not the cheapest on threads the rule then declines)."""
         return _chosen_threads(
             _threads(options), _predict_vector(trial, params, costs, 1),
-            lambda n: _predict_vector(trial, params, costs, n), "baby- and giant-step rotations")
+            lambda n: _predict_vector(trial, params, costs, n),
+            "baby-step rotations and giant steps (their products and rotation)")
 
     objective = options["objective"]
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
