@@ -134,8 +134,9 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
 
-#: op_counts entries that are not primitives: plaintexts held, and the rotations among
-#: ``rotate`` that the server spreads over its threads
+#: op_counts entries that are not primitives: plaintexts held, and the work among the
+#: primitives that the server spreads over its threads (baby and giant steps, the giant steps'
+#: products; :meth:`he.plan.VectorPlan.op_counts`)
 _NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "baby_items", "giant_items",
                    "giant_products")
 

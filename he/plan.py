@@ -793,9 +793,9 @@ class VectorPlan:
         counts each key switching it takes. ``babies`` and ``giants`` (where a step has maps)
         count the rotations among ``rotate`` that the runtime spreads over its threads
         (``baby_items`` the distinct baby steps, each one rotation of one or more key
-        switchings), ``giant_items`` the giant steps it spreads (each sums its products, then rotates; the
-        giant step of no rotation too) and ``giant_products`` the plaintext products among
-        ``mul_plain`` that they take."""
+        switchings), ``giant_items`` the giant steps it spreads (each sums its products, then
+        rotates; the giant step of no rotation too) and ``giant_products`` the plaintext
+        products among ``mul_plain`` that they take."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
