@@ -277,8 +277,8 @@ _BATCH_THREADED = ("mul_ct", "mul_lazy", "rescale", "fused_mac", "fused_in", "fu
 class GroupMemory(NamedTuple):
     """What one batch group holds (:func:`batch_group_memory`): ``tiles`` per segment end (empty:
     the group runs whole), ``working`` bytes with them (its ``buffers``) and ``untiled`` bytes
-    without (both with the encoded weights' cache), and ``lazy``, the product steps left unrelinearised (those asked
-    for where the group fits whole with them, else none)."""
+    without (both with the encoded weights' cache), and ``lazy``, the product steps left
+    unrelinearised (those asked for where the group fits whole with them, else none)."""
 
     tiles: dict[int, int]
     untiled: float
