@@ -25,7 +25,7 @@ import numpy as np
 import tenseal.sealapi as seal
 
 from he.errors import ParameterError, SerializationError
-from he.native import NativeEvaluator, Pool, default_threads
+from he.native import NativeEvaluator, Pool, default_threads, galois_element
 from he.params import CKKSParams, seal_security_level
 from he.plan import rotation_path
 
@@ -52,7 +52,7 @@ def build_context(params: CKKSParams) -> Any:
 def galois_elements(steps: list[int], ring_degree: int) -> list[int]:
     """SEAL Galois elements for left rotations by ``steps`` slots (``3^step mod 2N``)."""
     half = ring_degree // 2
-    return sorted({pow(3, int(s) % half, 2 * ring_degree) for s in steps if int(s) % half})
+    return sorted({galois_element(s, ring_degree) for s in steps if int(s) % half})
 
 
 # SEAL reads and writes files only; a memory-backed directory, where there is one, saves the disk

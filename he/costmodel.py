@@ -305,14 +305,14 @@ def _parallel_efficiency(ring: int) -> float:
     the default where there is one core or no native path)."""
     import tenseal.sealapi as seal
 
-    from he.native import NativeEvaluator, default_threads
+    from he.native import NativeEvaluator, default_threads, galois_element
 
     threads = default_threads()
     if threads < 2:
         return DEFAULT_PARALLEL_EFFICIENCY
     ctx, keygen, _, pt, ct = _small_context(ring)
     gk = seal.GaloisKeys()
-    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+    keygen.create_galois_keys([galois_element(1, ring)], gk)
     ev = seal.Evaluator(ctx)
     native = NativeEvaluator(ctx, ev, gk, ct, 1, pt)
     if not native.ok:
@@ -395,6 +395,8 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
     Galois key of one rotation, the context."""
     import tenseal.sealapi as seal
 
+    from he.native import galois_element
+
     enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
     enc.set_poly_modulus_degree(ring)
     enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [28] * primes + [40]))
@@ -405,7 +407,7 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
     rk = seal.RelinKeys()
     keygen.create_relin_keys(rk)
     gk = seal.GaloisKeys()
-    keygen.create_galois_keys([pow(3, 1, 2 * ring)], gk)
+    keygen.create_galois_keys([galois_element(1, ring)], gk)
     return ctx, (seal.CKKSEncoder(ctx), seal.Evaluator(ctx),
                  seal.Encryptor(ctx, pk, keygen.secret_key()), rk, gk, ctx)
 

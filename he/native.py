@@ -43,7 +43,7 @@ import tenseal.sealapi as seal
 from he.fused import _DYN_OFFSET, _cxx_address, raw_access
 
 __all__ = ["NativeEvaluator", "NativeEncryptor", "Pool", "default_threads", "native_platform",
-           "NATIVE_PLATFORMS"]
+           "galois_element", "NATIVE_PLATFORMS"]
 
 #: (system, machine) pairs where SEAL's symbols are called natively: the Itanium C++ ABI
 #: (non-trivial arguments passed by address) and the binding's layout as validated here
@@ -62,6 +62,12 @@ _RESCALE = "_ZNK4seal9Evaluator15rescale_to_nextERKNS_10CiphertextERS1_NS_16Memo
 _ENCRYPT = ("_ZNK4seal9Encryptor16encrypt_internalERKNS_9PlaintextEbbRNS_10CiphertextENS_16"
             "MemoryPoolHandleE")
 T = TypeVar("T")
+
+
+def galois_element(step: int, ring: int) -> int:
+    """SEAL's Galois element for a left rotation by ``step`` slots in ring ``ring``
+    (``3^(step mod N/2) mod 2N``; 1, the identity, for a multiple of ``N/2``)."""
+    return pow(3, int(step) % (ring // 2), 2 * ring)
 
 
 def default_threads() -> int:
@@ -195,8 +201,8 @@ class NativeEvaluator:
         half = self._ring // 2
         s = int(step) % half
         if s not in self._has_key:
-            elt = pow(3, s, 2 * self._ring)
-            self._has_key[s] = bool(s) and bool(self._keys.has_key(elt))
+            self._has_key[s] = bool(s) and bool(
+                self._keys.has_key(galois_element(s, self._ring)))
         return self._has_key[s]
 
     def accepts_rotation(self, ct: Any, step: int) -> bool:
