@@ -24,7 +24,8 @@ from he.native import default_threads, native_platform
 from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
                        TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
-from he.params import RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params, wide_variant
+from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params,
+                       fitting_precision, wide_variant)
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
                      choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
                      next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
@@ -1074,6 +1075,16 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                                        security=int(options.get("security", 128)))
             except TooDeepError as exc:
                 note = f"N={ring}: {levels} levels do not fit"
+                if scale_bits is None:
+                    fits = fitting_precision(levels, max(maxabs), noise_gain(low, m, packing),
+                                             ring, below=precision_bits,
+                                             output_abs=maxabs[program.output],
+                                             rotations=packing in ("vector", "tokens"),
+                                             security=int(options.get("security", 128)))
+                    if fits is not None:
+                        note += (f" at {precision_bits} bits of precision (they do at up to "
+                                 f"{fits}: precision_bits={fits}, or 'argmax' for a "
+                                 f"classifier)")
                 if note not in notes:
                     notes.append(note)
                 error = exc

@@ -28,8 +28,8 @@ import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "wide_variant", "wide_prime_bits", "max_modulus_bits",
-           "MAX_MODULUS_BITS", "RING_DEGREES", "SECURITY_LEVELS", "noise_unit"]
+__all__ = ["CKKSParams", "choose_params", "fitting_precision", "wide_variant", "wide_prime_bits",
+           "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES", "SECURITY_LEVELS", "noise_unit"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
 SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
@@ -373,6 +373,23 @@ def wide_variant(params: CKKSParams, pending: int,
     out = dataclasses.replace(out, expected_error=error, why=why)
     out.check()
     return out
+
+
+def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ring: int, *,
+                      below: int, output_abs: float = 1.0, rotations: bool = False,
+                      security: int = 128) -> int | None:
+    """The most bits of output precision (fewer than ``below``) at which ``levels`` levels fit
+    ring ``ring`` at ``security`` bits, the scale chosen as :func:`choose_params` chooses it;
+    None where even one bit does not fit them. What a program rejected from a ring for its
+    depth at the precision asked could have there (:func:`choose_params` at that many bits
+    takes the ring)."""
+    mag_bits = max(0, math.ceil(math.log2(max(max_abs, 1.0))))
+    for bits in range(int(below) - 1, 0, -1):
+        err_target = max(output_abs, 1e-3) * 2.0 ** -bits
+        if _ring_chain(ring, int(levels), mag_bits, gain, err_target, None, rotations,
+                       security)[-1] >= levels:
+            return bits
+    return None
 
 
 def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,

@@ -1,0 +1,74 @@
+"""The precision at which a ring rejected for depth would hold the program: the compiler's hint
+(``rejected N=8192: 5 levels do not fit at 16 bits of precision (they do at up to 12 ...)``)
+is :func:`he.params.choose_params`' own answer at that many bits, and the next bit's refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import he
+import polynets as pn
+from he.errors import TooDeepError
+from he.params import choose_params, fitting_precision
+
+
+@settings(max_examples=60, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(levels=st.integers(1, 12), max_abs=st.floats(0.5, 500.0),
+       g_in=st.floats(0.1, 50.0), g_rs=st.floats(0.1, 50.0), out_abs=st.floats(0.05, 50.0),
+       below=st.integers(2, 30), rotations=st.booleans())
+def test_the_hint_is_the_most_precision_the_ring_holds(levels, max_abs, g_in, g_rs, out_abs,
+                                                       below, rotations):
+    kw = dict(max_abs=max_abs, gain=(g_in, g_rs), output_abs=out_abs, ring_degree=8192,
+              rotations=rotations)
+    bits = fitting_precision(levels, max_abs, (g_in, g_rs), 8192, below=below,
+                             output_abs=out_abs, rotations=rotations)
+    if bits is None:
+        with pytest.raises(TooDeepError):
+            choose_params(levels, precision_bits=1, **kw)
+        return
+    assert 1 <= bits < below
+    assert choose_params(levels, precision_bits=bits, **kw).poly_modulus_degree == 8192
+    if bits + 1 < below:
+        with pytest.raises(TooDeepError):
+            choose_params(levels, precision_bits=bits + 1, **kw)
+
+
+class _Tokens(nn.Module):
+    """Two residual Mu-Layers on 4x4 tokens: five levels, too many for N=8192 at 24 bits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = pn.PatchEmbed(8, 2, 1, 4)
+        self.mus = nn.ModuleList(pn.MuLayer(4, norm="batch") for _ in range(2))
+        self.head = nn.Linear(4 * 16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        for mu in self.mus:
+            t = t + mu(t)
+        return self.head(t.flatten(1))
+
+
+def test_a_program_raised_to_a_larger_ring_by_its_depth_says_what_precision_the_smaller_holds():
+    torch.manual_seed(0)
+    model = _Tokens()
+    x = torch.rand(16, 1, 8, 8)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    kw = dict(calibration=x, packing="vector", samples_per_ciphertext=1)
+    deep = he.compile(model, x[:1], precision_bits=24, **kw)
+    assert deep.params.poly_modulus_degree > 8192
+    hint = deep.params.why.split("they do at up to ")
+    assert len(hint) == 2, deep.params.why
+    bits = int(hint[1].split(":")[0])
+    assert f"precision_bits={bits}" in deep.params.why
+    assert he.compile(model, x[:1], precision_bits=bits, **kw).params.poly_modulus_degree == 8192
+    # a scale fixed by hand gets no hint: the precision does not choose it
+    fixed = he.compile(model, x[:1], precision_bits=24, scale_bits=40, **kw)
+    assert "they do at up to" not in fixed.params.why
