@@ -792,16 +792,18 @@ def wide_phases(lowered: Lowered) -> list[int]:
 
 def _narrow_or_wide(program: PolyProgram, lowered: Lowered, params: CKKSParams,
                     costs: CostModel, options: dict[str, Any], samples: int | None,
-                    msq: list[np.ndarray], err_target: float
+                    msq: list[np.ndarray], err_target: float, scale_fixed: bool = False
                     ) -> tuple[CKKSParams, VectorPlan, dict[str, Any]]:
     """The vector plan at ``params`` and, where the program allows a wide chain of the same
-    ring that keeps the precision, the one the cost model predicts cheaper for the objective."""
+    ring that keeps the precision, the one the cost model predicts cheaper for the objective
+    (``scale_fixed``: the wide chain keeps ``params``' scale, as asked)."""
     plan, opts = _vector_choice(program, lowered, params, costs, options, samples)
     best = (_objective_cost(opts["predicted"], options["objective"], options.get("batch_size"),
                             options.get("bandwidth")),
             params, plan, opts)
     for phase in wide_phases(lowered):
-        wide = wide_variant(params, phase, lambda p: _vector_gain(lowered, msq, p), err_target)
+        wide = wide_variant(params, phase, lambda p: _vector_gain(lowered, msq, p), err_target,
+                            scales=(params.scale_bits,) if scale_fixed else None)
         if wide is None:
             continue
         build_context(wide)
@@ -1099,7 +1101,8 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                     opts["split"] = {"slots": split.slots, "axis": split.axis}
                 err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
                 params, plan, opts = _narrow_or_wide(program, low, params, costs, opts,
-                                                     samples, m, err_target)
+                                                     samples, m, err_target,
+                                                     scale_fixed=scale_bits is not None)
                 params, opts = _fit_keys(plan, params, costs, opts, memory_budget, low, m)
                 if split is not None:
                     opts["why"] += (f"; values wider than {split.slots} slots split over up to "

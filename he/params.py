@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import tenseal.sealapi as seal
 
@@ -330,46 +330,59 @@ def wide_prime_bits(scale_bits: int) -> list[int]:
     return list(range(top, int(scale_bits) + _WIDE_MIN_PLAIN_BITS - 1, -2))
 
 
+#: Scales a wide chain tries below the one-prime-per-level chain's: a wide chain's primes stop at
+#: 60 bits, so where twice that scale exceeds them its weights round at 2^(prime - scale); a
+#: scale a bit or two lower rounds them less at the price of more encryption and rescale noise,
+#: and :func:`wide_variant` keeps whichever promises the least error
+WIDE_SCALE_STEPS = 2
+
+
 def wide_variant(params: CKKSParams, pending: int,
                  gain: Callable[["CKKSParams"], tuple[float, float]],
-                 err_target: float) -> CKKSParams | None:
-    """``params`` with a wide chain (see :class:`CKKSParams`): the same scale and first prime,
-    one prime per pending level, the widest special prime (up to 60 bits) the ring's budget
-    leaves. The primes' size is searched (:func:`wide_prime_bits`): narrower primes round the
-    weights of maps from pending levels more, wider ones leave key switching noisier;
+                 err_target: float, scales: Sequence[int] | None = None) -> CKKSParams | None:
+    """``params`` with a wide chain (see :class:`CKKSParams`): the same first prime, one prime
+    per pending level, the widest special prime (up to 60 bits) the ring's budget leaves. The
+    scale (``scales``; by default ``params``' and up to :data:`WIDE_SCALE_STEPS` bits below it)
+    and the primes' size are searched (:func:`wide_prime_bits`): narrower primes round the
+    weights of maps from pending levels more, wider ones leave key switching noisier, a lower
+    scale rounds the weights less and leaves the encryption and the rescales noisier;
     ``gain(p)`` gives the program's noise gains (:func:`he.noise.noise_gain`) on chain ``p``,
-    which count both (:attr:`CKKSParams.weight_rounding`, :attr:`CKKSParams.switching_noise`),
-    and the chain of least promised error is kept. None when no chain fits the ring's budget
-    and keeps the precision the narrow chain promises."""
-    sb = params.scale_bits
+    which count the first two (:attr:`CKKSParams.weight_rounding`,
+    :attr:`CKKSParams.switching_noise`), and the chain of least promised error is kept. None
+    when no chain fits the ring's budget and keeps the precision the narrow chain promises."""
     if params.levels % 2 == pending:
         return None
+    if scales is None:
+        scales = range(params.scale_bits, params.scale_bits - WIDE_SCALE_STEPS - 1, -1)
     n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
     budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
     best: tuple[float, CKKSParams, int] | None = None
-    for wide in wide_prime_bits(sb):
-        data = (params.coeff_mod_bit_sizes[0],) + (wide,) * n
-        # the widest special prime the budget leaves (key-switching noise falls with it)
-        chain = data + (min(_MAX_PRIME_BITS, budget - sum(data)),)
-        out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending)
-        if out.special_margin < 0:
-            continue
-        # key switching is in the gains, rotation by rotation (values at the squared scale
-        # rotate almost noiselessly), not added to every rescale as on a narrow chain
-        error = noise_unit(params.poly_modulus_degree, sb, gain(out))
-        if best is None or error < best[0]:
-            best = (error, out, wide)
+    for sb in (int(s) for s in scales if int(s) >= _MIN_SCALE_BITS):
+        for wide in wide_prime_bits(sb):
+            data = (params.coeff_mod_bit_sizes[0],) + (wide,) * n
+            # the widest special prime the budget leaves (key-switching noise falls with it)
+            chain = data + (min(_MAX_PRIME_BITS, budget - sum(data)),)
+            out = dataclasses.replace(params, coeff_mod_bit_sizes=chain, pending=pending,
+                                      scale_bits=sb)
+            if out.special_margin < 0 or chain[-1] < 17:
+                continue
+            # key switching is in the gains, rotation by rotation (values at the squared scale
+            # rotate almost noiselessly), not added to every rescale as on a narrow chain
+            error = noise_unit(params.poly_modulus_degree, sb, gain(out))
+            if best is None or error < best[0]:
+                best = (error, out, wide)
     if best is None or best[0] > max(err_target, params.expected_error):
         return None
     error, out, wide = best
-    chain = out.coeff_mod_bit_sizes
+    sb, chain = out.scale_bits, out.coeff_mod_bit_sizes
     why = (f"wide chain: levels of parity {pending} pending (scale 2^{2 * sb}), each followed "
            f"by a rescale by a {wide}-bit prime: {n} primes for {params.levels} levels; "
            + (f"weights of maps from pending levels encoded at 2^{wide - sb}; "
               if wide < 2 * sb else "")
+           + (f"scale 2^{sb}, {params.scale_bits - sb} bit(s) below one prime per level's, "
+              f"so those weights round less; " if sb < params.scale_bits else "")
            + f"special prime {chain[-1]} bits (+{out.special_margin}); {sum(chain)} bits <= "
-           f"{budget}; the "
-           f"scale and first prime as for one prime per level: " + params.why)
+           f"{budget}; the first prime as for one prime per level: " + params.why)
     out = dataclasses.replace(out, expected_error=error, why=why)
     out.check()
     return out

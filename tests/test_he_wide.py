@@ -15,7 +15,7 @@ import polynets as pn
 from he.backend import Engine
 from he.compiler import wide_phases
 from he.errors import ParameterError
-from he.params import KEY_SWITCHING, CKKSParams, wide_variant
+from he.params import KEY_SWITCHING, WIDE_SCALE_STEPS, CKKSParams, wide_variant
 
 
 class _TokenNet(nn.Module):
@@ -100,7 +100,7 @@ def test_a_scale_above_30_bits_gets_60_bit_primes_and_the_noise_analysis_decides
         seen.append((p.weight_rounding, p.switching_noise))
         return (1.0, p.weight_rounding)
 
-    wide = wide_variant(base, 0, gain, 1.0)
+    wide = wide_variant(base, 0, gain, 1.0, scales=(31,))
     # every prime size from 60 bits down to the weights' 16 bits is priced, the special prime
     # 60 bits throughout: wider primes round the weights less, narrower ones switch keys
     # more quietly; with these gains the least rounding wins
@@ -114,7 +114,34 @@ def test_a_scale_above_30_bits_gets_60_bit_primes_and_the_noise_analysis_decides
     assert wide_variant(base, 0, lambda p: (1.0, p.weight_rounding * 1e9), 1e-3) is None
     # at 45 bits the weights would get 15 bits: not tried
     big = dataclasses.replace(base, scale_bits=45, coeff_mod_bit_sizes=(55,) + (45,) * 5 + (55,))
-    assert wide_variant(big, 0, lambda p: (1.0, 1.0), 1.0) is None
+    assert wide_variant(big, 0, lambda p: (1.0, 1.0), 1.0, scales=(45,)) is None
+
+
+def test_a_wide_chain_may_take_a_lower_scale_whose_weights_round_less():
+    """By default the scale is searched too, down to :data:`WIDE_SCALE_STEPS` bits below one
+    prime per level's: at 2^30 the 60-bit primes encode the weights at the full scale, which
+    here (the rounding weighing as much as the rescales) promises less error than 2^31's
+    weights at 2^29, though encryption and rescales are twice as noisy against the scale."""
+    base = CKKSParams(poly_modulus_degree=16384, coeff_mod_bit_sizes=(41,) + (31,) * 5 + (41,),
+                      scale_bits=31, levels=5, security_bits=128, expected_error=1e-3,
+                      max_abs=4.0, why="narrow")
+
+    def gain(p: CKKSParams) -> tuple[float, float]:
+        return (1.0, p.weight_rounding)
+
+    kept = wide_variant(base, 0, gain, 1.0, scales=(31,))
+    searched = wide_variant(base, 0, gain, 1.0)
+    assert kept is not None and searched is not None
+    assert searched.scale_bits == 30 and searched.weight_rounding == 1.0
+    assert searched.coeff_mod_bit_sizes == (41, 60, 60, 60, 60)
+    assert searched.expected_error < kept.expected_error
+    assert "1 bit(s) below one prime per level's" in searched.why
+    assert searched.why.endswith("narrow")
+    assert Engine(searched).plain_scales[0] == pytest.approx(2.0 ** 30, rel=1e-6)
+    # the 45-bit scale's weights would get 15 bits; two bits lower they get 17
+    big = dataclasses.replace(base, scale_bits=45, coeff_mod_bit_sizes=(55,) + (45,) * 5 + (55,))
+    lower = wide_variant(big, 0, lambda p: (1.0, 1.0), 1.0)
+    assert lower is not None and 45 - WIDE_SCALE_STEPS <= lower.scale_bits < 45
 
 
 def test_a_special_prime_wider_than_the_wide_primes_quiets_key_switching():
