@@ -25,7 +25,7 @@ from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
                        TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params,
-                       fitting_precision, wide_variant)
+                       error_target, fitting_precision, wide_variant)
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
                      choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
                      next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
@@ -108,11 +108,11 @@ def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_Q
         raise NotEncryptableError("precision_bits='argmax': every calibration sample has tied "
                                   "top outputs; give precision_bits as a number of bits")
     gap = float(np.quantile(positive, quantile))
-    scale = max(float(output_abs), 1e-3)
+    scale = error_target(output_abs, 0)
     bits = int(min(40, max(1, math.ceil(math.log2(scale / (gap / 2))))))
     why = (f"precision_bits='argmax': {bits} bits, so the promised error (at most "
-           f"{scale * 2.0 ** -bits:.3g}) stays below half the gap between the two largest "
-           f"outputs ({gap:.3g}) of {100 * (1 - quantile):.0f}% of the {out.shape[0]} "
+           f"{error_target(output_abs, bits):.3g}) stays below half the gap between the two "
+           f"largest outputs ({gap:.3g}) of {100 * (1 - quantile):.0f}% of the {out.shape[0]} "
            f"calibration samples")
     return bits, why
 
@@ -1099,7 +1099,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                 opts = dict(options)
                 if split is not None:
                     opts["split"] = {"slots": split.slots, "axis": split.axis}
-                err_target = max(maxabs[program.output], 1e-3) * 2.0 ** -precision_bits
+                err_target = error_target(maxabs[program.output], precision_bits)
                 params, plan, opts = _narrow_or_wide(program, low, params, costs, opts,
                                                      samples, m, err_target,
                                                      scale_fixed=scale_bits is not None)

@@ -28,8 +28,9 @@ import tenseal.sealapi as seal
 
 from he.errors import ParameterError, TooDeepError
 
-__all__ = ["CKKSParams", "choose_params", "fitting_precision", "wide_variant", "wide_prime_bits",
-           "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES", "SECURITY_LEVELS", "noise_unit"]
+__all__ = ["CKKSParams", "choose_params", "error_target", "fitting_precision", "wide_variant",
+           "wide_prime_bits", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
+           "SECURITY_LEVELS", "noise_unit"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
 SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
@@ -388,6 +389,17 @@ def wide_variant(params: CKKSParams, pending: int,
     return out
 
 
+def error_target(output_abs: float, precision_bits: int) -> float:
+    """The output error ``precision_bits`` bits of precision allow: ``2^-bits`` of the output's
+    calibrated range (at least 1e-3, so that a near-zero output does not ask for every bit)."""
+    return max(float(output_abs), 1e-3) * 2.0 ** -int(precision_bits)
+
+
+def _magnitude_bits(max_abs: float) -> int:
+    """Bits the first prime holds above the scale for the largest calibrated value."""
+    return max(0, math.ceil(math.log2(max(max_abs, 1.0))))
+
+
 def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ring: int, *,
                       below: int, output_abs: float = 1.0, rotations: bool = False,
                       security: int = 128) -> int | None:
@@ -396,10 +408,10 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     None where even one bit does not fit them. What a program rejected from a ring for its
     depth at the precision asked could have there (:func:`choose_params` at that many bits
     takes the ring)."""
-    mag_bits = max(0, math.ceil(math.log2(max(max_abs, 1.0))))
+    mag_bits = _magnitude_bits(max_abs)
     for bits in range(int(below) - 1, 0, -1):
-        err_target = max(output_abs, 1e-3) * 2.0 ** -bits
-        if _ring_chain(ring, int(levels), mag_bits, gain, err_target, None, rotations,
+        if _ring_chain(ring, int(levels), mag_bits, gain, error_target(output_abs, bits), None,
+                       rotations,
                        security)[-1] >= levels:
             return bits
     return None
@@ -431,14 +443,14 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
     """
     levels = int(levels)
     max_modulus_bits(RING_DEGREES[0], security)  # refuses an unknown security level
-    mag_bits = max(0, math.ceil(math.log2(max(max_abs, 1.0))))
+    mag_bits = _magnitude_bits(max_abs)
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     if ring_degree is not None and ring_degree not in MAX_MODULUS_BITS:
         raise ParameterError(f"ring degree {ring_degree} is not one of {sorted(MAX_MODULUS_BITS)}")
     best_supported = 0
     sb = _MIN_SCALE_BITS
     reasons: list[str] = []
-    err_target = max(output_abs, 1e-3) * 2.0 ** -precision_bits
+    err_target = error_target(output_abs, precision_bits)
     for ring in rings:
         if ring // 2 < slots_needed:
             reasons.append(f"N={ring}: {ring // 2} slots < {slots_needed} needed")
