@@ -139,7 +139,7 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 #: primitives that the server spreads over its threads (baby and giant steps, the giant steps'
 #: products; :meth:`he.plan.VectorPlan.op_counts`)
 _NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "baby_items", "giant_items",
-                   "giant_products")
+                   "giant_products", "giant_zero", "giant_zero_products")
 
 
 def client_threads() -> int:
@@ -177,29 +177,59 @@ def _chosen_threads(threads: int, serial: dict[str, Any], on: Callable[[int], di
                      f"one"), predicted
 
 
+def _makespan(items: Sequence[float], threads: int, efficiency: float) -> float:
+    """Seconds ``items`` (each its seconds on one thread alone) take on ``threads`` threads,
+    each thread taking the next item as it frees, longest first; while several run at once
+    each runs ``1/efficiency`` times as long (they share the cores and the memory), while one
+    runs alone it runs at full speed."""
+    left = sorted((float(t) for t in items if t > 0), reverse=True)
+    running: list[float] = []           # work left of the items running
+    clock = 0.0
+    while left or running:
+        while left and len(running) < threads:
+            running.append(left.pop(0))
+        rate = 1.0 if len(running) == 1 else efficiency
+        step = min(running)
+        clock += step / rate
+        running = [w - step for w in running if w - step > 1e-15]
+    return clock
+
+
 def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
     """Seconds of one vector step whose baby-step rotations, then giant steps, are spread over
     ``threads`` threads (:func:`he.runtime._affine`). A giant step sums its plaintext products
     then rotates the sum, so its products and their additions run on the threads with its
-    rotation (``giant_items`` steps, ``giant_products`` products). Each phase takes as many
-    rounds as its items fill, a round as long as its average item divided by ``efficiency``
-    (work running at once shares the cores and the memory); the rest of the step (the folds,
-    the rescale) runs in one thread. Counts without ``giant_items`` (saved before it) spread
-    the giant rotations alone."""
+    rotation (``giant_items`` steps, ``giant_products`` products; ``giant_zero`` of them, with
+    ``giant_zero_products`` products, rotate nothing, so the threads may wait on the others).
+    Each phase takes what :func:`_makespan` gives its items at ``efficiency``; the rest of the
+    step (the folds, the rescale) runs in one thread. Counts without ``giant_items`` (saved
+    before it) spread the giant rotations alone, without ``giant_zero`` the products evenly."""
     serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
     babies, giants = c.get("babies", 0), c.get("giants", 0)
     items, products = c.get("giant_items", giants), c.get("giant_products", 0)
     baby_items = c.get("baby_items", babies)
     if threads <= 1 or baby_items + items == 0:
         return serial
+    zero, zero_products = c.get("giant_zero", 0), c.get("giant_zero_products", 0)
+    if zero >= items:
+        zero, zero_products = 0, 0
+    rot_items = items - zero
 
-    def spread(work: float, n: int) -> float:
-        """Seconds of ``n`` equal items of ``work`` seconds in all on the threads."""
-        return work / n * min(n, math.ceil(n / threads) / efficiency) if n else 0.0
+    def sums(n_products: float) -> float:
+        """One giant step's products and the additions that sum them."""
+        return price({"mul_plain": n_products, "add": max(0.0, n_products - 1)})
 
-    baby = price({"rotate": babies})
-    giant = price({"rotate": giants, "mul_plain": products, "add": max(0, products - items)})
-    return serial - baby - giant + spread(baby, baby_items) + spread(giant, items)
+    baby = [price({"rotate": babies / baby_items})] * baby_items if baby_items else []
+    giant = []
+    if rot_items:
+        giant += [sums((products - zero_products) / rot_items) +
+                  price({"rotate": giants / rot_items})] * rot_items
+    if zero:
+        giant += [sums(zero_products / zero)] * zero
+    # the serial price counts every product and addition once: what the items hold comes out
+    spread = sum(baby) + sum(giant)
+    return (serial - spread + _makespan(baby, threads, efficiency) +
+            _makespan(giant, threads, efficiency))
 
 
 #: Serialised size of a ciphertext over the bits its residues need (SEAL's zstd leaves part of

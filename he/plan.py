@@ -795,7 +795,8 @@ class VectorPlan:
         (``baby_items`` the distinct baby steps, each one rotation of one or more key
         switchings), ``giant_items`` the giant steps it spreads (each sums its products, then
         rotates; the giant step of no rotation too) and ``giant_products`` the plaintext
-        products among ``mul_plain`` that they take."""
+        products among ``mul_plain`` that they take, ``giant_zero`` and
+        ``giant_zero_products`` those of the giant steps of no rotation."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
@@ -811,6 +812,10 @@ class VectorPlan:
                 for _, mv in mvs:
                     giants.setdefault(mv.p_in, set()).update(mv.giants)
                 diags = sum(mv.n_diagonals for _, mv in mvs)
+                # the giant steps of no rotation (one per input period at most) and their
+                # products: the runtime spreads them over its threads like the others
+                zero = [len(grp) for _, mv in mvs for g, grp in zip(mv.giants, mv.groups)
+                        if not g]
                 widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
                 folds = len(widest.folds)
                 c["babies"] = sum(w(b) for _, _, b in new)
@@ -818,6 +823,8 @@ class VectorPlan:
                 c["giants"] = sum(w(g) for gs in giants.values() for g in gs if g)
                 c["giant_items"] = sum(len(gs) for gs in giants.values())
                 c["giant_products"] = diags
+                c["giant_zero"] = sum(1 for gs in giants.values() if 0 in gs)
+                c["giant_zero_products"] = sum(zero)
                 c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
                 c["mul_plain"] += diags
                 c["plaintexts"] += diags

@@ -217,7 +217,8 @@ def test_threads_shorten_a_step_by_its_rotation_rounds_and_never_lengthen_it(bab
                                           if k in prices}))
     two = _threaded_seconds(c, price, 2, 0.9)
     assert two <= serial
-    rounds = sum(min(n, -(-n // 2) / 0.9) for n in (babies, giants))
+    # pairs of rotations run at once, each at 0.9 of its speed; an odd one runs alone
+    rounds = sum(n // 2 / 0.9 + n % 2 for n in (babies, giants))
     assert serial - two == pytest.approx(babies + giants - rounds)
 
 
@@ -242,6 +243,26 @@ def test_a_giant_steps_products_run_on_the_threads_with_its_rotation():
     old = {k: v for k, v in c.items() if k not in ("giant_items", "giant_products",
                                                    "baby_items")}
     assert two < _threaded_seconds(old, price, 2, 0.8) < serial
+    # where the giant step of no rotation is known, the threads wait for the three that rotate:
+    # two at once (each at 0.8 of its speed), then the third with the short one, then alone
+    uneven = {**c, "giant_zero": 1, "giant_zero_products": 8}
+    g = 1.0 + 8 * 0.1 + 7 * 0.01
+    short = 8 * 0.1 + 7 * 0.01
+    assert _threaded_seconds(uneven, price, 2, 0.8) == pytest.approx(
+        rest + 1.0 / 0.8 + g / 0.8 + short / 0.8 + (g - short))
+    assert _threaded_seconds(uneven, price, 2, 0.8) > two
+
+
+def test_the_makespan_of_items_on_threads():
+    from he.compiler import _makespan
+
+    assert _makespan([], 2, 0.9) == 0.0
+    assert _makespan([3.0], 2, 0.5) == 3.0                  # alone: full speed
+    assert _makespan([1.0, 1.0], 2, 0.5) == pytest.approx(2.0)
+    assert _makespan([1.0, 1.0], 1, 0.5) == pytest.approx(2.0)
+    # longest first: 4 and 1 start, 1 ends, 2 joins 4, then 4 finishes alone
+    assert _makespan([1.0, 2.0, 4.0], 2, 0.5) == pytest.approx(1 / 0.5 + 2 / 0.5 + 1.0)
+    assert _makespan([1.0] * 4, 4, 1.0) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("bad", [0, -3, "many", 1.5, True, None])
