@@ -1098,21 +1098,19 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                     notes.append(f"N={ring}, tokens padded to {split}: {exc}")
                     continue
                 levels = max(tplan.levels)
+            gain = noise_gain(low, m, packing)
+            chain_kw = dict(output_abs=maxabs[program.output],
+                            rotations=packing in ("vector", "tokens"),
+                            security=int(options.get("security", 128)))
             try:
-                params = choose_params(levels, max(maxabs), noise_gain(low, m, packing),
-                                       precision_bits=precision_bits,
-                                       output_abs=maxabs[program.output],
+                params = choose_params(levels, max(maxabs), gain, precision_bits=precision_bits,
                                        slots_needed=1, ring_degree=ring, scale_bits=scale_bits,
-                                       rotations=packing in ("vector", "tokens"),
-                                       security=int(options.get("security", 128)))
+                                       **chain_kw)
             except TooDeepError as exc:
                 note = f"N={ring}: {levels} levels do not fit"
                 if scale_bits is None:
-                    fits = fitting_precision(levels, max(maxabs), noise_gain(low, m, packing),
-                                             ring, below=precision_bits,
-                                             output_abs=maxabs[program.output],
-                                             rotations=packing in ("vector", "tokens"),
-                                             security=int(options.get("security", 128)))
+                    fits = fitting_precision(levels, max(maxabs), gain, ring,
+                                             below=precision_bits, **chain_kw)
                     if fits is not None:
                         note += (f" at {precision_bits} bits of precision (they do at up to "
                                  f"{fits}: precision_bits={fits}, or 'argmax' for a "

@@ -411,8 +411,7 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     mag_bits = _magnitude_bits(max_abs)
     for bits in range(int(below) - 1, 0, -1):
         if _ring_chain(ring, int(levels), mag_bits, gain, error_target(output_abs, bits), None,
-                       rotations,
-                       security)[-1] >= levels:
+                       rotations, security)[-1] >= levels:
             return bits
     return None
 
