@@ -305,15 +305,17 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
         if scale_bits is None:
             want = math.log2(max(noise_unit(ring, 0, gain, rot), 1.0) / err_target)
             sb = max(_MIN_SCALE_BITS, math.ceil(want))
-            # SEAL needs `levels` distinct primes of that size that are 1 mod 2N
-            while sb < _MAX_PRIME_BITS and ntt_primes(ring, sb, levels) < levels:
-                sb += 1
         else:
             sb = int(scale_bits)
         first = sb + mag_bits + _MARGIN_BITS
         if first > _MAX_PRIME_BITS:
             sb = max(_MIN_SCALE_BITS, _MAX_PRIME_BITS - mag_bits - _MARGIN_BITS)
-            first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
+        if scale_bits is None:
+            # SEAL needs `levels` distinct primes of that size that are 1 mod 2N (checked
+            # after any narrowing for large values: small primes at large rings are few)
+            while sb < _MAX_PRIME_BITS and ntt_primes(ring, sb, levels) < levels:
+                sb += 1
+        first = min(_MAX_PRIME_BITS, sb + mag_bits + _MARGIN_BITS)
         special = min(_MAX_PRIME_BITS, max(first, sb) + boost)
         supported = _budget_levels(ring, first, special, sb, security)
         if levels <= supported:
@@ -410,10 +412,36 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     takes the ring)."""
     mag_bits = _magnitude_bits(max_abs)
     for bits in range(int(below) - 1, 0, -1):
-        if _ring_chain(ring, int(levels), mag_bits, gain, error_target(output_abs, bits), None,
-                       rotations, security)[-1] >= levels:
+        target = error_target(output_abs, bits)
+        _, sb, _, _, rot, supported = _ring_chain(ring, int(levels), mag_bits, gain, target,
+                                                  None, rotations, security)
+        # held, and at a scale the values left large enough for that precision
+        if supported >= levels and noise_unit(ring, sb, gain, rot) <= target:
             return bits
     return None
+
+
+def _refuse_magnitude(max_abs: float, mag_bits: int, scale_bits: int, expected: float,
+                      output_abs: float, precision_bits: int) -> None:
+    """Raise :class:`ParameterError` for values too large for the precision asked: the first
+    prime (at most :data:`_MAX_PRIME_BITS` bits) holds a value's magnitude on top of the scale,
+    so large values leave a scale too small for the noise to stay below the target (a chain
+    with a smaller scale would decrypt to an answer that much less precise, or to garbage)."""
+    held = mag_bits + _MARGIN_BITS + _MIN_SCALE_BITS <= _MAX_PRIME_BITS
+    fits = math.floor(math.log2(max(float(output_abs), 1e-3) / expected)) if held else 0
+    if not held:
+        raise ParameterError(
+            f"the model's values reach {max_abs:.3g} on the calibration data: more than a "
+            f"first prime of at most {_MAX_PRIME_BITS} bits holds at any scale (values up to "
+            f"2^{_MAX_PRIME_BITS - _MARGIN_BITS - _MIN_SCALE_BITS}); bring them down (normalise "
+            f"the inputs, a BatchNorm or smaller weights before the products)")
+    hint = (f", or ask for precision_bits={fits} or fewer" if fits >= 1 else "")
+    raise ParameterError(
+        f"the model's values reach {max_abs:.3g} on the calibration data ({mag_bits} bits above "
+        f"the scale): a first prime of at most {_MAX_PRIME_BITS} bits leaves a scale of "
+        f"2^{scale_bits}, whose noise (expected max output error {expected:.3g}) keeps fewer "
+        f"than the {precision_bits} bits of output precision asked; bring the values down "
+        f"(normalise the inputs, a BatchNorm or smaller weights before the products){hint}")
 
 
 def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
@@ -471,9 +499,11 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                                           else "") + f"; N={ring} is the smallest ring whose "
                f"{security}-bit budget ({max_modulus_bits(ring, security)} bits) holds "
                f"{sum(chain)} bits" + (" (" + "; ".join(reasons) + ")" if reasons else ""))
+        expected = noise_unit(ring, sb, gain, rot)
+        if scale_bits is None and expected > err_target:
+            _refuse_magnitude(max_abs, mag_bits, sb, expected, output_abs, precision_bits)
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
-                            levels=levels, security_bits=security,
-                            expected_error=noise_unit(ring, sb, gain, rot),
+                            levels=levels, security_bits=security, expected_error=expected,
                             max_abs=float(max_abs), why=why)
         params.check()
         return params

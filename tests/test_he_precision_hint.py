@@ -4,37 +4,86 @@ is :func:`he.params.choose_params`' own answer at that many bits, and the next b
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import he
 import polynets as pn
-from he.errors import TooDeepError
-from he.params import choose_params, fitting_precision
+from he.backend import build_context
+from he.errors import ParameterError, TooDeepError
+from he.params import choose_params, error_target, fitting_precision
 
 
 @settings(max_examples=60, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
-@given(levels=st.integers(1, 12), max_abs=st.floats(0.5, 500.0),
+@given(levels=st.integers(1, 12), max_abs=st.floats(0.5, 1e14),
        g_in=st.floats(0.1, 50.0), g_rs=st.floats(0.1, 50.0), out_abs=st.floats(0.05, 50.0),
        below=st.integers(2, 30), rotations=st.booleans())
+@example(levels=1, max_abs=500.0, g_in=50.0, g_rs=50.0, out_abs=0.05, below=30,
+         rotations=False)
 def test_the_hint_is_the_most_precision_the_ring_holds(levels, max_abs, g_in, g_rs, out_abs,
                                                        below, rotations):
     kw = dict(max_abs=max_abs, gain=(g_in, g_rs), output_abs=out_abs, ring_degree=8192,
               rotations=rotations)
     bits = fitting_precision(levels, max_abs, (g_in, g_rs), 8192, below=below,
                              output_abs=out_abs, rotations=rotations)
+    # refused for depth, or for values too large for the precision at any depth
     if bits is None:
-        with pytest.raises(TooDeepError):
+        with pytest.raises((TooDeepError, ParameterError)):
             choose_params(levels, precision_bits=1, **kw)
         return
-    assert choose_params(levels, precision_bits=bits, **kw).poly_modulus_degree == 8192
+    params = choose_params(levels, precision_bits=bits, **kw)
+    assert params.poly_modulus_degree == 8192
+    assert params.expected_error <= error_target(out_abs, bits)
     # the most: every precision above it, up to the one asked, is refused
     for more in range(bits + 1, below):
-        with pytest.raises(TooDeepError):
+        with pytest.raises((TooDeepError, ParameterError)):
             choose_params(levels, precision_bits=more, **kw)
+
+
+def test_a_scale_narrowed_by_large_values_still_has_its_primes():
+    # 36 bits of magnitude leave a 22-bit scale under a 60-bit first prime; N=16384 has five
+    # 22-bit primes that are 1 mod 2N, too few for six levels: the scale grows to 23 bits
+    params = choose_params(6, max_abs=2.0 ** 36, gain=(1.0, 1.0), precision_bits=1,
+                           output_abs=2.0 ** 36, ring_degree=16384)
+    assert params.scale_bits >= 23 and params.coeff_mod_bit_sizes[0] <= 60
+    build_context(params)           # SEAL finds the primes
+
+
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def test_values_no_first_prime_holds_are_refused_not_garbage():
+    torch.manual_seed(0)
+    x = torch.randn(16, 5)
+    with pytest.raises(ParameterError, match="more than a first prime of at most 60 bits"):
+        he.compile(nn.Sequential(*[_Square() for _ in range(6)]), x[:1], calibration=x)
+
+
+def test_large_values_name_the_precision_they_leave():
+    torch.manual_seed(0)
+    x = torch.randn(32, 5, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(5, 3), _Square()).double()
+    with torch.no_grad():
+        model[0].weight.mul_(3e4)
+    with pytest.raises(ParameterError, match=r"precision_bits=(\d+) or fewer") as info:
+        he.compile(model, x[:1], calibration=x)
+    bits = int(re.search(r"precision_bits=(\d+)", str(info.value)).group(1))
+    assert 1 <= bits < 16
+    prog = he.compile(model, x[:1], calibration=x, precision_bits=bits)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    got = client.decrypt(server.run(client.encrypt(x[:4])))
+    with torch.no_grad():
+        ref = model(x[:4]).numpy()
+    assert np.max(np.abs(got - ref)) <= prog.params.expected_error
 
 
 class _Tokens(nn.Module):

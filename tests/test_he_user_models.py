@@ -234,6 +234,17 @@ def test_models_that_mix_the_samples_of_a_batch_are_refused(model: nn.Module, fo
         he.compile(model, x[:1], calibration=x)
 
 
+def test_a_model_with_non_finite_outputs_is_refused_as_such() -> None:
+    # NaN compares unequal to itself: once read as a model that mixes its samples
+    model = nn.Sequential(nn.Linear(4, 2)).requires_grad_(False)
+    model[0].weight.fill_(float("nan"))
+    x = torch.randn(8, 4)
+    with pytest.raises(pn.TraceError, match=r"output is not finite \(NaN or inf\)"):
+        pn.trace(model, x[:1])
+    with pytest.raises(he.NotEncryptableError, match="not finite"):
+        he.compile(model, x[:1], calibration=x)
+
+
 def test_a_model_that_squeezes_the_batch_axis_of_one_sample_still_compiles(
         encrypted_roundtrip) -> None:
     class Squeeze(nn.Module):

@@ -1115,6 +1115,12 @@ def check_samples_separate(model: nn.Module, program: PolyProgram, pair: torch.T
     if not isinstance(ref, torch.Tensor):
         return
     ref_np = ref.detach().to("cpu", torch.float64).numpy()
+    if not np.all(np.isfinite(ref_np)):
+        # NaN or inf compares unequal to everything: no verdict on the batch axis is possible
+        raise TraceError(
+            "the model's output is not finite (NaN or inf) on a batch of two samples shaped as "
+            "the example input: check its weights and the example input, or bring values "
+            "down that overflow (a product of large values, a high power)")
     got = program.run(pair.numpy())
     assert isinstance(got, np.ndarray)
     if got.shape == ref_np.shape:
