@@ -1594,12 +1594,20 @@ def _lazy_part_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
 def lazy_candidates(lowered: Lowered) -> list[int]:
     """Product steps that may stay unrelinearised and unrescaled: not the output, and read only
     by weighted maps (which can take three-polynomial ciphertexts at the products' level and
-    relinearise and rescale their own outputs instead)."""
+    relinearise and rescale their own outputs instead) that run at the products' level (a map
+    whose other inputs lie deeper would need the products switched down the chain, which a
+    three-polynomial product left at its inputs' primes is not)."""
     readers = step_readers(lowered)
+    levels = step_levels(lowered.steps, "batch")
+
+    def reads_at_its_level(si: int, r: int) -> bool:
+        return max(levels[j] for j in lowered.steps[r].inputs) == levels[si]
+
     return [si for si, st in enumerate(lowered.steps)
             if st.kind == "mul" and si != lowered.output and readers.get(si)
             and all(lowered.steps[r].kind == "affine"
-                    and not affine_is_free(lowered.steps[r], "batch") for r in readers[si])]
+                    and not affine_is_free(lowered.steps[r], "batch")
+                    and reads_at_its_level(si, r) for r in readers[si])]
 
 
 def choose_lazy(lowered: Lowered, live: list[np.ndarray], moduli: Sequence[Sequence[int]],

@@ -13,9 +13,10 @@ import he
 import polynets as pn
 from he.compiler import CompiledProgram, batch_group_memory
 from he.costmodel import CostModel, default_model
-from he.plan import lazy_candidates
+from he.plan import lazy_candidates, step_readers
 from he.runtime import eager_products, live_rows
 from he.tiling import allocated_memory, row_bytes_of
+from polynets.ir.lowering import step_levels
 
 
 class _Classifier(nn.Module):
@@ -150,3 +151,30 @@ def test_cost_tables_without_the_lazy_primitives_price_them_as_parts_of_a_produc
             full = old.seconds("mul_ct", ring, limbs)
             assert old.seconds("relin", ring, limbs) == pytest.approx(0.85 * full)
             assert old.seconds("mul_lazy", ring, limbs) == pytest.approx(0.15 * full)
+
+
+def test_products_read_by_a_map_at_a_deeper_level_are_finished():
+    # a degree-3 product Polymorpher: one of its products is read by a map whose other inputs
+    # lie a level deeper; left lazy, its three polynomials sat at their inputs' primes and SEAL
+    # refused to add them to the rest of the map's sums
+    torch.manual_seed(0)
+    model = pn.PolymorpherClassifier(seq_len=6, in_features=3, num_classes=4, dim=8, depth=1,
+                                     degree=3, form="products")
+    x = torch.randn(64, 6, 3)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    steps = prog.lowered.steps
+    levels = step_levels(steps, "batch")
+    readers = step_readers(prog.lowered)
+    deeper = [si for si, st in enumerate(steps) if st.kind == "mul" and any(
+        max(levels[j] for j in steps[r].inputs) > levels[si] for r in readers.get(si, ()))]
+    assert deeper, "the model no longer has a product read at a deeper level"
+    assert not set(deeper) & set(lazy_candidates(prog.lowered))
+    client = he.Client(prog)
+    got, _ = _run(prog, client, client.public_context(), x[:3])
+    assert np.max(np.abs(got - prog.simulate(x[:3].numpy()))) <= prog.params.expected_error
+    with torch.no_grad():
+        assert np.max(np.abs(got - model(x[:3]).numpy())) <= prog.params.expected_error
