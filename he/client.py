@@ -499,9 +499,11 @@ class Server:
             steps = program.plan.galois_steps() if program.packing == "tokens" else []
             self.threads_note = self.engine.use_threads(threads, self._encrypt_constant(1.0),
                                                         steps[0] if steps else None)
-            if any(program.options.get("fused_fanin") or ()):
-                # the fused maps' compiled loops are built and checked once per process (about
-                # a second): at the server's start, not in its first request
+            if any(program.options.get("fused_fanin") or ()) or \
+                    program.options.get("lazy_products"):
+                # the fused maps' compiled loops (which the maps reading lazy products use too,
+                # whatever the fan-in) are built and checked once per process (about a
+                # second): at the server's start, not in its first request
                 _kernels.kernels()
         if warm:
             self.warm()

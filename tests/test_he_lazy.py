@@ -178,3 +178,24 @@ def test_products_read_by_a_map_at_a_deeper_level_are_finished():
     assert np.max(np.abs(got - prog.simulate(x[:3].numpy()))) <= prog.params.expected_error
     with torch.no_grad():
         assert np.max(np.abs(got - model(x[:3]).numpy())) <= prog.params.expected_error
+
+
+def test_a_server_builds_the_compiled_loops_its_lazy_products_need_as_it_starts(compiled):
+    # the maps reading lazy products use the fused loops whatever the fan-in the cost model
+    # chose for the rest: built at the server's start, not in its first request
+    from he import _kernels
+
+    _, _, prog, _, public = compiled
+    assert prog.options["lazy_products"]
+    if not _kernels.expected():
+        pytest.skip("no compiled loops on this machine")
+    fanin = prog.options["fused_fanin"]
+    prog.options["fused_fanin"] = [0] * len(fanin)
+    state = _kernels._STATE.pop("kernels", None)
+    try:
+        he.Server(prog, public)
+        assert _kernels._STATE.get("kernels") is not None
+    finally:
+        prog.options["fused_fanin"] = fanin
+        if state is not None:
+            _kernels._STATE["kernels"] = state
