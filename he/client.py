@@ -219,7 +219,12 @@ class Client:
     def _check_input(self, x: Any) -> np.ndarray:
         if hasattr(x, "detach"):
             x = x.detach().cpu().double().numpy()
-        x = np.asarray(x, dtype=np.float64)
+        try:
+            x = np.asarray(x, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise InputShapeError(f"encrypt expects a batch of real numbers of shape "
+                                  f"{batch_of(self.program.input_shape)}, got "
+                                  f"{type(x).__name__} ({exc})") from None
         want = self.program.input_shape
         if x.ndim != len(want) + 1 or tuple(x.shape[1:]) != want:
             raise InputShapeError(f"encrypt expects a batch of shape {batch_of(want)}, got "

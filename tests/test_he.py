@@ -177,6 +177,13 @@ def test_wrong_input_shape_names_the_expected_shape(mlp_setup):
         client.encrypt(np.zeros((2, 5)))
 
 
+@pytest.mark.parametrize("bad", ["hello", [[1.0, "a", 2.0, 3.0, 4.0, 5.0]], {"x": 1}])
+def test_an_input_that_is_not_numbers_is_refused_with_the_expected_shape(mlp_setup, bad):
+    _, client, _, _ = mlp_setup
+    with pytest.raises(he.InputShapeError, match=r"batch of real numbers of shape \(B, 6,\)"):
+        client.encrypt(bad)
+
+
 @pytest.mark.parametrize("mangle", [lambda b: b[: len(b) // 2], lambda b: b"garbage" * 20,
                                     lambda b: b[:9] + b"\xff" * 40 + b[49:],
                                     lambda b: b[:-5000] + bytes(5000)])
