@@ -396,7 +396,7 @@ class Client:
 
 def _unpack_context(data: Any, kinds: tuple[str, ...], program: CompiledProgram
                     ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
-    head, blobs = unpack(data, ("public-context", "secret-context"), "context")
+    head, blobs = unpack(data, ("public-context", "secret-context"), "context", views=True)
     if head["kind"] not in kinds:
         if head["kind"] == "secret-context":
             raise SecretKeyError("this context contains the client's secret key; a server must "

@@ -126,7 +126,7 @@ def pack(kind: str, header: dict[str, Any], blobs: dict[str, list[bytes]]) -> by
     return b"".join([lead, check, length, raw, *items_in_order])
 
 
-def unpack(data: Any, kind: str | tuple[str, ...], what: str
+def unpack(data: Any, kind: str | tuple[str, ...], what: str, views: bool = False
            ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
     """Parse and verify bytes written by :func:`pack` holding a ``kind`` record (or one of).
 
@@ -134,6 +134,9 @@ def unpack(data: Any, kind: str | tuple[str, ...], what: str
     present (an empty list when it has none). Raises SerializationError, before any blob is
     handed out, for bad magic or version, a damaged header or blob, a header that is not strict
     bounded JSON, blob names or counts outside the kind's schema, and truncated or extra bytes.
+    ``views``: where ``data`` is ``bytes`` (immutable: what was verified stays what is read),
+    the blobs are read-only views of it rather than copies (a public context's Galois keys are
+    hundreds of MB, a copy of which a server held while loading them).
     """
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
     view, head, hlen = _verified_header(data, what)
@@ -152,10 +155,11 @@ def unpack(data: Any, kind: str | tuple[str, ...], what: str
         raise SerializationError(f"{what}: {state} (the header lists {total} bytes of blobs, "
                                  f"{size - pos} are present)")
     blobs: dict[str, list[bytes]] = {}
+    share = views and isinstance(data, bytes)
     for name in sorted(table):
         items = []
         for k, (n, want) in enumerate(table[name]):
-            blob = bytes(view[pos:pos + n])
+            blob = view[pos:pos + n] if share else bytes(view[pos:pos + n])
             if not hmac.compare_digest(digest(blob), want):
                 raise SerializationError(f"{what}: blob {name!r} #{k} is damaged (its BLAKE2b "
                                          f"digest does not match); the data was corrupted in "

@@ -287,6 +287,21 @@ def test_pack_round_trips_and_refuses_blobs_outside_the_schema():
                                  "ciphertext"}
 
 
+def test_blobs_are_views_only_of_bytes_that_cannot_change():
+    data = pack("public-context", {}, {"public_key": [b"pk"], "relin_keys": [b"rk"],
+                                       "galois_keys": [b"gk" * 10]})
+    _, shared = unpack(data, "public-context", "context", views=True)
+    assert isinstance(shared["galois_keys"][0], memoryview)
+    assert shared["galois_keys"][0] == b"gk" * 10 and shared["public_key"][0] == b"pk"
+    # a mutable buffer could change after its digests were checked: its blobs are copies
+    mutable = bytearray(data)
+    _, copied = unpack(mutable, "public-context", "context", views=True)
+    mutable[-1] ^= 0xFF
+    assert copied["galois_keys"][0] == b"gk" * 10 and type(copied["galois_keys"][0]) is bytes
+    _, plain = unpack(data, "public-context", "context")
+    assert all(type(b) is bytes for items in plain.values() for b in items)
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.text(max_size=20)
     | st.floats(allow_nan=False, allow_infinity=False),
