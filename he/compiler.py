@@ -247,6 +247,15 @@ def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> 
                * _WIRE_OVERHEAD)
 
 
+def _vector_held(plan: VectorPlan, counts: list[dict[str, int]]) -> int:
+    """Ciphertexts a vector server holds at its peak: a value per step (an upper bound: values
+    are freed once read) and, while the widest map runs, its baby-step rotations and its giant
+    steps' results, which :func:`he.runtime._affine` keeps until it sums them."""
+    inner = max((c.get("babies", 0) + c.get("giant_items", c.get("giants", 0)) for c in counts),
+                default=0)
+    return len(plan.steps) + int(inner)
+
+
 def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
                     threads: int = 1) -> dict[str, Any]:
     counts = plan.op_counts()
@@ -272,7 +281,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "download_bytes": wire_bytes(params, plan.steps[plan.output].level, 1, 2),
             "server_threads": threads,
             "server_memory_bytes": _server_memory(params, plaintexts, len(plan.galois_steps()),
-                                                  len(plan.steps))}
+                                                  _vector_held(plan, counts))}
 
 
 def _level_moduli(params: CKKSParams) -> list[list[int]]:
