@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import sympy
@@ -384,3 +386,18 @@ def test_wide_maps_over_a_large_patch_embedding_compose_with_it():
         ref = model(x).double().numpy()
     assert np.allclose(pn.trace(model, x[:1]).simulate(x.numpy().astype(np.float64)), ref,
                        atol=1e-5)
+
+
+def test_a_model_in_training_mode_is_traced_in_eval_mode_with_a_warning_at_the_callers_line():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.1))
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"training mode.*'1' \(BatchNorm1d\), '2' \(Dropout\)"
+                      ) as caught:
+        program = pn.trace(model, x[:1])
+    assert caught[0].filename == __file__
+    with torch.no_grad():
+        np.testing.assert_allclose(program(x.numpy()), model.eval().double()(x.double()).numpy(),
+                                   atol=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pn.trace(model, x[:1])                    # in eval mode: nothing to warn of

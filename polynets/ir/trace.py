@@ -28,7 +28,9 @@ import contextlib
 import copy
 import inspect
 import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -1145,9 +1147,36 @@ def check_samples_separate(model: nn.Module, program: PolyProgram, pair: torch.T
         f"deterministic)")
 
 
+#: modules whose training mode computes something else than their eval mode
+_MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd,
+                   nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _warn_training(model: nn.Module) -> None:
+    """Warn where ``model`` is in training mode with modules that compute otherwise in eval
+    mode: the program is traced in eval mode, so it differs from ``model(x)`` as it stands."""
+    if not isinstance(model, nn.Module):
+        return
+    found = [f"'{name or '<model>'}' ({type(m).__name__})" for name, m in model.named_modules()
+             if m.training and isinstance(m, _MODE_DEPENDENT)]
+    if found:
+        # point at the user's call, past this package's frames (trace, certify, he.compile)
+        here = (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "he")
+        level, frame = 2, sys._getframe(1)
+        while frame is not None and any(Path(frame.f_code.co_filename).resolve().is_relative_to(d)
+                                        for d in here):
+            level, frame = level + 1, frame.f_back
+        warnings.warn(
+            f"the model is in training mode: it is traced in eval mode (BatchNorm by its running "
+            f"statistics, no dropout), so the program computes what model.eval() does, not what "
+            f"the model computes now ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''});"
+            f" call model.eval() first", UserWarning, stacklevel=level)
+
+
 def record(model: nn.Module, example_input: Any, *, strict: bool) -> tuple[
         list[Node], int | None, list[Offence], dict[str, Any]]:
     """Run the recorder; returns (nodes, output node or None, offences, meta)."""
+    _warn_training(model)
     clone, x = _prepare(model, example_input)
     rec = _Recorder(strict=strict)
     handles = []
