@@ -427,14 +427,13 @@ def _refuse_magnitude(max_abs: float, mag_bits: int, scale_bits: int, expected: 
     prime (at most :data:`_MAX_PRIME_BITS` bits) holds a value's magnitude on top of the scale,
     so large values leave a scale too small for the noise to stay below the target (a chain
     with a smaller scale would decrypt to an answer that much less precise, or to garbage)."""
-    held = mag_bits + _MARGIN_BITS + _MIN_SCALE_BITS <= _MAX_PRIME_BITS
-    fits = math.floor(math.log2(max(float(output_abs), 1e-3) / expected)) if held else 0
-    if not held:
+    if mag_bits + _MARGIN_BITS + _MIN_SCALE_BITS > _MAX_PRIME_BITS:
         raise ParameterError(
             f"the model's values reach {max_abs:.3g} on the calibration data: more than a "
             f"first prime of at most {_MAX_PRIME_BITS} bits holds at any scale (values up to "
             f"2^{_MAX_PRIME_BITS - _MARGIN_BITS - _MIN_SCALE_BITS}); bring them down (normalise "
             f"the inputs, a BatchNorm or smaller weights before the products)")
+    fits = math.floor(math.log2(max(float(output_abs), 1e-3) / expected))
     hint = (f", or ask for precision_bits={fits} or fewer" if fits >= 1 else "")
     raise ParameterError(
         f"the model's values reach {max_abs:.3g} on the calibration data ({mag_bits} bits above "

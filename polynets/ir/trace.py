@@ -30,7 +30,6 @@ import inspect
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -1160,11 +1159,10 @@ def _warn_training(model: nn.Module) -> None:
     found = [f"'{name or '<model>'}' ({type(m).__name__})" for name, m in model.named_modules()
              if m.training and isinstance(m, _MODE_DEPENDENT)]
     if found:
-        # point at the user's call, past this package's frames (trace, certify, he.compile)
-        here = (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "he")
+        # point at the user's call, past the library's frames (trace, certify, he.compile)
         level, frame = 2, sys._getframe(1)
-        while frame is not None and any(Path(frame.f_code.co_filename).resolve().is_relative_to(d)
-                                        for d in here):
+        while frame is not None and \
+                str(frame.f_globals.get("__name__", "")).split(".")[0] in ("polynets", "he"):
             level, frame = level + 1, frame.f_back
         warnings.warn(
             f"the model is in training mode: it is traced in eval mode (BatchNorm by its running "
