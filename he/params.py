@@ -293,8 +293,9 @@ def ntt_primes(ring: int, bits: int, wanted: int) -> int:
 def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float],
                 err_target: float, scale_bits: int | None, rotations: bool, security: int
                 ) -> tuple[int, int, int, int, float, int]:
-    """Prime sizes for one ring: ``(first, scale, special, boost, rotation noise, levels the
-    budget holds)``. The scale keeps the output error near ``err_target``; with rotations the
+    """Prime sizes for one ring: ``(first, scale, special, boost, promised error, levels the
+    budget holds)``, the error :func:`noise_unit` gives that scale (above ``err_target`` only
+    where large values narrowed the scale or ``scale_bits`` fixed it). The scale keeps the output error near ``err_target``; with rotations the
     special prime gets the largest extra (``boost``, even down from the maximum) that still
     leaves room for ``levels``, or none when even that does not fit."""
     boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
@@ -320,7 +321,7 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
         supported = _budget_levels(ring, first, special, sb, security)
         if levels <= supported:
             break
-    return first, sb, special, boost, rot, supported
+    return first, sb, special, boost, noise_unit(ring, sb, gain, rot), supported
 
 
 def wide_prime_bits(scale_bits: int) -> list[int]:
@@ -413,10 +414,10 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     mag_bits = _magnitude_bits(max_abs)
     for bits in range(int(below) - 1, 0, -1):
         target = error_target(output_abs, bits)
-        _, sb, _, _, rot, supported = _ring_chain(ring, int(levels), mag_bits, gain, target,
-                                                  None, rotations, security)
+        *_, expected, supported = _ring_chain(ring, int(levels), mag_bits, gain, target, None,
+                                              rotations, security)
         # held, and at a scale the values left large enough for that precision
-        if supported >= levels and noise_unit(ring, sb, gain, rot) <= target:
+        if supported >= levels and expected <= target:
             return bits
     return None
 
@@ -481,7 +482,7 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
         if ring // 2 < slots_needed:
             reasons.append(f"N={ring}: {ring // 2} slots < {slots_needed} needed")
             continue
-        first, sb, special, boost, rot, supported = _ring_chain(
+        first, sb, special, boost, expected, supported = _ring_chain(
             ring, levels, mag_bits, gain, err_target, scale_bits, rotations, security)
         best_supported = max(best_supported, supported)
         if levels > supported:
@@ -498,7 +499,6 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                                           else "") + f"; N={ring} is the smallest ring whose "
                f"{security}-bit budget ({max_modulus_bits(ring, security)} bits) holds "
                f"{sum(chain)} bits" + (" (" + "; ".join(reasons) + ")" if reasons else ""))
-        expected = noise_unit(ring, sb, gain, rot)
         if scale_bits is None and expected > err_target:
             _refuse_magnitude(max_abs, mag_bits, sb, expected, output_abs, precision_bits)
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
