@@ -613,16 +613,18 @@ class Server:
             ctx = self.engine.context
             by_end = {seg.end: seg for seg in self._segments or ()}
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
-            loads = owned and any(seg.load is not None for seg, k in tiles if k > 1)
+            part = {id(b): k for k, b in enumerate(g)}
 
             def load(k: int, b: Any) -> Any:
                 return load_object(seal.Ciphertext, ctx, b, f"ciphertext part {gi}.{k}") \
                     if isinstance(b, bytes) else b
 
-            if loads:
-                for k, b in enumerate(g):   # every part valid before anything runs
+            # bytes handed over are loaded by the evaluation into its free buffers: all first,
+            # or each in the tile that first reads it (every part validated here first)
+            if owned and any(seg.load is not None for seg, k in tiles if k > 1):
+                for k, b in enumerate(g):
                     load(k, b)
-            else:
+            elif not owned:
                 g = [load(k, b) for k, b in enumerate(g)]
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
             for k, c in zip(live, g):
@@ -636,7 +638,8 @@ class Server:
                 res = _seal_call(lambda: run_batch(
                     self.engine, prog.lowered, prog.plan.live, full, fanin=fanin, tiles=tiles,
                     own_inputs=owned, lazy=self._lazy,
-                    load=(lambda b: load(-1, b)) if loads else None, spare=spare,
+                    load=(lambda b: load(part.get(id(b), -1), b)) if owned else None,
+                    spare=spare,
                     spill=spill), "evaluation")
             finally:
                 keep_spare(self._pool_key, spare)

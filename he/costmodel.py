@@ -54,7 +54,7 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
                  #: a row written to disk and read back, checksummed each way
                  #: (:class:`he.runtime.SpillFile`): 1.4 ms against a load's 2.8 ms at N=16384,
                  #: six primes, when a load was timed into reused memory (3.4 ms into fresh)
-                 "spill": ("load", 0.4)}
+                 "spill": ("load", 0.5)}
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
 #: Seconds per word of the fused primitives, as whole batch runs on a 2-core x86-64 machine show
 #: them (fresh output memory, gathers larger than the caches): several times what small blocks
@@ -435,8 +435,8 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
 
 
 def load_set(ring: int) -> int:
-    """Distinct ciphertexts :func:`_time_level` loads per round to time ``load``: 32 at
-    N=8192, fewer at larger rings (the four rounds' copies are all held: at most about 0.4 GB)."""
+    """Distinct ciphertexts :func:`_time_level` loads per round to time ``load``, each into a
+    buffer of its own: 32 at N=8192, fewer at larger rings (at most about 0.1 GB of buffers)."""
     return max(4, 32 * 8192 // int(ring))
 
 
@@ -459,18 +459,24 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
         "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
         "encrypt": lambda: save_object(encryptor.encrypt_symmetric(pt)),
     }
-    # a server loads a request's ciphertexts into memory of their own, every one new, and
-    # holds them: timed so, each load into fresh memory (one blob loaded again and again into
-    # the memory SEAL's pool got back from the last copy took 1.9 ms at N=8192, six primes,
-    # against 2.4 ms inside a batch server and here)
+    # a batch server loads each of a request's ciphertexts and copies it into a free buffer of
+    # its group (he.runtime.run_batch), the loaded one's storage going back to SEAL's pool for
+    # the next load: timed so, into buffers written before
     ring = int(ctx.key_context_data().parms().poly_modulus_degree())
     blobs = [save_object(encryptor.encrypt_symmetric(pt)) for _ in range(load_set(ring))]
-    held: list[Any] = []
+    buffers = []
+    for _ in blobs:
+        buf = seal.Ciphertext(ctx, pid, 2)
+        buf.resize(ctx, pid, 2)
+        buffers.append(buf)
 
-    def load_fresh() -> None:
-        held.extend(load_object(seal.Ciphertext, ctx, b, "ciphertext") for b in blobs)
+    def load_into_buffers() -> None:
+        for b, buf in zip(blobs, buffers):
+            loaded = load_object(seal.Ciphertext, ctx, b, "ciphertext")
+            ev.negate(loaded, buf)          # the copy of a server without native calls
+            ev.negate_inplace(buf)
 
-    timings["load"] = load_fresh
+    timings["load"] = load_into_buffers
     spill, back = SpillFile(), seal.Ciphertext()
 
     def spilled() -> None:
@@ -480,7 +486,7 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
     timings["spill"] = spilled
     result = {op: _time(fn, 1 if op == "load" else reps) for op, fn in timings.items()}
     result["load"] /= len(blobs)
-    held.clear()
+    buffers.clear()
     spill.close()
     if limbs > 1:
         def mul_ct() -> None:

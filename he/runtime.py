@@ -618,7 +618,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
     that reads every input loads each in the tile that first reads it
     (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
-    without such a segment all are loaded first. ``spare``: free ciphertexts (of an earlier
+    without such a segment all are loaded first, each into a ``spare`` buffer that holds it. ``spare``: free ciphertexts (of an earlier
     group, or allocated before the first, :meth:`he.Server.warm`) that results are written
     into, the smallest that holds each, before any new storage is taken; handed over, and
     refilled with the group's free buffers at its end. ``spill``: the segments' tiles write the
@@ -626,11 +626,20 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     (:func:`he.tiling.spills`; same results), their buffers reused meanwhile."""
     steps = lowered.steps
     tiles = [(seg, k) for seg, k in tiles if k > 1]
+    buffers = _Buffers()
+    if spare is not None:
+        for ct in spare:
+            buffers.recycle(ct)
+        spare.clear()
     if load is not None:
         if not own_inputs:
             raise ValueError("inputs handed over unloaded are owned by the evaluation")
         if not any(seg.load is not None for seg, _ in tiles):
-            inputs[:] = [load(e) if not isinstance(e, float) else e for e in inputs]
+            # each into a free buffer, its own storage back to SEAL's pool for the next load
+            # (a request's inputs in fresh memory, left free at the end, would grow the free
+            # buffers a process keeps by a request's inputs at every request)
+            inputs[:] = [buffers.adopt(eng, load(e)) if not isinstance(e, float) else e
+                         for e in inputs]
             load = None
     # inputs still to load (by row), absent (0.0) until a tile loads them
     pending = {r: e for r, e in enumerate(inputs) if not isinstance(e, float)} \
@@ -650,11 +659,6 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     vals: list[list[Elem] | None] = [None] * len(steps)
     plains: dict[tuple[float, int, float], Any] = {}
     fused_maps: dict[Any, Any] = {}
-    buffers = _Buffers()
-    if spare is not None:
-        for ct in spare:
-            buffers.recycle(ct)
-        spare.clear()
     # the caller's: never recycled
     pinned = set() if own_inputs else {id(e) for e in inputs if _is_ct(e)}
 
