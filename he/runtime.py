@@ -850,15 +850,101 @@ def note_pool(key: Any, working_bytes: float | None) -> None:
 
 
 def available_memory() -> int:
-    """Bytes of memory available to this process now (``MemAvailable``), or the physical total."""
+    """Bytes of memory this process may still take: the least of what the system has available
+    (``MemAvailable``, or the physical total where it cannot be read), what the memory limits
+    of the process's control group and of its ancestors leave (:func:`cgroup_room`: a
+    container's limit, which ``MemAvailable`` does not see) and what its address-space limit
+    leaves above its virtual size (``ulimit -v``, :func:`address_space_room`)."""
+    system = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    system = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
         pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if system is None:
+        system = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    rooms = [r for r in (cgroup_room(), address_space_room()) if r is not None]
+    return max(0, min([system, *rooms]))
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a control-group file holds (None: absent, unreadable or ``max``)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_room(mountinfo: str = "/proc/self/mountinfo",
+                cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes the memory limits of this process's control group and of its ancestors leave (the
+    least of limit - usage over them; cgroup v2's ``memory.max`` and ``memory.current``, v1's
+    ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``), or None where no limit is set or
+    none can be read. ``mountinfo`` and ``cgroup`` are the files that say where the hierarchies
+    are mounted and which group the process is in."""
+    try:
+        with open(cgroup) as f:
+            groups = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open(mountinfo) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    rooms = []
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        sep = fields.index("-")
+        if len(fields) < sep + 3 or len(fields) < 5:
+            continue
+        fstype, options = fields[sep + 1], fields[-1].split(",")
+        root, point = fields[3], fields[4]
+        if fstype == "cgroup2":
+            files = ("memory.max", "memory.current")
+            path = next((p for h, c, p in groups if h == "0" and c == ""), None)
+        elif fstype == "cgroup" and "memory" in options:
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            path = next((p for h, c, p in groups if "memory" in c.split(",")), None)
+        else:
+            continue
+        if path is None:
+            continue
+        # the group's directory under the mount (which may show a subtree: a container's)
+        rel = os.path.relpath(path, root) if root != "/" else path.lstrip("/")
+        if rel.startswith(".."):
+            rel = ""
+        parts = [q for q in rel.split("/") if q and q != "."]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(point, *parts[:depth])
+            limit, usage = _read_int(os.path.join(d, files[0])), \
+                _read_int(os.path.join(d, files[1]))
+            # cgroup v1 writes "no limit" as the largest page-aligned 64-bit value
+            if limit is not None and usage is not None and limit < 1 << 62:
+                rooms.append(limit - usage)
+    return max(0, min(rooms)) if rooms else None
+
+
+def address_space_room() -> int | None:
+    """Bytes this process's address-space limit (``RLIMIT_AS``, ``ulimit -v``) leaves above its
+    virtual size now, or None where there is no limit: SEAL reserves its memory there, and past
+    it an allocation fails inside a computation."""
+    try:
+        import resource
+    except ImportError:                 # not a POSIX system
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, int(soft) - size)
 
 
 class _Plaintexts:
