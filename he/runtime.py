@@ -618,10 +618,11 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
     that reads every input loads each in the tile that first reads it
     (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
-    without such a segment all are loaded first, each into a ``spare`` buffer that holds it. ``spare``: free ciphertexts (of an earlier
-    group, or allocated before the first, :meth:`he.Server.warm`) that results are written
-    into, the smallest that holds each, before any new storage is taken; handed over, and
-    refilled with the group's free buffers at its end. ``spill``: the segments' tiles write the
+    without such a segment all are loaded first, each into a ``spare`` buffer that holds it.
+    ``spare``: free ciphertexts (of an earlier group, or allocated before the first,
+    :meth:`he.Server.warm`) that results are written into, the smallest that holds each, before
+    any new storage is taken; handed over, and refilled with the group's free buffers at its
+    end. ``spill``: the segments' tiles write the
     rows they hold for a later tile out to it and read them back there
     (:func:`he.tiling.spills`; same results), their buffers reused meanwhile."""
     steps = lowered.steps

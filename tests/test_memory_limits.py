@@ -8,8 +8,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from he.runtime import address_space_room, available_memory, cgroup_room
 
 GIB = 2 ** 30
