@@ -94,6 +94,9 @@ class CostModel:
     #: this machine's seconds per second of the table's (every primitive and word cost times
     #: this; see :func:`probe_speed`)
     speed: float = 1.0
+    #: per ring, the primitives the table prices from another's timing (:data:`_DERIVED`,
+    #: :data:`_DERIVED_PART`) rather than its own: no measurement to compare a probe with
+    derived: dict[int, frozenset[str]] = field(default_factory=dict)
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -160,27 +163,34 @@ class CostModel:
             raise ValueError(f"speed factor must be a positive number, not {speed!r}")
         return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
                          dict(self.parallel), dict(self.client_parallel),
-                         self.speed * float(speed))
+                         self.speed * float(speed), dict(self.derived))
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
-                "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()}
+                "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()
+                                   if op not in self.derived.get(r, ())}
                           for r, ops in self.table.items()}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostModel":
         table = {int(r): {str(op): [(int(p[0]), float(p[1])) for p in pts]
                           for op, pts in ops.items()} for r, ops in d["table"].items()}
+        derived: dict[int, frozenset[str]] = {}
         for r, ops in table.items():
+            made = set()
             for op, like in _DERIVED.items():
                 if op not in ops and like in ops:
                     ops[op] = list(ops[like])
+                    made.add(op)
             for op, (like, part) in _DERIVED_PART.items():
                 if op not in ops and like in ops:
                     ops[op] = [(limbs, part * t) for limbs, t in ops[like]]
+                    made.add(op)
+            if made:
+                derived[r] = frozenset(made)
             missing = set(PRIMITIVES) - set(ops)
             if missing or any(not pts for pts in ops.values()):
                 raise ValueError(f"cost table for N={r} lacks {sorted(missing)}")
@@ -197,7 +207,7 @@ class CostModel:
         speed = float(d.get("speed", 1.0))
         if not _is_speed(speed):
             raise ValueError(f"cost table: bad speed factor {speed!r}")
-        return cls(table, str(d.get("source", "")), words, parallel, client, speed)
+        return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
@@ -551,9 +561,13 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
     for _ in range(PROBE_ROUNDS):
         got = _time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
         best = {op: min(t, best.get(op, t)) for op, t in got.items()}
-    # against the table's own seconds, without the factor it may already carry
+    # against the table's own seconds, without the factor it may already carry, where it
+    # measured them (a primitive it derives from another, e.g. a spill from a load, is priced
+    # by that one's ratio already; its own would compare a timing with a rule of thumb)
+    derived = reference.derived.get(ring, frozenset())
     ratios = {op: t * reference.speed / reference.seconds(op, ring, limbs)
-              for op, t in sorted(best.items()) if op in reference.table[ring] and t > 0}
+              for op, t in sorted(best.items())
+              if op in reference.table[ring] and op not in derived and t > 0}
     if not ratios:
         return 1.0, {}
     return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
