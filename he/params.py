@@ -295,9 +295,10 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
                 ) -> tuple[int, int, int, int, float, int]:
     """Prime sizes for one ring: ``(first, scale, special, boost, promised error, levels the
     budget holds)``, the error :func:`noise_unit` gives that scale (above ``err_target`` only
-    where large values narrowed the scale or ``scale_bits`` fixed it). The scale keeps the output error near ``err_target``; with rotations the
-    special prime gets the largest extra (``boost``, even down from the maximum) that still
-    leaves room for ``levels``, or none when even that does not fit."""
+    where large values narrowed the scale or ``scale_bits`` fixed it). The scale keeps the
+    output error near ``err_target``; with rotations the special prime gets the largest extra
+    (``boost``, even down from the maximum) that still leaves room for ``levels``, or none when
+    even that does not fit."""
     boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
     for boost in boosts:
         # key switching's heavy tail, KEY_SWITCHING * 2^-boost rescales' noise per rotated
