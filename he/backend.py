@@ -295,15 +295,19 @@ class Engine:
         """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""
         return seal.Ciphertext()
 
-    def prefault(self, buffers: Mapping[float, int]) -> list[Any]:
-        """Ciphertexts whose storage is allocated and zero-filled (``buffers``: bytes of one
+    def prefault(self, buffers: Mapping[float, int], like: Any = None) -> list[Any]:
+        """Ciphertexts whose storage is allocated and written (``buffers``: bytes of one
         ciphertext's storage -> how many, :func:`he.tiling.allocations`; sizes that are no
         ciphertext of these parameters are skipped), for results to be written into
         (:func:`he.runtime.run_batch`'s ``spare``): their first writes find pages the kernel has
-        already mapped and zeroed."""
+        already mapped and zeroed. ``like``: a ciphertext of this context in NTT form (an
+        encryption of zero), whose form each buffer takes (a copy of it switched to the
+        buffer's level, the rest of its storage zero), so that results written word by word
+        (:mod:`he.fused`) need no copy first to give the buffer its form (zeros otherwise)."""
         n = self.params.poly_modulus_degree
         level_of = {self.params.limbs(level): level for level in range(self.params.levels + 1)}
         held = []
+        forms: dict[int, Any] = {}
         for nbytes, count in buffers.items():
             words = int(round(float(nbytes) / 8))
             shape = next(((size, words // (size * n)) for size in (2, 3)
@@ -311,10 +315,17 @@ class Engine:
             if shape is None or count <= 0:
                 continue
             size, limbs = shape
-            pid = self.parms_ids[level_of[limbs]]
+            level = level_of[limbs]
+            pid = self.parms_ids[level]
+            if like is not None and level not in forms:
+                form = seal.Ciphertext()
+                self.evaluator.mod_switch_to(like, pid, form)
+                forms[level] = form
             for _ in range(int(count)):
                 ct = seal.Ciphertext(self.context, pid, size)     # storage reserved ...
-                ct.resize(self.context, pid, size)                # ... and written (zeros)
+                if like is not None:
+                    self.evaluator.negate(forms[level], ct)       # ... written in its form
+                ct.resize(self.context, pid, size)                # ... the rest zeros
                 held.append(ct)
         return held
 

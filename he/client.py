@@ -518,8 +518,11 @@ class Server:
         model predicts; returns the seconds it took (``warm_seconds``; 0 where there is nothing
         to prepare). Vector packing encodes its plaintexts as the server starts anyway.
 
-        * Batch packing: allocate and zero-fill the ciphertexts one group writes its results
-          into (inputs loaded from bytes; tiles as the memory available now asks for,
+        * Batch packing: allocate and write the ciphertexts one group writes its results
+          into, in NTT form (each a copy of an encryption of zero, the server's own with the
+          public key, at its level: the fused maps write their results word by word into
+          buffers that must have the form already), inputs loaded from bytes among them
+          (tiles as the memory available now asks for,
           :func:`he.compiler.batch_group_memory`; ``warm_bytes``), less those this process
           already holds free (another server's of the same parameters, an earlier group's).
           A group takes them as its free buffers, the smallest that holds each result, and
@@ -540,7 +543,8 @@ class Server:
             # what this process holds already (another server's, an earlier group's) serves too
             have = spare_buffers(self._pool_key)
             made = self.engine.prefault({b: k - have.get(b, 0) for b, k in mem.buffers.items()
-                                         if k > have.get(b, 0)})
+                                         if k > have.get(b, 0)},
+                                        like=self._encrypt_constant(0.0))
             keep_spare(self._pool_key, made)
             self.warm_bytes = int(buffer_bytes(mem.buffers))
             note_pool(self._pool_key, buffer_bytes(spare_buffers(self._pool_key)))

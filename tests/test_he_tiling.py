@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -491,6 +492,9 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
         mem = warm._group_memory(warm._free_memory(), keep=False)
         assert warm.warm_bytes == sum(int(b) * k for b, k in mem.buffers.items()) > 0
         assert warm.warm_seconds > 0 and spare_buffers(warm._pool_key) == mem.buffers
+        # in NTT form, which the fused maps' results, written word by word, need: the first
+        # request copies nothing into them to give them that form
+        assert all(c.is_ntt_form() for c in runtime._SPARE[(os.getpid(), warm._pool_key)])
         again = he.Server(prog, client.public_context(), memory_budget=budget)
         assert spare_buffers(warm._pool_key) == mem.buffers       # nothing more allocated
         with _new_storage() as new:
