@@ -10,7 +10,9 @@ switching of its rotations before the weights apply); a product of two values mu
 one's noise by the other's calibrated magnitude (added coherently, since both may carry the same
 upstream noise) and adds a rescale; a lift to a higher level adds a rescale. The calibrated
 magnitudes are per element (root mean square over the calibration data), so a wide activation's
-largest element does not stand in for all of them.
+largest element does not stand in for all of them. In batch and tokens packing, an output
+element no input reaches is returned as the server's encryption of a constant with the public
+key, which counts one unit of rescale noise.
 
 :func:`noise_gain` returns ``(g_in, g_rs)``: the standard deviation of the noisiest output
 element per unit of encryption noise and per unit of rescale noise, which
@@ -117,5 +119,9 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
         v_in.append(a)
         v_rs.append(r)
     out = lowered.output
-    return (float(np.sqrt(np.max(v_in[out], initial=0.0))),
-            float(np.sqrt(np.max(v_rs[out], initial=0.0))))
+    a, r = v_in[out], v_rs[out]
+    if packing != "vector":
+        # an output element no input reaches is returned as the server's encryption of a
+        # constant, with the public key: noisier than the client's, about a rescale
+        r = np.where((a == 0.0) & (r == 0.0), 1.0, r)
+    return (float(np.sqrt(np.max(a, initial=0.0))), float(np.sqrt(np.max(r, initial=0.0))))

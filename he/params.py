@@ -80,11 +80,19 @@ KEY_SWITCHING = 80.0
 _WIDE_MIN_PLAIN_BITS = 16
 
 
-#: Noise standard deviations, in units of the scale, per unit of ring degree N: a fresh
-#: (public-key) encryption and a rescale (or a rotation's modulus switch down), both grow as N,
-#: not sqrt(N) (the rounding polynomial times the secret key); measured with SEAL 4 (TenSEAL
-#: 0.3.18): 0.16-0.17 N fresh, 0.18-0.19 N per plaintext product and rescale, at N=8192 and 16384.
-_ENC_NOISE = 0.25
+#: Noise standard deviation of a fresh encryption, in units of the scale, per unit of sqrt(N):
+#: the client (:class:`he.Client`, the only party that encrypts inputs) encrypts with the
+#: secret key, whose noise is the error polynomial alone (a centred binomial of standard
+#: deviation 3.2 per coefficient, 3.2 sqrt(N/2) per slot); measured with SEAL 4 (TenSEAL
+#: 0.3.18): 2.28-2.30 sqrt(N) at N=8192, 16384 and 32768, a largest slot error of 3.9-4.4 of
+#: them. A public-key encryption (0.166-0.167 N measured there) is some 60 times noisier at
+#: N=8192: the server's, of the constant elements of a batch-packed output, are counted
+#: as a rescale each (:func:`he.noise.noise_gain`).
+_ENC_NOISE = 3.5
+#: Noise standard deviation of a rescale (or a rotation's modulus switch down), in units of the
+#: scale, per unit of N: the rounding polynomial times the secret key grows as N, not sqrt(N);
+#: measured with SEAL 4 (TenSEAL 0.3.18): 0.18-0.19 N per plaintext product and rescale, at
+#: N=8192 and 16384.
 _RESCALE_NOISE = 0.25
 #: Safety factor of the promised error over the noise analysis' standard deviation of the
 #: noisiest output element (a maximum over many elements reaches 3-4 of them).
@@ -93,15 +101,15 @@ _TAIL = 8.0
 
 def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
                rotation: float = 0.0) -> float:
-    """Promised max output error: encryption noise :data:`_ENC_NOISE` N, rescale noise
+    """Promised max output error: encryption noise :data:`_ENC_NOISE` sqrt(N), rescale noise
     :data:`_RESCALE_NOISE` N plus ``rotation`` (the key-switching noise that grows with the
     largest prime over the special prime), in units of the scale, weighted by the program's
     gains ``(g_in, g_rs)`` (:func:`he.noise.noise_gain`), times the safety factor
     :data:`_TAIL`."""
     g_in, g_rs = gain
     n = float(ring_degree)
-    return _TAIL * (g_in * _ENC_NOISE * n + g_rs * (_RESCALE_NOISE * n + rotation)) / \
-        2.0 ** scale_bits
+    fresh = _ENC_NOISE * math.sqrt(n)
+    return _TAIL * (g_in * fresh + g_rs * (_RESCALE_NOISE * n + rotation)) / 2.0 ** scale_bits
 
 
 @dataclass(frozen=True)

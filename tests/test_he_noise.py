@@ -110,3 +110,74 @@ def test_folded_sums_keep_a_wide_heads_error_under_the_promise():
     y = client.decrypt(server.run(client.encrypt(x[:4].numpy()).to_bytes()).to_bytes())
     err = np.max(np.abs(y - prog.simulate(x[:4].numpy())))
     assert err <= prog.params.expected_error
+
+
+class _Pad(nn.Module):
+    """Zero padding: in batch packing a selection, so no level, and its padded outputs are
+    constants no input reaches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(x, (0, 3))
+
+
+class _Slice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :4]
+
+
+def test_the_clients_fresh_encryption_is_as_quiet_as_the_promise_assumes():
+    """The client encrypts with the secret key: a fresh ciphertext's noise grows as sqrt(N),
+    within :data:`he.params._ENC_NOISE` of it, several times below a public-key encryption's
+    (which grows as N), so a client that encrypted with the public key would break the
+    promises."""
+    import tenseal.sealapi as seal
+
+    from he.params import _ENC_NOISE
+
+    torch.manual_seed(0)
+    x = torch.randn(4096, 5)
+    prog = he.compile(_Pad(), x[:1], calibration=x, packing="batch")
+    assert prog.params.levels == 0
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    got = client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
+    n, scale = prog.params.poly_modulus_degree, client.engine.scales[0]
+    fresh = (got[:, :5] - x.numpy()) * scale            # the inputs, returned as they came
+    assert np.std(fresh) <= _ENC_NOISE * np.sqrt(n) / 1.3
+    assert np.std(fresh) >= _ENC_NOISE * np.sqrt(n) / 3
+    # the same plaintext under the public key
+    eng = client.engine
+    pt = eng.encode_vector(np.zeros(eng.slots), 0, scale)
+    ct = seal.Ciphertext()
+    seal.Encryptor(eng.context, client.public_key).encrypt(pt, ct)
+    public = _decrypt_slots(client, ct) * scale
+    assert np.std(public) >= 0.1 * n
+    assert np.std(public) >= 4 * np.std(fresh)
+
+
+def _decrypt_slots(client: he.Client, ct) -> np.ndarray:
+    import tenseal.sealapi as seal
+
+    out = seal.Plaintext()
+    client._decryptor.decrypt(ct, out)
+    return np.asarray(client.engine.encoder.decode_double(out))
+
+
+def test_constant_outputs_the_server_encrypts_count_as_a_rescale():
+    """In batch packing a constant output element is the server's encryption, with the public
+    key (it holds no other): the analysis counts it as a rescale, and its error stays within the
+    promise of a program that rescales nothing."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 5)
+    low = _lowered(_Pad(), x)
+    msq = step_values_msq(low, x.numpy())
+    assert noise_gain(low, msq, "batch") == (1.0, 1.0)
+    sliced = _lowered(_Slice(), x)                     # no constant output: no rescale
+    assert noise_gain(sliced, step_values_msq(sliced, x.numpy()), "batch") == (1.0, 0.0)
+    prog = he.compile(_Pad(), x[:1], calibration=x, packing="batch")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    got = client.decrypt(server.run(client.encrypt(x).to_bytes()).to_bytes())
+    err = np.abs(got - prog.simulate(x.numpy()))
+    assert err[:, 5:].max() > 2 * err[:, :5].max()      # the public key's noise is the larger
+    assert err.max() <= prog.params.expected_error
