@@ -85,7 +85,7 @@ _WIDE_MIN_PLAIN_BITS = 16
 #: secret key, whose noise is the error polynomial alone (a centred binomial of standard
 #: deviation 3.2 per coefficient, 3.2 sqrt(N/2) per slot); measured with SEAL 4 (TenSEAL
 #: 0.3.18): 2.28-2.30 sqrt(N) at N=8192, 16384 and 32768, a largest slot error of 3.9-4.4 of
-#: them. A public-key encryption (0.166-0.167 N measured there) is some 60 times noisier at
+#: them. A public-key encryption (0.166-0.167 N measured there) is 6.6 times noisier at
 #: N=8192: the server's, of the constant elements of a batch-packed output, are counted
 #: as a rescale each (:func:`he.noise.noise_gain`).
 _ENC_NOISE = 3.5
