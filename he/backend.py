@@ -295,7 +295,7 @@ class Engine:
         """An empty SEAL ciphertext (a buffer for :meth:`mul_plain_into`)."""
         return seal.Ciphertext()
 
-    def prefault(self, buffers: Mapping[float, int], like: Any = None) -> list[Any]:
+    def prefault(self, buffers: Mapping[float, int], like: Any) -> list[Any]:
         """Ciphertexts whose storage is allocated and written (``buffers``: bytes of one
         ciphertext's storage -> how many, :func:`he.tiling.allocations`; sizes that are no
         ciphertext of these parameters are skipped), for results to be written into
@@ -303,7 +303,7 @@ class Engine:
         already mapped and zeroed. ``like``: a ciphertext of this context in NTT form (an
         encryption of zero), whose form each buffer takes (a copy of it switched to the
         buffer's level, the rest of its storage zero), so that results written word by word
-        (:mod:`he.fused`) need no copy first to give the buffer its form (zeros otherwise)."""
+        (:mod:`he.fused`) need no copy first to give the buffer its form."""
         n = self.params.poly_modulus_degree
         level_of = {self.params.limbs(level): level for level in range(self.params.levels + 1)}
         held = []
@@ -317,14 +317,12 @@ class Engine:
             size, limbs = shape
             level = level_of[limbs]
             pid = self.parms_ids[level]
-            if like is not None and level not in forms:
-                form = seal.Ciphertext()
-                self.evaluator.mod_switch_to(like, pid, form)
-                forms[level] = form
+            if level not in forms:
+                forms[level] = seal.Ciphertext()
+                self.evaluator.mod_switch_to(like, pid, forms[level])
             for _ in range(int(count)):
                 ct = seal.Ciphertext(self.context, pid, size)     # storage reserved ...
-                if like is not None:
-                    self.evaluator.negate(forms[level], ct)       # ... written in its form
+                self.evaluator.negate(forms[level], ct)           # ... written in its form
                 ct.resize(self.context, pid, size)                # ... the rest zeros
                 held.append(ct)
         return held
