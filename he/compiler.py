@@ -24,8 +24,8 @@ from he.native import default_threads, native_platform
 from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
                        TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
-from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, choose_params,
-                       error_target, fitting_precision, wide_variant)
+from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, check_products,
+                       choose_params, error_target, fitting_precision, most_levels, wide_variant)
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
                      choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
                      next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
@@ -118,10 +118,9 @@ def argmax_precision(outputs: Any, output_abs: float, quantile: float = ARGMAX_Q
 
 
 def program_degree_depth(program: PolyProgram) -> tuple[int, int]:
-    from polynets.ir.certify import analyse
+    from polynets.ir.certify import degree_depth
 
-    info = analyse(program)[program.output]
-    return int(info.degree), int(info.depth)
+    return degree_depth(program)
 
 
 def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
@@ -686,16 +685,26 @@ CONSTANT_OUTPUT = ("the model cannot be compiled to CKKS: its output does not de
 
 
 def _lower(model: Any, example_input: Any) -> tuple[PolyProgram, str]:
+    program, cert, _ = _traced(model, example_input)
+    return program, cert
+
+
+def _traced(model: Any, example_input: Any, security: int = 128
+            ) -> tuple[PolyProgram, str, Lowered | None]:
+    """The model's program, its certificate as text, and the lowering the certificate counted
+    its levels on (None where there is none to reuse; and none for a program of more
+    ciphertext products in a row than any chain at ``security`` holds, which the compiler
+    refuses: :func:`he.params.check_products`)."""
     if isinstance(model, PolyProgram):
-        return model, ""
+        return model, "", None
     if isinstance(model, CompiledProgram):
-        return model.program, model.certificate
-    import polynets as pn
+        return model.program, model.certificate, None
+    from polynets.ir.certify import certify_lowered
 
     if example_input is None:
         raise NotEncryptableError("he.compile needs an example_input to trace a model")
     try:
-        cert = pn.certify(model, example_input)
+        cert, lowered = certify_lowered(model, example_input, most_levels(security))
     except TraceError as exc:
         raise NotEncryptableError(f"the model cannot be compiled to CKKS: {exc}") from exc
     if not cert.is_polynomial:
@@ -703,7 +712,7 @@ def _lower(model: Any, example_input: Any) -> tuple[PolyProgram, str]:
                                   f"{cert}", cert)
     if cert.program is None:
         raise NotEncryptableError(CONSTANT_OUTPUT, cert)
-    return cert.program, str(cert)
+    return cert.program, str(cert), lowered
 
 
 def _calibration_data(program: PolyProgram, example_input: Any, calibration: Any) -> np.ndarray:
@@ -1327,7 +1336,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     _check_settings(packing, objective, batch_size, security, memory_budget,
                     samples_per_ciphertext, precision_bits=None if argmax else precision_bits,
                     scale_bits=scale_bits, max_input_ciphertexts=max_input_ciphertexts)
-    program, cert = _lower(model, example_input)
+    program, cert, certified = _traced(model, example_input, security)
+    check_products(program_degree_depth(program)[1], security)
     calib = _calibration_data(program, example_input, calibration)
     chunks: list[np.ndarray] | None = [] if argmax else None
     maxabs = program.max_abs(calib, outputs=chunks)
@@ -1362,7 +1372,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     kinds = PACKINGS if packing == "auto" else (packing,)
     found: list[CompiledProgram] = []
     error: TooDeepError | None = None
-    lowerings = _candidate_lowerings(program, np.asarray(calib, dtype=np.float64))
+    lowerings = _candidate_lowerings(program, np.asarray(calib, dtype=np.float64), certified)
     for kind in kinds:
         tried: list[CompiledProgram] = []
         for keep, lowered, msq in lowerings:
@@ -1385,7 +1395,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     return _choose(found, packing, objective, batch_size, memory_budget)
 
 
-def _candidate_lowerings(program: PolyProgram, calib: np.ndarray
+def _candidate_lowerings(program: PolyProgram, calib: np.ndarray,
+                         lowered: Lowered | None = None
                          ) -> list[tuple[tuple[int, ...], Lowered, list[np.ndarray]]]:
     """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler prices:
     every linear map composed (the fewest levels), and where some compositions made a map much
@@ -1395,7 +1406,7 @@ def _candidate_lowerings(program: PolyProgram, calib: np.ndarray
     Raises NotEncryptableError where no input element reaches the output (its weights cancel
     or are zero): the output is a constant, which no ciphertext can carry."""
     x = calib[:_NOISE_SAMPLES]
-    lowered = lower(program)
+    lowered = lowered if lowered is not None else lower(program)
     if not live_rows(lowered)[0].any():  # every path from the input meets a zero weight
         raise NotEncryptableError(CONSTANT_OUTPUT)
     # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)

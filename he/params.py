@@ -19,6 +19,7 @@ classical security level holds the chain. The budgets are SEAL's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -30,7 +31,7 @@ from he.errors import ParameterError, TooDeepError
 
 __all__ = ["CKKSParams", "choose_params", "error_target", "fitting_precision", "wide_variant",
            "wide_prime_bits", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
-           "SECURITY_LEVELS", "noise_unit"]
+           "SECURITY_LEVELS", "noise_unit", "most_levels", "check_products"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
 SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
@@ -285,6 +286,7 @@ def _is_prime(n: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1024)
 def ntt_primes(ring: int, bits: int, wanted: int) -> int:
     """How many primes of exactly ``bits`` bits are 1 modulo ``2 * ring`` (those a CKKS chain at
     ring degree ``ring`` can use), counted up to ``wanted``: small primes at large rings are few
@@ -405,6 +407,29 @@ def error_target(output_abs: float, precision_bits: int) -> float:
     """The output error ``precision_bits`` bits of precision allow: ``2^-bits`` of the output's
     calibrated range (at least 1e-3, so that a near-zero output does not ask for every bit)."""
     return max(float(output_abs), 1e-3) * 2.0 ** -int(precision_bits)
+
+
+def most_levels(security: int = 128, rings: Sequence[int] = RING_DEGREES) -> int:
+    """An upper bound on the levels any chain of ``rings`` holds at ``security``: every prime at
+    the smallest scale, the first and the special prime no wider than the scale and the margin
+    need. A program with more ciphertext products in a row than this fits no parameters, however
+    low its precision, so a compiler can refuse it before lowering it."""
+    least = _MIN_SCALE_BITS + _MARGIN_BITS
+    return max(_budget_levels(int(r), least, least, _MIN_SCALE_BITS, security) for r in rings)
+
+
+def check_products(depth: int, security: int = 128) -> None:
+    """Refuse a program with ``depth`` ciphertext products in a row when that is more than
+    :func:`most_levels`: each product costs a level in every packing, so no parameters exist for
+    it, whatever its precision; a compiler calls this before lowering or calibrating anything."""
+    most = most_levels(security)
+    if depth > most:
+        raise TooDeepError(
+            f"the program has {depth} ciphertext products in a row, a multiplicative level each, "
+            f"but no chain at {security}-bit security holds more than {most} levels, even at the "
+            f"smallest scale (2^{_MIN_SCALE_BITS}, N={max(RING_DEGREES)}); SEAL has no "
+            f"bootstrapping: reduce the model's depth (fewer Mu-Layers/blocks, degree-2 layers)",
+            depth, most)
 
 
 def _magnitude_bits(max_abs: float) -> int:

@@ -23,7 +23,8 @@ from polynets.ir.program import Interpreter, Node, PolyProgram
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
     from torch import nn
 
-__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "lowered_levels", "levels_exact",
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "certify_lowered", "degree_depth", "lowered_levels",
+           "levels_exact",
            "EXACT_LOWERING_TOTAL"]
 
 #: All values of a program together (elements of one sample) beyond which ``pn.certify`` does
@@ -41,17 +42,27 @@ class NodeInfo:
     plain_mults: int
 
 
-def analyse(program: PolyProgram) -> list[NodeInfo]:
+def analyse(program: PolyProgram, lowered: Lowered | None = None) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
     carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
-    lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program with
-    values too large for any packing, the upper bound that counts every linear map and every
+    lowering the compiler uses (:func:`lowered_levels`, vector packing; ``lowered``: that
+    lowering where the caller has it, else it is lowered here), or, for a program with values
+    too large for any packing, the upper bound that counts every linear map and every
     non-integer constant multiplication (:func:`levels_exact` tells which)."""
     infos = _Analysis().run(program)
     if levels_exact(program):
         out = infos[program.output]
-        infos[program.output] = NodeInfo(out.degree, out.depth, *lowered_levels(lower(program)))
+        low = lowered if lowered is not None else lower(program)
+        infos[program.output] = NodeInfo(out.degree, out.depth, *lowered_levels(low))
     return infos
+
+
+def degree_depth(program: PolyProgram) -> tuple[int, int]:
+    """The output's total degree in the input and its multiplicative depth (the longest chain of
+    ciphertext products), from the program's nodes alone (no lowering). Every product costs a
+    level in every packing, so the depth is a lower bound on any packing's levels."""
+    info = _Analysis().run(program)[program.output]
+    return int(info.degree), int(info.depth)
 
 
 class _Analysis(Interpreter):
@@ -129,6 +140,9 @@ class Certificate:
     offending: list[Any] = field(default_factory=list)
     program: PolyProgram | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
+    #: the program's CKKS lowering the level count was read from (None where that count is an
+    #: upper bound): :func:`he.compile` reuses it rather than lowering the program again
+    lowered: Lowered | None = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return self.is_polynomial
@@ -162,6 +176,16 @@ def certify(model: nn.Module, example_input: Any) -> Certificate:
     its qualified name, type and a hint. Unknown ops still raise
     :class:`~polynets.errors.UnsupportedOpError`.
     """
+    return certify_lowered(model, example_input)[0]
+
+
+def certify_lowered(model: nn.Module, example_input: Any, max_depth: int | None = None
+                    ) -> tuple[Certificate, Lowered | None]:
+    """:func:`certify`, and the CKKS lowering of the certified program its level count was read
+    from (None where there is none, or the count is an upper bound), for a compiler that would
+    otherwise lower the program again. ``max_depth``: a program of more ciphertext products in
+    a row than that, which the compiler will refuse, is not lowered (its level count is then the
+    node-by-node upper bound)."""
     from polynets.ir.passes import optimize
     from polynets.ir.trace import record
 
@@ -169,13 +193,16 @@ def certify(model: nn.Module, example_input: Any) -> Certificate:
     name = type(model).__name__
     in_shape, out_shape = tuple(meta["input_shape"]), tuple(meta["output_shape"])
     if offences:
-        return Certificate(name, in_shape, out_shape, False, offending=offences)
+        return Certificate(name, in_shape, out_shape, False, offending=offences), None
     if out is None:
         return Certificate(name, in_shape, out_shape, True, degree=0, depth=0, levels=0,
-                           plain_mults=0)
+                           plain_mults=0), None
     program = optimize(PolyProgram(nodes, out, meta=meta))
-    info = analyse(program)[program.output]
+    exact = levels_exact(program) and (max_depth is None or
+                                       degree_depth(program)[1] <= max_depth)
+    lowered = lower(program) if exact else None
+    info = (analyse(program, lowered) if exact else _Analysis().run(program))[program.output]
     return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
-                       levels=info.levels, levels_exact=levels_exact(program),
+                       levels=info.levels, levels_exact=exact,
                        plain_mults=info.plain_mults, program=program,
-                       op_counts=program.op_counts())
+                       op_counts=program.op_counts()), lowered
