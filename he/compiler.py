@@ -261,12 +261,20 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     ring = params.poly_modulus_degree
     seconds = 0.0
     plaintexts: list[tuple[int, int]] = []
+    early = set(plan.concurrent_planes())
+    at_once: list[float] = []
     for si, c in enumerate(counts):
         lin = plan.runs_at(si)
-        seconds += _threaded_seconds(
+        step = _threaded_seconds(
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
             costs.parallel_efficiency(ring))
+        if si in early:
+            at_once.append(step)
+        else:
+            seconds += step
         plaintexts.append((c["plaintexts"], lin))
+    # the planes steps all at once on the server's threads (he.runtime.run_vector)
+    seconds += _makespan(at_once, threads, costs.parallel_efficiency(ring))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)

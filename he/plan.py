@@ -754,6 +754,12 @@ class VectorPlan:
             raise ValueError(f"plan steps {sorted(waiting.values())} read steps never run")
         return out
 
+    def concurrent_planes(self) -> list[int]:
+        """The planes steps, which read only the client's input ciphertexts: a server with
+        several threads runs them all at once, before the other steps
+        (:func:`he.runtime.run_vector`; the prediction takes their makespan)."""
+        return [si for si, s in enumerate(self.steps) if s.kind == "planes"]
+
     def rotations(self) -> list[int]:
         """Physical rotation steps the server needs Galois keys for."""
         steps: set[int] = set()

@@ -1113,24 +1113,33 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
     return out
 
 
+def _planes(eng: Engine, kern: VectorKernels, si: int, st: Any, inputs: Sequence[Any]) -> Any:
+    """A planes step: the client's input ciphertexts times their planes, summed, folded and
+    rescaled."""
+    acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
+                            for j, c in enumerate(st.plane_cts) if ("p", si, j) in kern.store))
+    return eng.to_level(_fold(eng, acc, st.plane_folds, kern.interleave), st.level)
+
+
 def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
     """Evaluate a vector plan on one ciphertext group (``plan.interleave`` samples); returns the
-    output ciphertext."""
+    output ciphertext. The planes steps, which read only the inputs, run first, all at once on
+    the engine's threads (:meth:`VectorPlan.concurrent_planes`)."""
     vals: list[Any] = [None] * len(plan.steps)
     rotated: dict[tuple[int, int, int], Any] = {}
     # stacked maps' sums rotated by their half's shift before the rescale, until the half runs
     halves: dict[int, Any] = {}
     shift_of = {a: plan.steps[b].shift for a, b in plan.stacked}
+    early = plan.concurrent_planes()
+    ready = dict(zip(early, eng.pool.map(
+        lambda si: _planes(eng, kern, si, plan.steps[si], inputs), early)))
     for si in plan.order():
         st = plan.steps[si]
         if st.kind == "input":
             vals[si] = inputs[0]
             continue
         if st.kind == "planes":
-            acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
-                                    for j, c in enumerate(st.plane_cts)
-                                    if ("p", si, j) in kern.store))
-            out = eng.to_level(_fold(eng, acc, st.plane_folds, kern.interleave), st.level)
+            out = ready.pop(si) if si in ready else _planes(eng, kern, si, st, inputs)
         elif st.kind == "affine":
             lin = max(plan.steps[s].level for s in st.inputs)
             out = _affine(eng, kern, si, st, st.sources(),

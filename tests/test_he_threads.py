@@ -64,6 +64,52 @@ def test_threaded_server_gives_the_same_ciphertext_as_one_thread(setup):
     assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-4
 
 
+class _TwoMapsOfTheInput(nn.Module):
+    """Two convolutions of the input multiplied: two planes steps, independent of each other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, 3, stride=2)
+        self.b = nn.Conv2d(1, 4, 3, stride=2)
+        self.head = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((self.a(x) * self.b(x)).flatten(1))
+
+
+@native_only
+def test_planes_steps_run_at_once_and_are_priced_by_their_makespan(monkeypatch):
+    from he.compiler import _makespan, _predict_vector, _threaded_seconds
+
+    torch.manual_seed(5)
+    model, x = _TwoMapsOfTheInput().eval(), torch.randn(32, 1, 8, 8)
+    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2)
+    plan, params = prog.plan, prog.params
+    early = plan.concurrent_planes()
+    assert len(early) == 2 and all(plan.steps[si].kind == "planes" for si in early)
+    client = he.Client(prog)
+    ctx = client.public_context()
+    ct = client.encrypt(x[:1])
+    one, two = he.Server(prog, ctx, threads=1), he.Server(prog, ctx, threads=2)
+    assert two.engine.native is not None, two.threads_note
+    out = two.run(ct)
+    assert out.to_bytes() == one.run(ct).to_bytes()
+    with torch.no_grad():
+        ref = model(x[:1]).double().numpy()
+    assert np.max(np.abs(client.decrypt(out) - ref)) <= prog.params.expected_error
+    # the prediction: their makespan on the threads in place of their sum
+    costs = default_model()
+    eff = costs.parallel_efficiency(params.poly_modulus_degree)
+    counts = plan.op_counts()
+    items = [_threaded_seconds(counts[si], lambda cs, lv=plan.runs_at(si): costs.price(
+        cs, params.poly_modulus_degree, params.limbs(lv)), 2, eff) for si in early]
+    at_once = _predict_vector(plan, params, costs, 2)["seconds_per_ciphertext"]
+    monkeypatch.setattr(type(plan), "concurrent_planes", lambda self: [])
+    in_turn = _predict_vector(plan, params, costs, 2)["seconds_per_ciphertext"]
+    assert in_turn - at_once == pytest.approx(sum(items) - _makespan(items, 2, eff), rel=1e-9)
+    assert _makespan(items, 2, eff) < sum(items)
+
+
 @native_only
 def test_threads_are_kept_only_where_the_cost_model_predicts_them_faster(setup):
     from he.compiler import MIN_THREAD_GAIN, _predict_vector
