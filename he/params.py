@@ -19,7 +19,6 @@ classical security level holds the chain. The budgets are SEAL's own
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -286,7 +285,7 @@ def _is_prime(n: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1024)
+@lru_cache(maxsize=1024)
 def ntt_primes(ring: int, bits: int, wanted: int) -> int:
     """How many primes of exactly ``bits`` bits are 1 modulo ``2 * ring`` (those a CKKS chain at
     ring degree ``ring`` can use), counted up to ``wanted``: small primes at large rings are few

@@ -23,9 +23,8 @@ from polynets.ir.program import Interpreter, Node, PolyProgram
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
     from torch import nn
 
-__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "certify_lowered", "degree_depth", "lowered_levels",
-           "levels_exact",
-           "EXACT_LOWERING_TOTAL"]
+__all__ = ["NodeInfo", "Certificate", "analyse", "certify", "certify_lowered", "degree_depth",
+           "lowered_levels", "levels_exact", "EXACT_LOWERING_TOTAL"]
 
 #: All values of a program together (elements of one sample) beyond which ``pn.certify`` does
 #: not lower it exactly: the sparse maps the lowering composes grow with them.
@@ -140,9 +139,6 @@ class Certificate:
     offending: list[Any] = field(default_factory=list)
     program: PolyProgram | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
-    #: the program's CKKS lowering the level count was read from (None where that count is an
-    #: upper bound): :func:`he.compile` reuses it rather than lowering the program again
-    lowered: Lowered | None = field(default=None, repr=False, compare=False)
 
     def __bool__(self) -> bool:
         return self.is_polynomial
