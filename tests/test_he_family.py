@@ -79,3 +79,45 @@ def test_each_family_model_runs_in_a_process_of_its_own_and_a_dead_one_is_report
     with pytest.raises(RuntimeError, match="ValueError: bad model"):
         bench.isolated(lambda: (_ for _ in ()).throw(ValueError("bad model")))
     assert bench.isolated(lambda: {"after": True}) == {"after": True}
+
+
+def test_planes_benchmark_toggles_one_server_and_restores_the_runtime(tmp_path):
+    from he.plan import VectorPlan
+
+    _mnist_files(tmp_path, 2)
+    bench = _benchmark("he_planes_at_once")
+    before = VectorPlan.concurrent_planes
+    out = tmp_path / "planes.json"
+    res = bench.main(["--data-dir", str(tmp_path), "--models", "conv_seq", "--epochs", "1",
+                      "--requests", "4", "--output", str(out)])
+    assert VectorPlan.concurrent_planes is before
+    row = res["models"]["conv_seq"]
+    assert row["max_abs_error_vs_simulation"] <= row["promised_error"]
+    m, p = row["median_s"], row["predicted_s"]
+    assert row["speedup"] == pytest.approx(m["in_turn"] / m["at_once"])
+    # priced in turn, the planes steps cost their sum, more than their makespan on 2 threads
+    if row["planes_steps"] >= 2 and row["server_threads"] >= 2:
+        assert p["in_turn"] > p["at_once"]
+    else:
+        assert p["in_turn"] == pytest.approx(p["at_once"])
+    assert json.loads(out.read_text())["models"]["conv_seq"] == json.loads(json.dumps(row))
+    with pytest.raises(SystemExit, match="at least 4"):
+        bench.main(["--requests", "3"])
+
+
+def test_compile_cost_benchmark_compiles_here_and_in_a_baseline_checkout(tmp_path):
+    bench = _benchmark("compile_cost")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cost.json"
+    res = bench.main(["--models", "token1", "--baseline", str(root), "--output", str(out)])
+    row = res["models"]["token1"]
+    for side in ("this", "baseline"):
+        assert row[side]["result"] == "3 levels, N=8192", row[side]
+        assert row[side]["compile_s"] > 0 and row[side]["peak_rss_mib"] > 0
+    assert row["speedup"] == pytest.approx(row["baseline"]["compile_s"] /
+                                           row["this"]["compile_s"])
+    assert json.loads(out.read_text())["models"]["token1"]["this"]["levels"] == 3
+    with pytest.raises(SystemExit, match="not a checkout"):
+        bench.main(["--models", "token1", "--baseline", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown models"):
+        bench.main(["--models", "nope"])
