@@ -41,19 +41,22 @@ class NodeInfo:
     plain_mults: int
 
 
-def analyse(program: PolyProgram, lowered: Lowered | None = None) -> list[NodeInfo]:
+def analyse(program: PolyProgram) -> list[NodeInfo]:
     """Degree and multiplicative depth of every node, in node order; the output node also
     carries the CKKS ``levels`` and ``plain_mults`` of the whole program: exactly those of the
-    lowering the compiler uses (:func:`lowered_levels`, vector packing; ``lowered``: that
-    lowering where the caller has it, else it is lowered here), or, for a program with values
-    too large for any packing, the upper bound that counts every linear map and every
+    lowering the compiler uses (:func:`lowered_levels`, vector packing), or, for a program with
+    values too large for any packing, the upper bound that counts every linear map and every
     non-integer constant multiplication (:func:`levels_exact` tells which)."""
     infos = _Analysis().run(program)
     if levels_exact(program):
-        out = infos[program.output]
-        low = lowered if lowered is not None else lower(program)
-        infos[program.output] = NodeInfo(out.degree, out.depth, *lowered_levels(low))
+        infos[program.output] = _counted_on(infos[program.output], lower(program))
     return infos
+
+
+def _counted_on(info: NodeInfo, lowered: Lowered) -> NodeInfo:
+    """The output's ``info`` with its levels and plaintext multiplications those of
+    ``lowered``."""
+    return NodeInfo(info.degree, info.depth, *lowered_levels(lowered))
 
 
 def degree_depth(program: PolyProgram) -> tuple[int, int]:
@@ -194,10 +197,11 @@ def certify_lowered(model: nn.Module, example_input: Any, max_depth: int | None 
         return Certificate(name, in_shape, out_shape, True, degree=0, depth=0, levels=0,
                            plain_mults=0), None
     program = optimize(PolyProgram(nodes, out, meta=meta))
-    exact = levels_exact(program) and (max_depth is None or
-                                       degree_depth(program)[1] <= max_depth)
+    info = _Analysis().run(program)[program.output]
+    exact = levels_exact(program) and (max_depth is None or info.depth <= max_depth)
     lowered = lower(program) if exact else None
-    info = (analyse(program, lowered) if exact else _Analysis().run(program))[program.output]
+    if lowered is not None:
+        info = _counted_on(info, lowered)
     return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
                        levels=info.levels, levels_exact=exact,
                        plain_mults=info.plain_mults, program=program,
