@@ -8,7 +8,9 @@ weights and adds one unit for its rescale plus the rounding of its encoded weigh
 inputs' calibrated mean squares (in vector packing, each input also gets one unit for the key
 switching of its rotations before the weights apply); a product of two values multiplies each
 one's noise by the other's calibrated magnitude (added coherently, since both may carry the same
-upstream noise) and adds a rescale; a lift to a higher level adds a rescale. The calibrated
+upstream noise) and adds a rescale; a lift to a higher level adds a rescale. On a wide chain
+(:class:`he.params.CKKSParams`) only the steps that drop a prime add one: a product from a
+non-pending level lands on the squared scale without a rescale. The calibrated
 magnitudes are per element (root mean square over the calibration data), so a wide activation's
 largest element does not stand in for all of them. In batch and tokens packing, an output
 element no input reaches is returned as the server's encryption of a constant with the public
@@ -25,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from he.params import level_drops, primes_dropped
 from polynets.ir.lowering import Lowered, affine_is_free, evaluate_steps, step_levels
 
 __all__ = ["step_values_msq", "noise_gain"]
@@ -64,7 +67,8 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
     unit of encryption noise and per unit of rescale noise (see the module docstring).
     ``pending=(parity, a)``: on a wide chain whose levels of that parity are pending, the
     weights multiplied there are encoded at ``1/a`` of the scale, so they round ``a`` times
-    more (:func:`he.params.wide_variant`). ``rotation_hops``: key switchings per rotation (more
+    more (:func:`he.params.wide_variant`), and only the products from them rescale
+    (:func:`he.params.level_drops`). ``rotation_hops``: key switchings per rotation (more
     than one where rotations are composed from a key basis, :func:`he.plan.rotation_path`).
     ``switching``: what one key switching adds beyond :data:`ROTATION` to a value at the scale,
     in units of the rescale noise (the part that grows with the primes over the special prime,
@@ -73,6 +77,10 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
     (a stacked map's half is rotated before its rescale, at the product's scale: nothing)."""
     steps = lowered.steps
     levels = step_levels(steps, packing)
+    # on a wide chain only a product from a pending level rescales; one from the other levels
+    # (every ciphertext product among them) lands on the squared scale, exact but for its key
+    # switching there, relatively 2^-scale_bits as large: nothing
+    parity = pending[0] if pending is not None else -1
     base = ROUNDING[packing]
     switching = switching if ROTATION[packing] else 0.0     # batch packing rotates nothing
     v_in: list[np.ndarray] = []
@@ -83,9 +91,12 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
             v_rs.append(np.zeros(st.n))
             continue
         level = max(levels[j] for j in st.inputs)
-        # an input below the step's level is lifted by a product with 1 and a rescale
-        ins = [(v_in[j], v_rs[j] + (1.0 if levels[j] < level and st.kind != "mul_int" else 0.0))
+        # an input below the step's level is lifted by a product with 1, and a rescale where
+        # the lift drops a prime
+        ins = [(v_in[j], v_rs[j] + (1.0 if st.kind != "mul_int" and primes_dropped(levels[j], parity)
+                                    < primes_dropped(level, parity) else 0.0))
                for j in st.inputs]
+        rescales = 1.0 if level_drops(level, parity) else 0.0
         if st.kind == "affine":
             a = np.zeros(st.n)
             r = np.zeros(st.n)
@@ -97,7 +108,7 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                 a += m2 @ ai
                 r += m2 @ (ri + rot)
             if not free:
-                r += 1.0
+                r += rescales
                 if packing == "tokens" and st.bias is not None:
                     # the bias is a weight on the encrypted mask plane, which carries the
                     # encryption noise of an input element
@@ -112,7 +123,7 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
             (a0, r0), (a1, r1) = ins
             m0, m1 = (np.sqrt(msq[j]) for j in st.inputs)
             a = (m0 * np.sqrt(a1) + m1 * np.sqrt(a0)) ** 2
-            r = (m0 * np.sqrt(r1) + m1 * np.sqrt(r0)) ** 2 + 1.0
+            r = (m0 * np.sqrt(r1) + m1 * np.sqrt(r0)) ** 2 + rescales
         else:
             f2 = float(st.factor) ** 2
             a, r = f2 * ins[0][0], f2 * ins[0][1]

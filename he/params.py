@@ -30,7 +30,8 @@ from he.errors import ParameterError, TooDeepError
 
 __all__ = ["CKKSParams", "choose_params", "error_target", "fitting_precision", "wide_variant",
            "wide_prime_bits", "max_modulus_bits", "MAX_MODULUS_BITS", "RING_DEGREES",
-           "SECURITY_LEVELS", "noise_unit", "most_levels", "check_products"]
+           "SECURITY_LEVELS", "noise_unit", "most_levels", "check_products", "level_drops",
+           "primes_dropped"]
 
 #: Classical security levels (bits) SEAL has modulus budgets for.
 SECURITY_LEVELS: tuple[int, ...] = (128, 192, 256)
@@ -105,11 +106,13 @@ def noise_unit(ring_degree: int, scale_bits: int, gain: tuple[float, float],
     :data:`_RESCALE_NOISE` N plus ``rotation`` (the key-switching noise that grows with the
     largest prime over the special prime), in units of the scale, weighted by the program's
     gains ``(g_in, g_rs)`` (:func:`he.noise.noise_gain`), times the safety factor
-    :data:`_TAIL`."""
+    :data:`_TAIL`. The encryption's and the rescales' noise are independent, so their standard
+    deviations add in quadrature, as the rescales' own do inside ``g_rs``."""
     g_in, g_rs = gain
     n = float(ring_degree)
     fresh = _ENC_NOISE * math.sqrt(n)
-    return _TAIL * (g_in * fresh + g_rs * (_RESCALE_NOISE * n + rotation)) / 2.0 ** scale_bits
+    return _TAIL * math.hypot(g_in * fresh, g_rs * (_RESCALE_NOISE * n + rotation)) \
+        / 2.0 ** scale_bits
 
 
 @dataclass(frozen=True)
@@ -138,13 +141,11 @@ class CKKSParams:
 
     def chain_index(self, level: int) -> int:
         """Primes dropped from the chain by the time a value reaches ``level``."""
-        if self.pending < 0:
-            return int(level)
-        return sum(1 for lv in range(int(level)) if lv % 2 == self.pending)
+        return primes_dropped(level, self.pending)
 
     def drops(self, level: int) -> bool:
         """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime)."""
-        return self.pending < 0 or int(level) % 2 == self.pending
+        return level_drops(level, self.pending)
 
     def scale_bits_at(self, level: int) -> int:
         """Bits of the scale a value carries at ``level`` (a pending level's is doubled)."""
@@ -255,6 +256,20 @@ class CKKSParams:
                                             if self.pending >= 0 else "") +
                 f", expected max output error {self.expected_error:.2e}\n"
                 f"  why: {self.why}")
+
+
+def level_drops(level: int, pending: int) -> bool:
+    """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime) on a chain whose
+    levels of parity ``pending`` are pending (-1: one prime per level, where every level drops;
+    see :class:`CKKSParams`)."""
+    return pending < 0 or int(level) % 2 == pending
+
+
+def primes_dropped(level: int, pending: int) -> int:
+    """Primes a value has dropped by ``level`` on such a chain (:func:`level_drops`)."""
+    if pending < 0:
+        return int(level)
+    return sum(1 for lv in range(int(level)) if level_drops(lv, pending))
 
 
 def _budget_levels(ring: int, first: int, special: int, scale_bits: int, security: int) -> int:
@@ -436,6 +451,13 @@ def _magnitude_bits(max_abs: float) -> int:
     return max(0, math.ceil(math.log2(max(max_abs, 1.0))))
 
 
+def _output_fits(output_abs: float) -> bool:
+    """Whether the first prime, all a value at the last level keeps, can hold the output's
+    calibrated magnitude above the smallest scale: where it cannot, the output would wrap
+    around whatever the noise, so no precision makes the parameters usable."""
+    return _magnitude_bits(output_abs) + _MARGIN_BITS + _MIN_SCALE_BITS <= _MAX_PRIME_BITS
+
+
 def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ring: int, *,
                       below: int, output_abs: float = 1.0, rotations: bool = False,
                       security: int = 128) -> int | None:
@@ -445,6 +467,8 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     depth at the precision asked could have there (:func:`choose_params` at that many bits
     takes the ring)."""
     mag_bits = _magnitude_bits(max_abs)
+    if not _output_fits(output_abs):
+        return None
     for bits in range(int(below) - 1, 0, -1):
         target = error_target(output_abs, bits)
         *_, expected, supported = _ring_chain(ring, int(levels), mag_bits, gain, target, None,
@@ -532,7 +556,7 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                                           else "") + f"; N={ring} is the smallest ring whose "
                f"{security}-bit budget ({max_modulus_bits(ring, security)} bits) holds "
                f"{sum(chain)} bits" + (" (" + "; ".join(reasons) + ")" if reasons else ""))
-        if scale_bits is None and expected > err_target:
+        if (scale_bits is None and expected > err_target) or not _output_fits(output_abs):
             _refuse_magnitude(max_abs, mag_bits, sb, expected, output_abs, precision_bits)
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
                             levels=levels, security_bits=security, expected_error=expected,

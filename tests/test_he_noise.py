@@ -9,7 +9,8 @@ from torch import nn
 
 import he
 import polynets as pn
-from he.noise import noise_gain, step_values_msq
+from he.noise import ROUNDING, noise_gain, step_values_msq
+from he.params import noise_unit, primes_dropped
 from polynets.ir.lowering import lower
 
 
@@ -92,6 +93,39 @@ def test_a_rotated_input_carries_key_switching_noise_in_vector_packing_only():
     assert noise_gain(low, msq, "vector", (1, 1.0), switching=13.0) == \
         noise_gain(low, msq, "vector", (1, 1.0))
     assert noise_gain(low, msq, "batch", switching=13.0) == noise_gain(low, msq, "batch")
+
+
+def test_a_wide_chain_counts_only_the_rescales_it_does():
+    """On a wide chain only a product from a pending level rescales: the square from level 0
+    (pending parity 1: level 0 is not pending) lands on the squared scale exactly, and the map
+    from there rescales once, so the output's rescale noise is that one unit and the weights'
+    rounding; one prime per level counts both rescales and the map's key switching."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4)
+    x = torch.randn(64, 6)
+    low = _lowered(nn.Sequential(Square(), lin), x)
+    msq = step_values_msq(low, x.numpy())
+    w2 = lin.weight.detach().numpy().astype(np.float64) ** 2
+    ones = (lin.weight.detach().numpy() != 0).astype(np.float64)
+    rounding = ROUNDING["vector"] ** 2 * (ones @ msq[low.steps[-1].inputs[0]])
+    _, wide = noise_gain(low, msq, "vector", (1, 1.0))
+    assert np.isclose(wide ** 2, (1.0 + rounding).max(), rtol=1e-9)
+    _, narrow = noise_gain(low, msq, "vector")
+    assert np.isclose(narrow ** 2, (w2 @ np.full(6, 2.0) + 1.0 + rounding).max(), rtol=1e-9)
+    # a lift into a pending level of the same prime is a product with 1: no rescale either
+    assert [primes_dropped(lv, 1) for lv in range(4)] == [0, 0, 1, 1]
+    assert [primes_dropped(lv, -1) for lv in range(4)] == [0, 1, 2, 3]
+
+
+def test_encryption_and_rescale_noise_add_in_quadrature():
+    """They are independent: the promise is the safety factor times the root of the sum of their
+    squares, never more than their sum, and each alone gives its own term."""
+    n, sb = 8192, 30
+    fresh = noise_unit(n, sb, (1.0, 0.0))
+    rescale = noise_unit(n, sb, (0.0, 1.0))
+    both = noise_unit(n, sb, (3.0, 2.0))
+    assert np.isclose(both, np.hypot(3.0 * fresh, 2.0 * rescale), rtol=1e-12)
+    assert both < 3.0 * fresh + 2.0 * rescale
 
 
 def test_folded_sums_keep_a_wide_heads_error_under_the_promise():
