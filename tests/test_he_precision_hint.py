@@ -67,6 +67,19 @@ def test_values_no_first_prime_holds_are_refused_not_garbage():
         he.compile(nn.Sequential(*[_Square() for _ in range(6)]), x[:1], calibration=x)
 
 
+def test_an_output_no_first_prime_holds_is_refused_at_any_precision():
+    """The first prime is all the output keeps at the last level: an output of 2^45 at the
+    smallest scale (2^20) needs 67 bits, more than SEAL's 60, so it would wrap around however
+    little noise the program makes, even where its precision asks for almost nothing."""
+    kw = dict(max_abs=2.0 ** 45, gain=(1.0, 1.0), output_abs=2.0 ** 45)
+    for bits in (1, 8):
+        with pytest.raises(ParameterError, match="more than a first prime of at most 60 bits"):
+            choose_params(1, precision_bits=bits, **kw)
+    assert fitting_precision(1, ring=8192, below=16, **kw) is None
+    # an intermediate that large is held by the primes above the first: not refused for it
+    choose_params(2, max_abs=2.0 ** 45, gain=(1.0, 1.0), output_abs=8.0, precision_bits=1)
+
+
 def test_large_values_name_the_precision_they_leave():
     torch.manual_seed(0)
     x = torch.randn(32, 5, dtype=torch.float64)
