@@ -93,8 +93,8 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
         level = max(levels[j] for j in st.inputs)
         # an input below the step's level is lifted by a product with 1, and a rescale where
         # the lift drops a prime
-        ins = [(v_in[j], v_rs[j] + (1.0 if st.kind != "mul_int" and primes_dropped(levels[j], parity)
-                                    < primes_dropped(level, parity) else 0.0))
+        ins = [(v_in[j], v_rs[j] + (1.0 if st.kind != "mul_int" and primes_dropped(
+                    levels[j], parity) < primes_dropped(level, parity) else 0.0))
                for j in st.inputs]
         rescales = 1.0 if level_drops(level, parity) else 0.0
         if st.kind == "affine":

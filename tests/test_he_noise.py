@@ -70,16 +70,22 @@ def test_the_promise_bounds_a_deep_monets_error_and_is_not_vacuous():
     assert err >= prog.params.expected_error * 1e-3
 
 
-def test_a_rotated_input_carries_key_switching_noise_in_vector_packing_only():
-    """A rotation adds about one rescale's noise (measured): a weighted map in vector packing
-    counts it on each input it rotates, batch packing (no rotations) does not, and a map reading
-    a wide chain's pending level (the squared scale) does not either."""
+def _square_then_map():
+    """A square, then a 6 -> 4 linear map: the map, the lowering, its values' mean squares on
+    64 random inputs and the map's squared weights."""
     torch.manual_seed(0)
     lin = nn.Linear(6, 4)
     x = torch.randn(64, 6)
     low = _lowered(nn.Sequential(Square(), lin), x)
-    msq = step_values_msq(low, x.numpy())
-    w2 = lin.weight.detach().numpy().astype(np.float64) ** 2
+    return lin, low, step_values_msq(low, x.numpy()), \
+        lin.weight.detach().numpy().astype(np.float64) ** 2
+
+
+def test_a_rotated_input_carries_key_switching_noise_in_vector_packing_only():
+    """A rotation adds about one rescale's noise (measured): a weighted map in vector packing
+    counts it on each input it rotates, batch packing (no rotations) does not, and a map reading
+    a wide chain's pending level (the squared scale) does not either."""
+    lin, low, msq, w2 = _square_then_map()
     _, vec = noise_gain(low, msq, "vector")
     # the map reads level 1 (after the square's rescale); as pending parity 1 it is squared
     _, pend = noise_gain(low, msq, "vector", (1, 1.0))
@@ -100,12 +106,7 @@ def test_a_wide_chain_counts_only_the_rescales_it_does():
     (pending parity 1: level 0 is not pending) lands on the squared scale exactly, and the map
     from there rescales once, so the output's rescale noise is that one unit and the weights'
     rounding; one prime per level counts both rescales and the map's key switching."""
-    torch.manual_seed(0)
-    lin = nn.Linear(6, 4)
-    x = torch.randn(64, 6)
-    low = _lowered(nn.Sequential(Square(), lin), x)
-    msq = step_values_msq(low, x.numpy())
-    w2 = lin.weight.detach().numpy().astype(np.float64) ** 2
+    lin, low, msq, w2 = _square_then_map()
     ones = (lin.weight.detach().numpy() != 0).astype(np.float64)
     rounding = ROUNDING["vector"] ** 2 * (ones @ msq[low.steps[-1].inputs[0]])
     _, wide = noise_gain(low, msq, "vector", (1, 1.0))
