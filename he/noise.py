@@ -96,12 +96,15 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
         ins = [(v_in[j], v_rs[j] + (1.0 if st.kind != "mul_int" and primes_dropped(
                     levels[j], parity) < primes_dropped(level, parity) else 0.0))
                for j in st.inputs]
-        rescales = 1.0 if level_drops(level, parity) else 0.0
+        # a product from here rescales; on a wide chain, exactly where its inputs are pending
+        # (at the squared scale)
+        drops = level_drops(level, parity)
+        rescales = 1.0 if drops else 0.0
+        squared = pending is not None and drops
         if st.kind == "affine":
             a = np.zeros(st.n)
             r = np.zeros(st.n)
             free = affine_is_free(st, packing)
-            squared = pending is not None and level % 2 == pending[0]
             rot = 0.0 if free or squared else (ROTATION[packing] + switching) * rotation_hops
             for m, (ai, ri), j in zip(st.terms, ins, st.inputs):
                 m2 = m.multiply(m).tocsr()
@@ -113,8 +116,7 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
                     # the bias is a weight on the encrypted mask plane, which carries the
                     # encryption noise of an input element
                     a += np.square(np.asarray(st.bias, dtype=np.float64))
-                rounding = base * (pending[1] if pending is not None
-                                   and level % 2 == pending[0] else 1.0)
+                rounding = base * (pending[1] if squared else 1.0)
                 for m, j in zip(st.terms, st.inputs):
                     pattern = m.copy().tocsr()
                     pattern.data = np.ones_like(pattern.data)

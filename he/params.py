@@ -451,11 +451,12 @@ def _magnitude_bits(max_abs: float) -> int:
     return max(0, math.ceil(math.log2(max(max_abs, 1.0))))
 
 
-def _output_fits(output_abs: float) -> bool:
-    """Whether the first prime, all a value at the last level keeps, can hold the output's
-    calibrated magnitude above the smallest scale: where it cannot, the output would wrap
-    around whatever the noise, so no precision makes the parameters usable."""
-    return _magnitude_bits(output_abs) + _MARGIN_BITS + _MIN_SCALE_BITS <= _MAX_PRIME_BITS
+def _first_prime_holds(mag_bits: int) -> bool:
+    """Whether a first prime of at most :data:`_MAX_PRIME_BITS` bits holds ``mag_bits`` bits of
+    magnitude above the smallest scale. The first prime is all a value at the last level keeps:
+    an output it cannot hold would wrap around whatever the noise, so no precision makes the
+    parameters usable."""
+    return mag_bits + _MARGIN_BITS + _MIN_SCALE_BITS <= _MAX_PRIME_BITS
 
 
 def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ring: int, *,
@@ -467,7 +468,7 @@ def fitting_precision(levels: int, max_abs: float, gain: tuple[float, float], ri
     depth at the precision asked could have there (:func:`choose_params` at that many bits
     takes the ring)."""
     mag_bits = _magnitude_bits(max_abs)
-    if not _output_fits(output_abs):
+    if not _first_prime_holds(_magnitude_bits(output_abs)):
         return None
     for bits in range(int(below) - 1, 0, -1):
         target = error_target(output_abs, bits)
@@ -485,7 +486,7 @@ def _refuse_magnitude(max_abs: float, mag_bits: int, scale_bits: int, expected: 
     prime (at most :data:`_MAX_PRIME_BITS` bits) holds a value's magnitude on top of the scale,
     so large values leave a scale too small for the noise to stay below the target (a chain
     with a smaller scale would decrypt to an answer that much less precise, or to garbage)."""
-    if mag_bits + _MARGIN_BITS + _MIN_SCALE_BITS > _MAX_PRIME_BITS:
+    if not _first_prime_holds(mag_bits):
         raise ParameterError(
             f"the model's values reach {max_abs:.3g} on the calibration data: more than a "
             f"first prime of at most {_MAX_PRIME_BITS} bits holds at any scale (values up to "
@@ -556,7 +557,8 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
                                           else "") + f"; N={ring} is the smallest ring whose "
                f"{security}-bit budget ({max_modulus_bits(ring, security)} bits) holds "
                f"{sum(chain)} bits" + (" (" + "; ".join(reasons) + ")" if reasons else ""))
-        if (scale_bits is None and expected > err_target) or not _output_fits(output_abs):
+        if (scale_bits is None and expected > err_target) or \
+                not _first_prime_holds(_magnitude_bits(output_abs)):
             _refuse_magnitude(max_abs, mag_bits, sb, expected, output_abs, precision_bits)
         params = CKKSParams(poly_modulus_degree=ring, coeff_mod_bit_sizes=chain, scale_bits=sb,
                             levels=levels, security_bits=security, expected_error=expected,
