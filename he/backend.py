@@ -146,8 +146,7 @@ class Engine:
         else:
             # wide: pending levels carry exactly 2^(2 sb), the others 2^sb; a product from a
             # pending level divides by its prime q, so its plaintext carries S[l+1] q / S[l]
-            self.scales = [2.0 ** (2 * sb if lv % 2 == params.pending else sb)
-                           for lv in range(params.levels + 1)]
+            self.scales = [2.0 ** params.scale_bits_at(lv) for lv in range(params.levels + 1)]
             self.plain_scales = [
                 self.scales[lv + 1] * (float(primes[params.chain_index(lv)])
                                        if params.drops(lv) else 1.0) / self.scales[lv]
@@ -349,7 +348,7 @@ class Engine:
         (see :meth:`to_level`)."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
-        if self.params.pending >= 0 and level % 2 == self.params.pending:
+        if self.params.is_pending(level):
             raise ParameterError(f"a ciphertext product from pending level {level}")
         out = seal.Ciphertext() if out is None else out
         if self.native is not None and self.native.accepts_ct_product(a, b):
@@ -368,7 +367,7 @@ class Engine:
         polynomials at that level, whose storage is reused)."""
         level = max(self.level(a), self.level(b))
         a, b = self.lift(a, level), self.lift(b, level)
-        if self.params.pending >= 0 and level % 2 == self.params.pending:
+        if self.params.is_pending(level):
             raise ParameterError(f"a ciphertext product from pending level {level}")
         if self.native is not None and self.native.accepts_ct_product(a, b):
             return self.native.product(a, b, out, relinearize=False)

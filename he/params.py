@@ -147,9 +147,13 @@ class CKKSParams:
         """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime)."""
         return level_drops(level, self.pending)
 
+    def is_pending(self, level: int) -> bool:
+        """Whether ``level`` is pending (:func:`level_pending`)."""
+        return level_pending(level, self.pending)
+
     def scale_bits_at(self, level: int) -> int:
         """Bits of the scale a value carries at ``level`` (a pending level's is doubled)."""
-        return self.scale_bits * (2 if self.pending >= 0 and level % 2 == self.pending else 1)
+        return self.scale_bits * (2 if self.is_pending(level) else 1)
 
     @property
     def weight_rounding(self) -> float:
@@ -226,7 +230,7 @@ class CKKSParams:
         budget = max_modulus_bits(n, self.security_bits)
         if self.pending not in (-1, 0, 1):
             raise ParameterError(f"pending must be -1, 0 or 1, got {self.pending}")
-        if self.pending >= 0 and self.levels % 2 == self.pending:
+        if self.is_pending(self.levels):
             raise ParameterError("a wide chain's last level must not be a pending one")
         want = self.chain_index(self.levels) + 2
         if len(self.coeff_mod_bit_sizes) != want:
@@ -258,11 +262,17 @@ class CKKSParams:
                 f"  why: {self.why}")
 
 
+def level_pending(level: int, pending: int) -> bool:
+    """Whether ``level`` is a pending one (its values carry the squared scale) on a chain whose
+    levels of parity ``pending`` are pending (-1: one prime per level, where none is; see
+    :class:`CKKSParams`)."""
+    return pending >= 0 and int(level) % 2 == pending
+
+
 def level_drops(level: int, pending: int) -> bool:
-    """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime) on a chain whose
-    levels of parity ``pending`` are pending (-1: one prime per level, where every level drops;
-    see :class:`CKKSParams`)."""
-    return pending < 0 or int(level) % 2 == pending
+    """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime) on such a chain:
+    from a pending level, or from every level where each has a prime of its own."""
+    return pending < 0 or level_pending(level, pending)
 
 
 def primes_dropped(level: int, pending: int) -> int:
@@ -379,11 +389,11 @@ def wide_variant(params: CKKSParams, pending: int,
     which count the first two (:attr:`CKKSParams.weight_rounding`,
     :attr:`CKKSParams.switching_noise`), and the chain of least promised error is kept. None
     when no chain fits the ring's budget and keeps the precision the narrow chain promises."""
-    if params.levels % 2 == pending:
+    if level_pending(params.levels, pending):
         return None
     if scales is None:
         scales = range(params.scale_bits, params.scale_bits - WIDE_SCALE_STEPS - 1, -1)
-    n = sum(1 for lv in range(params.levels) if lv % 2 == pending)
+    n = sum(1 for lv in range(params.levels) if level_pending(lv, pending))
     budget = max_modulus_bits(params.poly_modulus_degree, params.security_bits)
     best: tuple[float, CKKSParams, int] | None = None
     for sb in (int(s) for s in scales if int(s) >= _MIN_SCALE_BITS):
