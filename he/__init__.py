@@ -22,5 +22,6 @@ __all__ = export_lazily(__name__, {
     "he.params": "CKKSParams choose_params",
     "he.report": "report Report",
     "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError SerializationError "
-                 "KeyMismatchError SecretKeyError ResourceError CalibrationRangeWarning",
+                 "KeyMismatchError SecretKeyError ResourceError CalibrationRangeWarning "
+                 "MemoryBudgetWarning",
 })

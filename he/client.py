@@ -135,6 +135,20 @@ def _check(ct: Ciphertext, prog: CompiledProgram, key_id: str, role: str, who: s
                                  f"holds {len(ct._groups)} (corrupted or edited header)")
 
 
+def _check_key_memory(program: CompiledProgram, doing: str) -> None:
+    """Refuse, before SEAL allocates them, keys that alone exceed the memory available."""
+    need, free = program.key_bytes(), available_memory()
+    if need > free:
+        gib = 2.0 ** 30
+        raise ResourceError(
+            f"{doing} needs {need / gib:.1f} GiB for the keys alone "
+            f"({len(program.plan.galois_steps())} Galois keys at N="
+            f"{program.params.poly_modulus_degree}, {program.params.data_primes} data primes), "
+            f"more than the {free / gib:.1f} GiB available; compile with memory_budget= the "
+            f"memory there is (rotations are then composed from a power-of-two key basis), or "
+            f"with fewer bits of precision or a shallower model for a shorter chain")
+
+
 def _seal_call(fn: Callable[[], Any], what: str) -> Any:
     try:
         return fn()
@@ -160,6 +174,8 @@ class Client:
         self.program = program
         if threads is not None:
             check_int(threads, "Client threads", error=ParameterError)
+        if _secret is None:
+            _check_key_memory(program, "making this program's keys")
         self.threads = default_threads() if threads is None else int(threads)
         self._native: NativeEncryptor | None = None
         self._pool = Pool(self.threads)
@@ -440,7 +456,10 @@ class Server:
     bytes a group may hold (default: the memory available), beyond which segments of its steps
     run in tiles (:mod:`he.tiling`; same results, less memory), and where no number of tiles
     fits, tiles that spill the rows they hold for later tiles to disk (:func:`he.tiling.spills`,
-    :attr:`spilled` counts them). ``threads``:
+    :attr:`spilled` counts them). Where the program was compiled with a ``memory_budget``, the
+    default is what that budget leaves beside the keys
+    (:meth:`~he.compiler.CompiledProgram.server_room`), so that the server plans as the
+    compiler did. ``threads``:
     threads that rotate one sample's values at once (vector packing), or compute a group's
     ciphertext products and rescales (batch packing; divided among the processes of
     :meth:`run`'s ``workers``); default: those the compiler chose,
@@ -459,9 +478,12 @@ class Server:
             raise SerializationError(f"Server needs the public context as bytes, got "
                                      f"{type(public_context).__name__}")
         self.program = program
+        if memory_budget is None:
+            memory_budget = program.server_room()
         head, blobs = _unpack_context(public_context, ("public-context",), program)
         if "secret_key" in blobs:
             raise SecretKeyError("the public context carries a secret key; refusing it")
+        _check_key_memory(program, "loading this program's keys")
         self.key_id = str(head["key_id"])
         self.engine = Engine(program.params)
         pk, rk, gk = _load_public(self.engine.context, blobs)

@@ -13,6 +13,7 @@ import hashlib
 import math
 import json
 import os
+import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -21,8 +22,8 @@ from he.backend import build_context
 from he.container import pack, unpack
 from he.costmodel import CostModel, default_model
 from he.native import default_threads, native_platform
-from he.errors import (InputShapeError, NotEncryptableError, SerializationError,
-                       TooDeepError, batch_of)
+from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError,
+                       SerializationError, TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels, wide_variant)
@@ -487,6 +488,9 @@ class CompiledProgram:
         threads = self.options.get("server_threads", 1)
         if type(threads) is not int or threads < 1:
             raise ValueError(f"server_threads must be a positive int, got {threads!r}")
+        budget = self.options.get("memory_budget")
+        if budget is not None and (type(budget) is not int or budget < 0):
+            raise ValueError(f"memory_budget must be a non-negative int, got {budget!r}")
         self.certificate = certificate
         self.degree, self.depth = _degree_depth if _degree_depth is not None else \
             program_degree_depth(program)
@@ -586,6 +590,30 @@ class CompiledProgram:
         """Threads the compiler chose for the server (``options["server_threads"]``; one for
         programs saved before the option)."""
         return _threads(self.options)
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Bytes the server may use, as given to :func:`compile` (None: not given; the compiler
+        then planned for the memory available where it ran)."""
+        return self.options.get("memory_budget")
+
+    def key_bytes(self) -> int:
+        """Bytes of the relinearisation and Galois keys a client makes and a server loads."""
+        return _server_memory(self.params, [], len(self.plan.galois_steps()))
+
+    def server_room(self) -> int | None:
+        """What a server sizes by itself out of :attr:`memory_budget` (None where no budget was
+        given): beyond the keys, a batch group's ciphertexts (its tiles are chosen to fit), and
+        in vector packing beyond the values a sample holds at once, the encoded plaintexts kept
+        between requests (those beyond are encoded at each use). :class:`~he.client.Server`
+        takes it as its own ``memory_budget`` unless told otherwise, so that it plans as the
+        compiler did."""
+        budget = self.memory_budget
+        if budget is None or self.packing == "tokens":
+            return None
+        held = _vector_held(self.plan, self.plan.op_counts()) if self.packing == "vector" else 0
+        return max(0, budget - _server_memory(self.params, [], len(self.plan.galois_steps()),
+                                              held))
 
     def summary(self) -> str:
         lines = [f"compiled program {self.fingerprint} ({self.packing} packing, degree "
@@ -1375,6 +1403,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         options["precision"] = precision_why
     if bandwidth is not None:
         options["bandwidth"] = float(bandwidth)
+    if memory_budget is not None:
+        options["memory_budget"] = int(memory_budget)
     rings = (ring_degree,) if ring_degree is not None else RING_DEGREES
     costs = cost_model if cost_model is not None else default_model()
     kinds = PACKINGS if packing == "auto" else (packing,)
@@ -1400,7 +1430,28 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     if not found:
         assert error is not None
         raise error
-    return _choose(found, packing, objective, batch_size, memory_budget)
+    chosen = _choose(found, packing, objective, batch_size, memory_budget)
+    _warn_over_budget(chosen, memory_budget)
+    return chosen
+
+
+def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
+    """A :class:`~he.errors.MemoryBudgetWarning` where ``prog``'s server is predicted over the
+    budget (``memory_budget``, else the memory available here): no candidate fitted."""
+    budget = available_memory() if memory_budget is None else int(memory_budget)
+    need = float(prog.plan.predicted.get("server_memory_bytes", 0))
+    if need <= budget:
+        return
+    gib = 2.0 ** 30
+    where = (f"memory_budget={budget / gib:.1f} GiB" if memory_budget is not None else
+             f"the {budget / gib:.1f} GiB of memory available here (pass memory_budget= the "
+             f"server's memory where it runs elsewhere)")
+    warnings.warn(
+        f"the server is predicted to need {need / gib:.1f} GiB (keys "
+        f"{prog.key_bytes() / gib:.1f} GiB), more than {where}; no packing, ring or key set "
+        f"the compiler priced fits, so it kept the one that needs least. Fewer bits of "
+        f"precision (precision_bits, or 'argmax' for a classifier) or a shallower or narrower "
+        f"model shorten the chain", MemoryBudgetWarning, stacklevel=3)
 
 
 def _candidate_lowerings(program: PolyProgram, calib: np.ndarray,

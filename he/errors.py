@@ -66,5 +66,11 @@ class ResourceError(HEError):
     predicts it); the message says how much, and what to change."""
 
 
+class MemoryBudgetWarning(UserWarning):
+    """No candidate the compiler priced keeps its server within the memory budget it was
+    compiled for (the one needing least memory was kept); the message says how much it needs
+    and what to change."""
+
+
 class CalibrationRangeWarning(UserWarning):
     """Data given to encrypt lies outside the range the parameters were calibrated for."""

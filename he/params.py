@@ -578,8 +578,21 @@ def choose_params(levels: int, max_abs: float, gain: tuple[float, float], *,
     if all(ring // 2 < slots_needed for ring in rings):
         raise TooDeepError(f"a value needs {slots_needed} slots but the largest ring allowed "
                            f"holds {max(rings) // 2}; use packing='batch'", levels, best_supported)
+    if scale_bits is not None:
+        scale, hint = f"scale 2^{sb}, as asked", ", or a smaller scale_bits"
+    else:
+        # the scale follows from the precision asked and the noise growth of the calibrated
+        # values, so the same architecture may fit once trained (or with other statistics)
+        scale = (f"scale 2^{sb}, which {precision_bits} bits of output precision need with the "
+                 f"noise growth of this model's calibrated values")
+        fits = fitting_precision(levels, max_abs, gain, max(rings), below=precision_bits,
+                                 output_abs=output_abs, rotations=rotations, security=security)
+        hint = (f", or ask for precision_bits={fits} or fewer, at which they fit ('argmax' for "
+                f"a classifier)" if fits is not None else
+                f" (no precision fits them: even the smallest scale, 2^{_MIN_SCALE_BITS}, "
+                f"holds fewer)")
     raise TooDeepError(
         f"the program needs {levels} multiplicative levels but the largest supported at "
-        f"{security}-bit security is {best_supported} (N={max(rings)}, scale 2^{sb}); SEAL has no "
-        f"bootstrapping: reduce the model's depth (fewer Mu-Layers/blocks, degree-2 layers) or "
-        f"lower precision_bits", levels, best_supported)
+        f"{security}-bit security is {best_supported} (N={max(rings)}, {scale}); SEAL has no "
+        f"bootstrapping: reduce the model's depth (fewer Mu-Layers/blocks, degree-2 layers)"
+        f"{hint}", levels, best_supported)

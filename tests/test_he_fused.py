@@ -305,8 +305,9 @@ def test_auto_packing_keeps_the_server_within_the_memory_budget():
             tiled.plan.why
         budget = int(tiled.plan.predicted["server_memory_bytes"]) - 1
     assert tiled.plan.predicted["tiles"]
-    least = he.compile(model, x, calibration=cal, packing="batch", precision_bits=8,
-                       memory_budget=1).plan.predicted["server_memory_bytes"]
+    with pytest.warns(he.MemoryBudgetWarning, match="more than memory_budget=0.0 GiB"):
+        least = he.compile(model, x, calibration=cal, packing="batch", precision_bits=8,
+                           memory_budget=1).plan.predicted["server_memory_bytes"]
     tight = he.compile(model, x, calibration=cal, packing="auto", objective="throughput",
                        precision_bits=8, memory_budget=int(least) - 1)
     assert tight.packing == "vector"

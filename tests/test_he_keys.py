@@ -3,6 +3,8 @@ server's memory budget, rotations are composed from about 2 log2(slots) keys."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -48,8 +50,13 @@ def _mlp() -> tuple[nn.Module, torch.Tensor]:
 def test_over_the_memory_budget_the_compiler_composes_rotations_from_a_key_basis():
     model, x = _mlp()
     kw = dict(calibration=x, packing="vector", samples_per_ciphertext=1, ring_degree=8192)
-    direct = he.compile(model, x, **kw)
-    basis = he.compile(model, x, memory_budget=1, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", he.MemoryBudgetWarning)
+        direct = he.compile(model, x, **kw)
+    # not even the key basis fits one byte: the least memory is kept, and the compiler says so
+    with pytest.warns(he.MemoryBudgetWarning, match=r"predicted to need \d+\.\d GiB \(keys "
+                      r"\d+\.\d GiB\), more than memory_budget=0\.0 GiB; no packing"):
+        basis = he.compile(model, x, memory_budget=1, **kw)
     assert direct.plan.key_steps is None and "keys" not in direct.options
     assert basis.options["keys"] == "basis"
     assert basis.plan.galois_steps() == key_basis(4096)

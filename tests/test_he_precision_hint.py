@@ -136,3 +136,24 @@ def test_a_program_raised_to_a_larger_ring_by_its_depth_says_what_precision_the_
     # a scale fixed by hand gets no hint: the precision does not choose it
     fixed = he.compile(model, x[:1], precision_bits=24, scale_bits=40, **kw)
     assert "they do at up to" not in fixed.params.why
+
+
+def test_a_depth_refusal_says_at_what_precision_the_largest_ring_holds_the_levels():
+    """The scale depends on the precision asked and on the calibrated noise growth, so the
+    refusal says which precision the largest ring holds the levels at (or that none does),
+    rather than only the levels it holds at this scale."""
+    kw = dict(max_abs=4.0, gain=(3.0, 3.0), output_abs=4.0, ring_degree=32768, rotations=True)
+    levels = next(n for n in range(10, 60)
+                  if fitting_precision(n, 4.0, (3.0, 3.0), 32768, below=17, output_abs=4.0,
+                                       rotations=True) not in (None, 16))
+    bits = fitting_precision(levels, 4.0, (3.0, 3.0), 32768, below=16, output_abs=4.0,
+                             rotations=True)
+    assert bits is not None and bits < 16
+    with pytest.raises(TooDeepError, match=rf"needs {levels} multiplicative levels .*which 16 "
+                       rf"bits of output precision need .*precision_bits={bits} or fewer"):
+        choose_params(levels, precision_bits=16, **kw)
+    assert choose_params(levels, precision_bits=bits, **kw).levels == levels
+    with pytest.raises(TooDeepError, match=r"no precision fits them"):
+        choose_params(200, precision_bits=16, **kw)
+    with pytest.raises(TooDeepError, match=r"scale 2\^50, as asked.*a smaller scale_bits"):
+        choose_params(levels, precision_bits=16, scale_bits=50, **kw)

@@ -386,6 +386,43 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
     assert p["seconds_per_ciphertext"] == pytest.approx(whole["seconds_per_ciphertext"] + again)
 
 
+def test_a_server_plans_its_tiles_for_the_budget_the_program_was_compiled_for(compiled):
+    """A server given no budget of its own takes what the compile-time budget leaves beside the
+    keys (``server_room``), so it runs the tiles the compiler predicted, not a group sized for
+    all the memory of the machine it runs on; its own budget still wins where given."""
+    model, x, prog, _ = compiled
+    from he.compiler import _server_memory
+    roomy = prog.plan.predicted
+    assert prog.memory_budget is None and prog.server_room() is None
+    keys = _server_memory(prog.params, [], 0)
+    budget = int(keys + 0.6 * roomy["untiled_memory_bytes"])
+    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
+    assert tight.memory_budget == budget and tight.server_room() == budget - keys
+    assert tight.key_bytes() == keys
+    predicted = {int(e): k for e, k in tight.plan.predicted["tiles"].items()}
+    assert predicted
+    # the budget travels with the program's bytes, checked on the way in
+    again = he.compiler.CompiledProgram.from_bytes(tight.to_bytes())
+    assert again.memory_budget == budget
+    client = he.Client(again)
+    server = he.Server(again, client.public_context())
+    got = client.decrypt(server.run(client.encrypt(x[:4])))
+    assert server.tiles == predicted
+    assert np.abs(got - tight.simulate(x[:4].numpy())).max() <= tight.params.expected_error
+    own = he.Server(again, client.public_context(), memory_budget=2 ** 40)
+    own.run(client.encrypt(x[:4]))
+    assert own.tiles == {}
+
+
+def test_a_stored_memory_budget_must_be_a_non_negative_int(compiled):
+    _, _, prog, _ = compiled
+    for bad in (-1, 2.5, "1"):
+        with pytest.raises(ValueError, match="memory_budget must be a non-negative int"):
+            he.compiler.CompiledProgram(prog.program, prog.params, prog.packing,
+                                        prog.calibration, {**prog.options,
+                                                           "memory_budget": bad})
+
+
 def test_a_segment_of_one_sink_runs_in_one_tile():
     seg = Segment(keep=(2,), inner=(1,), rank={1: np.array([5, 5]), 2: np.array([5, -1])},
                   last={1: np.array([5, 5])}, sinks=np.array([5]))

@@ -94,3 +94,39 @@ def test_the_memory_available_is_a_positive_amount_here():
             total = next(int(line.split()[1]) * 1024 for line in f
                          if line.startswith("MemTotal:"))
         assert room <= total
+
+
+def test_keys_larger_than_the_memory_available_are_refused_before_they_are_made():
+    """A client refuses to make, and a server to load, keys that alone exceed the memory the
+    process may take (here an address-space cap just above its size), with the numbers, before
+    SEAL allocates them; within the memory they are made and loaded as usual."""
+    code = textwrap.dedent("""
+        import os, resource
+        import torch
+        from torch import nn
+        import he
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 32), nn.Flatten(), nn.Linear(32, 4)).eval()
+        x = torch.rand(8, 64)
+        prog = he.compile(model, x, calibration=x, packing="vector", ring_degree=8192)
+        public = he.Client(prog).public_context()
+        need = prog.key_bytes()
+        assert need > 2 ** 20
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (size + need // 2, resource.RLIM_INFINITY))
+        for make in (lambda: he.Client(prog), lambda: he.Server(prog, public)):
+            try:
+                make()
+            except he.ResourceError as exc:
+                msg = str(exc)
+                assert "for the keys alone" in msg and "memory_budget=" in msg, msg
+                assert f"N=8192" in msg, msg
+            else:
+                raise AssertionError("keys over the memory available were made")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
