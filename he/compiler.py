@@ -1448,8 +1448,8 @@ def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
              f"server's memory where it runs elsewhere)")
     warnings.warn(
         f"the server is predicted to need {need / gib:.1f} GiB (keys "
-        f"{prog.key_bytes() / gib:.1f} GiB), more than {where}; no packing, ring or key set "
-        f"the compiler priced fits, so it kept the one that needs least. Fewer bits of "
+        f"{prog.key_bytes() / gib:.1f} GiB), more than {where}; none of the candidates the "
+        f"compiler priced fits, so it kept the one that needs least. Fewer bits of "
         f"precision (precision_bits, or 'argmax' for a classifier) or a shallower or narrower "
         f"model shorten the chain", MemoryBudgetWarning, stacklevel=3)
 
