@@ -21,7 +21,7 @@ __all__ = export_lazily(__name__, {
     "he.tokens": "TokenPlan",
     "he.params": "CKKSParams choose_params",
     "he.report": "report Report",
-    "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError SerializationError "
-                 "KeyMismatchError SecretKeyError ResourceError CalibrationRangeWarning "
-                 "MemoryBudgetWarning",
+    "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError "
+                 "SerializationError KeyMismatchError SecretKeyError ResourceError "
+                 "CalibrationRangeWarning MemoryBudgetWarning",
 })

@@ -54,7 +54,8 @@ def max_modulus_bits(ring_degree: int, security: int = 128) -> int:
     if security not in _SEAL_LEVELS:
         raise ParameterError(f"security must be one of {SECURITY_LEVELS} bits, got {security!r}")
     if ring_degree not in _ALL_RINGS:
-        raise ParameterError(f"ring degree {ring_degree} is not a power of two in {list(_ALL_RINGS)}")
+        raise ParameterError(f"ring degree {ring_degree} is not a power of two in "
+                             f"{list(_ALL_RINGS)}")
     return int(seal.CoeffModulus.MaxBitCount(ring_degree, _SEAL_LEVELS[security]))
 
 
