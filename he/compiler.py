@@ -1361,7 +1361,10 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             predicted server memory exceeds it is chosen only when none fits, and a vector plan
             whose Galois keys (one per distinct rotation) would exceed it composes its rotations
             from a power-of-two key basis instead (default: the memory available on this
-            machine now).
+            machine now). Where no candidate fits, the one needing least memory is returned
+            with a :class:`~he.errors.MemoryBudgetWarning`. A given budget is kept with the
+            program (``prog.memory_budget``), and a server given none of its own plans within
+            what it leaves beside the keys (:meth:`CompiledProgram.server_room`).
 
     Raises:
         NotEncryptableError: the model is not a polynomial (message names the modules), or an
