@@ -127,6 +127,10 @@ class Engine:
         self._chain_ids = chain_ids
         #: parms id of every level (a wide chain has two levels per prime)
         self.parms_ids = [chain_ids[params.chain_index(lv)] for lv in range(params.levels + 1)]
+        #: the levels each number of dropped primes holds (two per prime on a wide chain)
+        self._levels_of_chain: dict[int, list[int]] = {}
+        for lv in range(params.levels + 1):
+            self._levels_of_chain.setdefault(params.chain_index(lv), []).append(lv)
         sb = params.scale_bits
         if params.pending < 0:
             # S[l+1] = S[l]^2 / q_l doubles any offset of log2 S from the scale at every level,
@@ -191,9 +195,8 @@ class Engine:
         if self.params.pending < 0:
             return chain
         # a wide chain's prime holds a pending and a canonical level: the scale tells them apart
-        cands = [lv for lv in range(self.params.levels + 1)
-                 if self.params.chain_index(lv) == chain]
-        return min(cands, key=lambda lv: abs(math.log2(ct.scale / self.scales[lv])))
+        return min(self._levels_of_chain[chain],
+                   key=lambda lv: abs(math.log2(ct.scale / self.scales[lv])))
 
     def encode_vector(self, values: np.ndarray, level: int, scale: float) -> Any:
         pt = seal.Plaintext()

@@ -124,6 +124,12 @@ def program_degree_depth(program: PolyProgram) -> tuple[int, int]:
     return degree_depth(program)
 
 
+def _server_budget(memory_budget: int | None) -> int:
+    """Bytes a server may use: ``memory_budget`` where given, else the memory available here
+    now."""
+    return available_memory() if memory_budget is None else int(memory_budget)
+
+
 def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
                    slots_ciphertexts: int = 0) -> int:
     """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs), relinearisation
@@ -918,7 +924,7 @@ def _fit_keys(plan: VectorPlan, params: CKKSParams, costs: CostModel, opts: dict
     distinct rotation would put the server over ``memory_budget`` (default: the memory
     available now) and the basis needs fewer keys; else both unchanged. The promised error
     grows with the key switchings of the longest composed rotation."""
-    budget = available_memory() if memory_budget is None else int(memory_budget)
+    budget = _server_budget(memory_budget)
     old = opts["predicted"]
     direct = plan.rotations()
     basis = key_basis(plan.slots)
@@ -1123,7 +1129,7 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
     notes: list[str] = []
     error: TooDeepError | None = None
     best: tuple[tuple[bool, float], CompiledProgram] | None = None
-    budget = available_memory() if memory_budget is None else int(memory_budget)
+    budget = _server_budget(memory_budget)
     compared = False
     info = program_degree_depth(program)
     for ring in rings:
@@ -1281,7 +1287,7 @@ def _choose(found: list["CompiledProgram"], packing: str, objective: str,
     """The candidate packing with the lowest predicted cost for ``objective`` whose server fits
     ``memory_budget`` (the one needing least memory, when none fits); with ``packing="auto"``
     its ``why`` says so."""
-    budget = available_memory() if memory_budget is None else int(memory_budget)
+    budget = _server_budget(memory_budget)
     ranked = [_rank(p, objective, batch_size, budget) for p in found]
     scores = [r[-1] for r in ranked]
     memory = [float(p.plan.predicted.get("server_memory_bytes", 0)) for p in found]
@@ -1441,7 +1447,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
 def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
     """A :class:`~he.errors.MemoryBudgetWarning` where ``prog``'s server is predicted over the
     budget (``memory_budget``, else the memory available here): no candidate fitted."""
-    budget = available_memory() if memory_budget is None else int(memory_budget)
+    budget = _server_budget(memory_budget)
     need = float(prog.plan.predicted.get("server_memory_bytes", 0))
     if need <= budget:
         return
@@ -1485,7 +1491,7 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     programs compiled from every candidate lowering, its ``why`` saying what the other cost."""
     if len(tried) == 1:
         return tried[0]
-    budget = available_memory() if memory_budget is None else int(memory_budget)
+    budget = _server_budget(memory_budget)
     ((*_, best_s), best), ((*_, other_s), other) = sorted(
         ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
     joins = best.options.get("kept_apart") or other.options.get("kept_apart")

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from he.params import level_drops, primes_dropped
+from he.params import level_drops, level_pending, primes_dropped
 from polynets.ir.lowering import Lowered, affine_is_free, evaluate_steps, step_levels
 
 __all__ = ["step_values_msq", "noise_gain"]
@@ -96,11 +96,10 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
         ins = [(v_in[j], v_rs[j] + (1.0 if st.kind != "mul_int" and primes_dropped(
                     levels[j], parity) < primes_dropped(level, parity) else 0.0))
                for j in st.inputs]
-        # a product from here rescales; on a wide chain, exactly where its inputs are pending
+        # a product from here rescales: on a wide chain, exactly where its inputs are pending
         # (at the squared scale)
-        drops = level_drops(level, parity)
-        rescales = 1.0 if drops else 0.0
-        squared = pending is not None and drops
+        rescales = 1.0 if level_drops(level, parity) else 0.0
+        squared = level_pending(level, parity)
         if st.kind == "affine":
             a = np.zeros(st.n)
             r = np.zeros(st.n)
