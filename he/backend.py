@@ -82,18 +82,23 @@ def save_object(obj: Any) -> bytes:
         os.unlink(path)
 
 
-def load_object(factory: Callable[[], Any], context: Any, data: bytes, what: str) -> Any:
-    """Load bytes written by :func:`save_object` into a fresh ``factory()`` object.
+def load_object(factory: Callable[[], Any], context: Any, data: Any, what: str) -> Any:
+    """Load bytes written by :func:`save_object` into a fresh ``factory()`` object. ``data``:
+    the bytes, or a list of buffers that are those bytes one after the other.
 
     SEAL validates the header, sizes and that every coefficient is reduced for ``context``; any
     failure becomes a :class:`SerializationError`.
     """
-    if len(data) < 16 or data[:2] != b"\x5e\xa1":
+    parts = data if isinstance(data, list) else [data]
+    head = bytes(parts[0][:16]) if parts else b""
+    if len(head) < 16 or head[:2] != b"\x5e\xa1":
         raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
-    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(len(data) > _SHM_MAX_BYTES))
+    size = sum(memoryview(p).nbytes for p in parts)
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(size > _SHM_MAX_BYTES))
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for p in parts:
+                f.write(p)
         obj = factory()
         try:
             obj.load(context, path)

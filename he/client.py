@@ -18,7 +18,7 @@ import numpy as np
 import tenseal.sealapi as seal
 from tqdm.auto import tqdm
 
-from he import _kernels
+from he import _kernels, wire
 from he.backend import Engine, galois_elements, load_object, save_object
 from he.compiler import PACKINGS, CompiledProgram, GroupMemory, batch_group_memory
 from he.container import digest, pack, unpack
@@ -63,8 +63,9 @@ class Ciphertext:
                 f"{sum(len(g) for g in self._groups)} SEAL ciphertexts, key set {self.key_id})")
 
     def to_bytes(self) -> bytes:
-        """Serialise (SEAL's compressed format inside a polynets container)."""
-        blobs = {f"g{i}": [b if isinstance(b, bytes) else save_object(b) for b in g]
+        """Serialise (each SEAL ciphertext in :mod:`he.wire`'s form, inside a polynets
+        container)."""
+        blobs = {f"g{i}": [b if isinstance(b, bytes) else wire.dumps(b) for b in g]
                  for i, g in enumerate(self._groups)}
         header = {"packing": self.packing, "fingerprint": self.fingerprint,
                   "key_id": self.key_id, "role": self.role, "n_samples": self.n_samples,
@@ -102,7 +103,7 @@ class Ciphertext:
 
 def _load_group(context: Any, ct: Ciphertext, gi: int) -> list[Any]:
     """SEAL ciphertexts of group ``gi`` of ``ct`` (bytes are loaded and validated)."""
-    return [load_object(seal.Ciphertext, context, b, f"ciphertext part {gi}.{k}")
+    return [wire.loads(context, b, f"ciphertext part {gi}.{k}")
             if isinstance(b, bytes) else b for k, b in enumerate(ct._groups[gi])]
 
 
@@ -274,27 +275,30 @@ class Client:
         return x
 
     def _encrypt_vector(self, values: np.ndarray) -> bytes:
-        """One slot vector encrypted with the secret key, serialised in SEAL's seeded form: the
-        random half of the ciphertext is replaced by its seed, so it is half the size and the
-        reader regenerates it when loading."""
+        """One slot vector encrypted with the secret key, serialised seeded: the random half
+        of the ciphertext is replaced by its seed, so it is half the size and the reader
+        regenerates it when loading (:func:`he.wire.encrypt_bytes`)."""
         eng = self.engine
         pt = eng.encode_vector(values, 0, eng.scales[0])
-        native = self._native
-        if native is not None and native.ok:
-            return save_object(native.encrypt(pt))
-        return save_object(self._encryptor.encrypt_symmetric(pt))
+        return wire.encrypt_bytes(pt, self._encryptor, self._native_encryptor())
 
-    def _encryption_threads(self, n: int) -> int:
-        """Threads that encrypt ``n`` ciphertexts here: :attr:`threads` where SEAL's encryption
-        runs without the GIL (validated once, :class:`he.native.NativeEncryptor`), else one."""
-        if self.threads < 2 or n < 2:
-            return 1
+    def _native_encryptor(self) -> NativeEncryptor:
+        """The native encryptor (:class:`he.native.NativeEncryptor`), validated once: where it
+        is usable, it encrypts without the GIL and its ciphertexts are written in the compact
+        form (:mod:`he.wire`), whatever the number of threads."""
         if self._native is None:
             eng = self.engine
             probe = eng.encode_vector(np.linspace(-1.0, 1.0, eng.slots), 0, eng.scales[0])
             self._native = NativeEncryptor(eng.context, self._encryptor, self._decryptor,
                                            eng.encoder, probe)
-        return min(self.threads, n) if self._native.ok else 1
+        return self._native
+
+    def _encryption_threads(self, n: int) -> int:
+        """Threads that encrypt ``n`` ciphertexts here: :attr:`threads` where SEAL's encryption
+        runs without the GIL (validated once, :meth:`_native_encryptor`), else one."""
+        if self.threads < 2 or n < 2:
+            return 1
+        return min(self.threads, n) if self._native_encryptor().ok else 1
 
     def encrypt(self, x: Any, progress: bool = False, workers: int = 1) -> Ciphertext:
         """Encrypt a batch ``x`` of shape ``(B, *input_shape)``.
@@ -642,7 +646,7 @@ class Server:
             part = {id(b): k for k, b in enumerate(g)}
 
             def load(k: int, b: Any) -> Any:
-                return load_object(seal.Ciphertext, ctx, b, f"ciphertext part {gi}.{k}") \
+                return wire.loads(ctx, b, f"ciphertext part {gi}.{k}") \
                     if isinstance(b, bytes) else b
 
             # bytes handed over are loaded by the evaluation into its free buffers: all first,
@@ -762,7 +766,7 @@ class Server:
                 eng.pool = Pool(max(1, pool.threads // n_workers))
             try:
                 out_groups = fork_map(
-                    lambda i: [save_object(c) for c in self._run_group(
+                    lambda i: [wire.dumps(c) for c in self._run_group(
                         self._group_of(ct, i),
                         owned=all(isinstance(b, bytes) for b in ct._groups[i]), gi=i)],
                     len(ct._groups), n_workers, desc="server", progress=progress)

@@ -38,6 +38,7 @@ from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_
 from he.runtime import PLAIN_CACHE_BYTES, available_memory, live_rows
 from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_segments,
                        row_bytes_of, spills)
+from he.wire import ciphertext_bytes
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import Lowered, lower, step_levels
@@ -238,19 +239,12 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
             _makespan(giant, threads, efficiency))
 
 
-#: Serialised size of a ciphertext over the bits its residues need (SEAL's zstd leaves part of
-#: each word's unused high bits; measured 1.05-1.15 at N=8192 and 16384)
-_WIRE_OVERHEAD = 1.12
-
-
 def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> int:
-    """Bytes ``ciphertexts`` ciphertexts of ``polys`` polynomials at ``level`` take serialised:
-    each residue in about the bytes its prime's bits need (SEAL compresses the words' unused
-    high bits, :data:`_WIRE_OVERHEAD`). A client's fresh encryption is one polynomial and a
+    """Bytes ``ciphertexts`` ciphertexts of ``polys`` polynomials at ``level`` take serialised
+    (:func:`he.wire.ciphertext_bytes`): a client's fresh encryption is one polynomial and a
     seed (the other is regenerated from it); a server's result is two."""
-    bits = sum(params.coeff_mod_bit_sizes[:params.limbs(level)])
-    return int(int(ciphertexts) * int(polys) * params.poly_modulus_degree * bits / 8
-               * _WIRE_OVERHEAD)
+    bits = params.coeff_mod_bit_sizes[:params.limbs(level)]
+    return int(ciphertexts) * ciphertext_bytes(params.poly_modulus_degree, bits, polys)
 
 
 def _vector_held(plan: VectorPlan, counts: list[dict[str, int]]) -> int:

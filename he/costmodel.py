@@ -367,16 +367,16 @@ def _client_efficiency(ring: int) -> float:
     clients there encrypt on one thread."""
     import tenseal.sealapi as seal
 
-    from he.backend import save_object
     from he.native import NativeEncryptor, default_threads
+    from he.wire import encrypt_bytes
 
     threads = default_threads()
     if threads < 2:
         return 0.0
     ctx, keygen, encoder, pt, _ = _small_context(ring)
     secret = keygen.secret_key()
-    native = NativeEncryptor(ctx, seal.Encryptor(ctx, secret), seal.Decryptor(ctx, secret),
-                             encoder, pt)
+    encryptor = seal.Encryptor(ctx, secret)
+    native = NativeEncryptor(ctx, encryptor, seal.Decryptor(ctx, secret), encoder, pt)
     if not native.ok:
         return 0.0
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
@@ -384,7 +384,7 @@ def _client_efficiency(ring: int) -> float:
     def request(_: int) -> bytes:
         plain = seal.Plaintext()
         encoder.encode(values, 2.0 ** 28, plain)
-        return save_object(native.encrypt(plain))
+        return encrypt_bytes(plain, encryptor, native)
 
     return _speedup_per_thread(request, threads)
 
@@ -423,11 +423,12 @@ def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]
 
 def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
     """A context of ``primes`` 28-bit data primes and a 40-bit special one, and what
-    :func:`_time_level` times with: encoder, evaluator, encryptor, relinearisation keys, the
-    Galois key of one rotation, the context."""
+    :func:`_time_level` times with: encoder, evaluator, encryptor, the client's native
+    encryptor (:class:`he.native.NativeEncryptor`, maybe not usable here), relinearisation
+    keys, the Galois key of one rotation, the context."""
     import tenseal.sealapi as seal
 
-    from he.native import galois_element
+    from he.native import NativeEncryptor, galois_element
 
     enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
     enc.set_poly_modulus_degree(ring)
@@ -440,8 +441,13 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
     keygen.create_relin_keys(rk)
     gk = seal.GaloisKeys()
     keygen.create_galois_keys([galois_element(1, ring)], gk)
-    return ctx, (seal.CKKSEncoder(ctx), seal.Evaluator(ctx),
-                 seal.Encryptor(ctx, pk, keygen.secret_key()), rk, gk, ctx)
+    encoder = seal.CKKSEncoder(ctx)
+    encryptor = seal.Encryptor(ctx, pk, keygen.secret_key())
+    probe = seal.Plaintext()
+    encoder.encode(np.linspace(-1.0, 1.0, ring // 2).tolist(), 2.0 ** 20, probe)
+    native = NativeEncryptor(ctx, encryptor, seal.Decryptor(ctx, keygen.secret_key()), encoder,
+                             probe)
+    return ctx, (encoder, seal.Evaluator(ctx), encryptor, native, rk, gk, ctx)
 
 
 def load_set(ring: int) -> int:
@@ -453,10 +459,10 @@ def load_set(ring: int) -> int:
 def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float], reps: int,
                 limbs: int) -> dict[str, float]:
     """Seconds of each primitive on a ciphertext at the level ``pid`` (``limbs`` primes)."""
-    from he.backend import load_object, save_object
     from he.runtime import SpillFile
+    from he.wire import encrypt_bytes, loads
 
-    encoder, ev, encryptor, rk, gk, ctx = tools
+    encoder, ev, encryptor, native, rk, gk, ctx = tools
     pt = seal.Plaintext()
     encoder.encode(values, pid, 2.0 ** 12, pt)
     ct = seal.Ciphertext()
@@ -467,13 +473,14 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
         "add": lambda: ev.add(ct, ct, out),
         "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
         "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
-        "encrypt": lambda: save_object(encryptor.encrypt_symmetric(pt)),
+        # what a client does per input ciphertext, encoding aside (he.Client)
+        "encrypt": lambda: encrypt_bytes(pt, encryptor, native),
     }
     # a batch server loads each of a request's ciphertexts and copies it into a free buffer of
     # its group (he.runtime.run_batch), the loaded one's storage going back to SEAL's pool for
     # the next load: timed so, into buffers written before
     ring = int(ctx.key_context_data().parms().poly_modulus_degree())
-    blobs = [save_object(encryptor.encrypt_symmetric(pt)) for _ in range(load_set(ring))]
+    blobs = [encrypt_bytes(pt, encryptor, native) for _ in range(load_set(ring))]
     buffers = []
     for _ in blobs:
         buf = seal.Ciphertext(ctx, pid, 2)
@@ -482,7 +489,7 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
 
     def load_into_buffers() -> None:
         for b, buf in zip(blobs, buffers):
-            loaded = load_object(seal.Ciphertext, ctx, b, "ciphertext")
+            loaded = loads(ctx, b, "ciphertext")
             ev.negate(loaded, buf)          # the copy of a server without native calls
             ev.negate_inplace(buf)
 

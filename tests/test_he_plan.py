@@ -748,7 +748,9 @@ def test_a_stacked_pair_whose_half_comes_first_runs_after_its_map():
     net = pn.PolymorpherClassifier(16, 8, 10, dim=32, depth=1)
     x = torch.rand(64, 16, 8)
     net = _bn_eval(net, x)
-    prog = he.compile(net, x[:1], calibration=x, packing="vector")
+    # a slow link (8 Mbit/s): one input ciphertext, whose first maps are such a pair (with
+    # the client's planes, the first maps read those instead)
+    prog = he.compile(net, x[:1], calibration=x, packing="vector", bandwidth=1e6)
     halves = [(si, s.inputs[0]) for si, s in enumerate(prog.plan.steps) if s.kind == "half"]
     assert any(a > si for si, a in halves)
     order = prog.plan.order()
