@@ -4,7 +4,6 @@ before SEAL sees them or by SEAL's own checks."""
 
 from __future__ import annotations
 
-import struct
 
 import numpy as np
 import pytest
