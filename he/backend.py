@@ -68,11 +68,12 @@ def _tmpdir(large: bool) -> str | None:
     return None if large else _TMPDIR
 
 
-def save_object(obj: Any) -> bytes:
-    """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format)."""
-    # Galois keys are the objects that grow large (SEAL does not say how large before saving)
-    fd, path = tempfile.mkstemp(prefix="polynets-he-",
-                                dir=_tmpdir(isinstance(obj, seal.GaloisKeys)))
+def save_object(obj: Any, large: bool | None = None) -> bytes:
+    """Serialise a SEAL object (ciphertext, key, ...) to bytes (SEAL's own zstd format).
+    ``large``: it may pass :data:`_SHM_MAX_BYTES` (default: Galois keys, the objects that grow
+    large; SEAL does not say how large before saving), so it goes through the disk."""
+    large = isinstance(obj, seal.GaloisKeys) if large is None else bool(large)
+    fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(large))
     os.close(fd)
     try:
         obj.save(path)

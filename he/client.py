@@ -187,14 +187,16 @@ class Client:
             self._secret_key = keygen.secret_key()
             self.public_key = seal.PublicKey()
             keygen.create_public_key(self.public_key)
-            self.relin_keys = seal.RelinKeys()
-            keygen.create_relin_keys(self.relin_keys)
-            self.galois_keys = None
+            # the keys only a server uses are made in SEAL's seeded form, each key's random
+            # half replaced by its seed (half the bytes; the server regenerates it as it
+            # loads them), and kept here as those bytes alone
+            self._relin_bytes = save_object(keygen.create_relin_keys())
+            self._galois_bytes: bytes | None = None
             steps = program.plan.galois_steps()
             if steps:
-                self.galois_keys = seal.GaloisKeys()
                 elements = galois_elements(steps, program.params.poly_modulus_degree)
-                keygen.create_galois_keys(elements, self.galois_keys)
+                self._galois_bytes = save_object(keygen.create_galois_keys(elements),
+                                                 large=True)
             self._public_key_bytes = save_object(self.public_key)
             self.key_id = key_set_id(self._public_key_bytes)
         else:
@@ -202,8 +204,13 @@ class Client:
             self.key_id = str(head["key_id"])
             self._secret_key = load_object(seal.SecretKey, ctx, blobs["secret_key"][0],
                                            "secret key")
-            self.public_key, self.relin_keys, self.galois_keys = _load_public(ctx, blobs)
             self._public_key_bytes = bytes(blobs["public_key"][0])
+            self.public_key = load_object(seal.PublicKey, ctx, self._public_key_bytes,
+                                          "public key")
+            # passed on to servers as they are (a server validates them as it loads them)
+            self._relin_bytes = bytes(blobs["relin_keys"][0])
+            self._galois_bytes = bytes(blobs["galois_keys"][0]) if blobs["galois_keys"] \
+                else None
         # the key owner encrypts with the secret key: half the work of public-key encryption and
         # less noise; servers only ever see public material
         self._encryptor = seal.Encryptor(ctx, self.public_key, self._secret_key)
@@ -211,9 +218,8 @@ class Client:
 
     # ------------------------------------------------------------------ keys
     def _public_blobs(self) -> dict[str, list[bytes]]:
-        return {"public_key": [self._public_key_bytes],
-                "relin_keys": [save_object(self.relin_keys)],
-                "galois_keys": [save_object(self.galois_keys)] if self.galois_keys else []}
+        return {"public_key": [self._public_key_bytes], "relin_keys": [self._relin_bytes],
+                "galois_keys": [self._galois_bytes] if self._galois_bytes else []}
 
     def public_context(self) -> bytes:
         """Public, relinearisation and the needed Galois keys (no secret key), as bytes."""

@@ -127,8 +127,26 @@ def test_vector_packing_generates_only_the_galois_keys_it_uses(mlp):
     prog = he.compile(model, x, packing="vector")
     client = he.Client(prog)
     used = prog.plan.rotations()
-    assert client.galois_keys is not None
-    assert client.galois_keys.size() == len(used)
+    keys = he.Server(prog, client.public_context()).engine.galois_keys
+    assert keys is not None and keys.size() == len(used)
+
+
+def test_the_keys_a_server_uses_travel_seeded_and_load_to_working_keys(mlp):
+    """Relinearisation and Galois keys leave the client in SEAL's seeded form (half the
+    bytes of the keys the server loads them to), also from a reloaded secret context."""
+    from he.container import unpack
+    model, x = mlp
+    prog = he.compile(model, x, packing="vector")
+    client = he.Client(prog)
+    again = he.Client.from_secret_context(prog, client.secret_context())
+    assert again.public_context() == client.public_context()
+    _, blobs = unpack(client.public_context(), "public-context", "context")
+    server = he.Server(prog, client.public_context())
+    for name, loaded in (("relin_keys", server.engine.relin_keys),
+                         ("galois_keys", server.engine.galois_keys)):
+        assert len(blobs[name][0]) < 0.6 * len(he.backend.save_object(loaded)), name
+    y = again.decrypt(server.run(again.encrypt(x[:3])))
+    assert np.max(np.abs(y - prog.simulate(x[:3]))) <= prog.params.expected_error
 
 
 def test_server_and_public_context_hold_no_secret_key(mlp_setup):
