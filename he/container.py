@@ -71,8 +71,9 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 
 
 #: Blobs of more bytes than this in all are digested on every core (hashlib hashes without the
-#: GIL): a batch request's hundreds of MB take a second on one
-_PARALLEL_DIGEST_BYTES = 16 << 20
+#: GIL): a batch request's hundreds of MB take a second on one, a vector request's few MB a
+#: few milliseconds, as long as encrypting one of its ciphertexts
+_PARALLEL_DIGEST_BYTES = 1 << 20
 
 
 def _digests(items: list[Any]) -> list[str]:

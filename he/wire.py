@@ -98,6 +98,7 @@ def dumps(ct: Any) -> bytes:
     words = rows[:stored * limbs].reshape(stored, limbs, n)
     widths = [max(1, (int(words[:, l].max()).bit_length() + 7) // 8) for l in range(limbs)]
     parms = [int(p) for p in ct.parms_id()]
+    # CKKS keeps the correction factor (a BGV notion) at 1
     head = _FIXED.pack(_MAGIC, _VERSION, (_SEEDED if seeded else 0) | _NTT, stored, limbs,
                        *parms, n, size, float(ct.scale), 1)
     parts = [head, bytes(widths)]
@@ -124,8 +125,9 @@ def ciphertext_bytes(ring: int, prime_bits: Sequence[int], polys: int) -> int:
     """Bytes :func:`dumps` writes for a ciphertext of ring degree ``ring`` whose limbs' primes
     have ``prime_bits`` bits, storing ``polys`` polynomials: 1 for a client's seeded encryption
     (the other is its seed), 2 for a server's result. A limb of a ``b``-bit prime takes
-    ``ceil(b / 8)`` bytes per word (its largest word has all ``b`` bits but with probability
-    about ``2^-N``)."""
+    ``ceil(b / 8)`` bytes per word: SEAL's ``b``-bit primes lie just below ``2^b``, so each
+    word reaches the top bit with probability about 1/2, and the largest of ``N`` falls short
+    of it with probability about ``2^-N``."""
     words = sum((int(b) + 7) // 8 for b in prime_bits)
     seed = _SEED_BYTES if polys == 1 else 0
     return _FIXED.size + len(prime_bits) + seed + int(polys) * int(ring) * words

@@ -4,12 +4,9 @@ before SEAL sees them or by SEAL's own checks."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import tenseal.sealapi as seal
-import torch
-from torch import nn
 
 import he
 from he import wire
@@ -161,28 +158,3 @@ def test_a_ciphertext_of_other_parameters_is_refused(kit):
     other = seal.SEALContext(parms, True, seal.SEC_LEVEL_TYPE.TC128)
     with pytest.raises(he.SerializationError):
         wire.loads(other, wire.dumps(_full(kit)), "input")
-
-
-@pytest.mark.parametrize("packing", ["vector", "batch"])
-def test_a_clients_request_is_compact_and_the_size_the_compiler_predicts(packing):
-    class Square(nn.Module):
-        def forward(self, x):
-            return x * x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 4), Square(), nn.Linear(4, 3)).eval()
-    x = torch.rand(16, 6)
-    prog = he.compile(model, x[:1], calibration=x, packing=packing)
-    client = he.Client(prog, threads=2)
-    server = he.Server(prog, client.public_context())
-    ct = client.encrypt(x[:2])
-    blobs = ct._groups[0]
-    if client._native is not None and client._native.ok:
-        assert all(b[:4] == b"PNCT" for b in blobs)
-        assert sum(len(b) for b in blobs) == prog.plan.predicted["upload_bytes"]
-    out = server.run(he.Ciphertext.from_bytes(ct.to_bytes()))
-    down = he.Ciphertext.from_bytes(out.to_bytes())
-    assert sum(len(b) for b in down._groups[0]) == prog.plan.predicted["download_bytes"]
-    got = client.decrypt(down)
-    want = model(x[:2]).detach().numpy()
-    assert np.abs(got - want).max() <= prog.params.expected_error
