@@ -162,13 +162,8 @@ def _threads(options: dict[str, Any]) -> int:
     return int(options.get("server_threads", 1))
 
 
-#: A choice that splits a request's work into more pieces is kept only where the cost model
-#: predicts it this much faster than the whole: threads serving a vector plan (the Python work
-#: between SEAL calls, which threads contend for, is not priced), and the client's input planes
-#: instead of one input ciphertext (dozens of encryptions whose encodings take turns under the
-#: GIL, as many loads for the server, the upload: a family of user-written models measured
-#: their server 3-27% and their client up to 30% slower than predicted with 24 planes, 5%
-#: with one ciphertext, and ran 5-35% slower for a predicted 3% gain)
+#: Threads serve a vector plan only where the cost model predicts them this much faster than one
+#: (the Python work between SEAL calls, which threads contend for, is not priced)
 MIN_THREAD_GAIN = 1.1
 
 
@@ -824,7 +819,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
     plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
-    bests: dict[int, tuple[float, Any, Any, Any, Any, int, int, str]] = {}
+    best: tuple[float, Any, Any, Any, Any, int] | None = None
     scores: dict[int, float] = {}
     for max_planes in plane_options:
         orders, _ = search_layouts(lowered, slots, price, max_planes=max_planes)
@@ -843,19 +838,16 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
             score = _objective_cost(predicted, objective, options.get("batch_size"),
                                     options.get("bandwidth"))
             scores[max_planes] = min(score, scores.get(max_planes, score))
-            if max_planes not in bests or score < bests[max_planes][0]:
-                bests[max_planes] = (score, trial, per_ct, predicted, orders, max_planes,
-                                     threads, threads_why)
-    # the input planes where they are predicted enough faster than one input ciphertext
-    chosen = MAX_PLANES if 0 not in scores or scores[0] >= MIN_THREAD_GAIN * scores[MAX_PLANES] \
-        else 0
-    score, plan, per_ct, predicted, orders, max_planes, threads, threads_why = bests[chosen]
+            if best is None or score < best[0]:
+                best = (score, trial, per_ct, predicted, orders, max_planes, threads,
+                        threads_why)
+    assert best is not None
+    score, plan, per_ct, predicted, orders, max_planes, threads, threads_why = best
     most = slots // widest_period(lowered, orders)
     planes_why = ""
     if len(scores) > 1:
         planes_why = (f"; the first maps from the client's input planes: {scores[MAX_PLANES]:.3g}"
-                      f" s, from one input ciphertext: {scores[0]:.3g} s (planes kept where "
-                      f"predicted at least {MIN_THREAD_GAIN}x as fast)")
+                      f" s, from one input ciphertext: {scores[0]:.3g} s")
     changed = sum(o is not None for o in orders)
     opts = {**options, "server_threads": threads, "threads_why": threads_why,
             "layouts": [None if o is None else list(o) for o in orders],
