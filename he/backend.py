@@ -29,7 +29,12 @@ from he.native import NativeEvaluator, Pool, default_threads, galois_element
 from he.params import CKKSParams, seal_security_level
 from he.plan import rotation_path
 
-__all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements"]
+__all__ = ["Engine", "build_context", "save_object", "load_object", "galois_elements",
+           "SEAL_MAGIC"]
+
+#: The first two bytes of everything SEAL serialises (``seal::Serialization::seal_magic``,
+#: 0xA15E little-endian)
+SEAL_MAGIC = 0xA15E
 
 
 def build_context(params: CKKSParams) -> Any:
@@ -92,7 +97,7 @@ def load_object(factory: Callable[[], Any], context: Any, data: Any, what: str) 
     """
     parts = data if isinstance(data, list) else [data]
     head = bytes(parts[0][:16]) if parts else b""
-    if len(head) < 16 or head[:2] != b"\x5e\xa1":
+    if len(head) < 16 or int.from_bytes(head[:2], "little") != SEAL_MAGIC:
         raise SerializationError(f"{what}: not SEAL data (bad magic bytes or truncated)")
     size = sum(memoryview(p).nbytes for p in parts)
     fd, path = tempfile.mkstemp(prefix="polynets-he-", dir=_tmpdir(size > _SHM_MAX_BYTES))

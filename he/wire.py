@@ -39,8 +39,9 @@ from typing import Any, Sequence
 import numpy as np
 import tenseal.sealapi as seal
 
-from he.backend import load_object, save_object
+from he.backend import SEAL_MAGIC, load_object, save_object
 from he.errors import SerializationError
+from he.params import MAX_MODULUS_BITS
 
 __all__ = ["dumps", "loads", "encrypt_bytes", "ciphertext_bytes"]
 
@@ -51,12 +52,10 @@ _FIXED = struct.Struct("<4sBBBB4QQQdQ")
 # SEAL's serialisation header: magic, header size, version major and minor, compression
 # mode, reserved, total size (seal::Serialization::SEALHeader)
 _SEAL_HEADER = struct.Struct("<HBBBBHQ")
-_SEAL_MAGIC = 0xA15E
 # a seeded ciphertext's second polynomial starts with this word, then SEAL's saved seed record
 # (its header, the generator type and the 64-byte seed)
 _SEED_MARKER = np.uint64(0xFFFFFFFFFFFFFFFF)
 _SEED_BYTES = _SEAL_HEADER.size + 1 + 64
-_RINGS = (1024, 2048, 4096, 8192, 16384, 32768)
 _MAX_LIMBS = 64
 _MAX_SIZE = 16          # SEAL_CIPHERTEXT_SIZE_MAX
 
@@ -66,14 +65,14 @@ def _seal_version() -> tuple[int, int]:
     """The version SEAL writes in its headers (and so accepts back)."""
     head = save_object(seal.Ciphertext())
     magic, _, major, minor, *_ = _SEAL_HEADER.unpack_from(head)
-    if magic != _SEAL_MAGIC:
+    if magic != SEAL_MAGIC:
         raise RuntimeError("SEAL's serialisation header is not what this module reads")
     return major, minor
 
 
 def _seal_header(total: int) -> bytes:
     major, minor = _seal_version()
-    return _SEAL_HEADER.pack(_SEAL_MAGIC, _SEAL_HEADER.size, major, minor, 0, 0, total)
+    return _SEAL_HEADER.pack(SEAL_MAGIC, _SEAL_HEADER.size, major, minor, 0, 0, total)
 
 
 def _raw(ct: Any) -> Any:
@@ -104,8 +103,9 @@ def dumps(ct: Any) -> bytes:
     parts = [head, bytes(widths)]
     if seeded:
         parts.append(rows[limbs, 1:1 + math.ceil(_SEED_BYTES / 8)].tobytes()[:_SEED_BYTES])
+    planes = _byte_planes(widths)
     for p in range(stored):
-        for k, limbs_k in enumerate(_byte_planes(widths)):
+        for k, limbs_k in enumerate(planes):
             # byte k of every word of the limbs that wide (contiguous copies, a strided
             # one is ten times slower)
             parts.append((words[p, limbs_k] >> np.uint64(8 * k)).astype(np.uint8).tobytes())
@@ -163,7 +163,7 @@ def _to_seal(data: bytes, what: str) -> list[Any]:
     if flags & ~(_SEEDED | _NTT) or not flags & _NTT:
         raise _field_error(what, f"unknown flags {flags:#x}")
     seeded = bool(flags & _SEEDED)
-    if n not in _RINGS or not 1 <= limbs <= _MAX_LIMBS or not 2 <= size <= _MAX_SIZE \
+    if n not in MAX_MODULUS_BITS or not 1 <= limbs <= _MAX_LIMBS or not 2 <= size <= _MAX_SIZE \
             or stored != (1 if seeded else size) or (seeded and size != 2):
         raise _field_error(what, f"ring degree {n}, {limbs} limbs, size {size}, {stored} "
                                  f"polynomials stored")
@@ -185,8 +185,9 @@ def _to_seal(data: bytes, what: str) -> list[Any]:
                                  f"{pos + stored * n * sum(widths)}")
     count = stored * limbs * n
     words = _words_buffer(count).reshape(stored, limbs, n, 8)
+    planes = _byte_planes(widths)
     for p in range(stored):
-        for k, limbs_k in enumerate(_byte_planes(widths)):
+        for k, limbs_k in enumerate(planes):
             count_k = limbs if isinstance(limbs_k, slice) else len(limbs_k)
             words[p, limbs_k, :, k] = np.frombuffer(data, np.uint8, count_k * n,
                                                     pos).reshape(count_k, n)
