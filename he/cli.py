@@ -150,7 +150,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                       precision_bits=args.precision_bits, security=args.security,
                       memory_budget=None if args.memory_budget is None
                       else max(1, int(args.memory_budget * 2 ** 30)),
-                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e6 / 8)
+                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e6 / 8,
+                      progress=True)
     prog.save(args.output)
     print(prog.summary())
     print(f"wrote {args.output}")

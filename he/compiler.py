@@ -17,6 +17,7 @@ import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from he.backend import build_context
 from he.container import pack, unpack
@@ -1114,12 +1115,14 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                      maxabs: list[float], msq: list[np.ndarray], options: dict[str, Any],
                      rings: tuple[int, ...], costs: CostModel, precision_bits: int,
                      scale_bits: int | None, samples: int | None,
-                     memory_budget: int | None = None) -> CompiledProgram:
+                     memory_budget: int | None = None,
+                     priced: Callable[[str], None] | None = None) -> CompiledProgram:
     """The program compiled at the smallest ring whose chain holds it. In vector packing,
     where a value is wider than that ring's slots (or fits it only unpadded), its splits over
     several ciphertexts (:func:`_lowerings`) are priced, and every larger ring up to the first
     that holds the program whole: the cheapest for the objective whose server fits
-    ``memory_budget`` is kept (:func:`_rank`)."""
+    ``memory_budget`` is kept (:func:`_rank`). ``priced(what)`` is called as each candidate
+    (ring, split or token padding) is taken up."""
     notes: list[str] = []
     error: TooDeepError | None = None
     best: tuple[tuple[bool, float], CompiledProgram] | None = None
@@ -1143,6 +1146,10 @@ def _compile_packing(program: PolyProgram, lowered: Lowered, packing: str, cert:
                          f"splits over at most {MAX_BLOCKS} ciphertexts do not hold it")
             continue
         for low, m, split in cands:
+            if priced is not None:
+                priced(f"{packing}, N={ring}" + (
+                    "" if split is None else f", tokens padded to {split}"
+                    if packing == "tokens" else f", values split over {split.blocks}"))
             levels = low.depth_levels(packing)
             tplan = None
             if packing == "tokens":
@@ -1306,7 +1313,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
             memory_budget: int | None = None, security: int = 128,
             server_threads: int | None = None,
-            bandwidth: float | None = None) -> CompiledProgram:
+            bandwidth: float | None = None, progress: bool = False) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     The compiler prices its candidates with ``cost_model`` and keeps the cheapest for
@@ -1365,6 +1372,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             with a :class:`~he.errors.MemoryBudgetWarning`. A given budget is kept with the
             program (``prog.memory_budget``), and a server given none of its own plans within
             what it leaves beside the keys (:meth:`CompiledProgram.server_room`).
+        progress: show a progress bar of the candidates priced (each packing, chain of maps
+            composed or kept apart, ring, and split of values wider than the slots; each a
+            layout search under the cost model, seconds apiece for deep models).
 
     Raises:
         NotEncryptableError: the model is not a polynomial (message names the modules), or an
@@ -1414,22 +1424,30 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     found: list[CompiledProgram] = []
     error: TooDeepError | None = None
     lowerings = _candidate_lowerings(program, np.asarray(calib, dtype=np.float64), certified)
-    for kind in kinds:
-        tried: list[CompiledProgram] = []
-        for keep, lowered, msq in lowerings:
-            opts = {**options, "kept_apart": list(keep)} if keep else options
-            try:
-                tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq, opts,
-                                              rings, costs, precision_bits, scale_bits,
-                                              samples_per_ciphertext, memory_budget))
-            except TooDeepError as exc:
-                if not keep:
-                    error = exc
-            except TokensUnfit:
-                if packing != "auto":
-                    raise
-        if tried:
-            found.append(_keep_or_compose(tried, objective, batch_size, memory_budget))
+    # a few dozen updates at most, each after seconds of work: every one is shown
+    with tqdm(desc="compile", unit=" candidates", disable=not progress, leave=False,
+              mininterval=0) as bar:
+        def priced(what: str) -> None:
+            bar.set_postfix_str(what + (", maps kept apart" if keep else ""), refresh=False)
+            bar.update(1)
+
+        for kind in kinds:
+            tried: list[CompiledProgram] = []
+            for keep, lowered, msq in lowerings:
+                opts = {**options, "kept_apart": list(keep)} if keep else options
+                try:
+                    tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq,
+                                                  opts, rings, costs, precision_bits,
+                                                  scale_bits, samples_per_ciphertext,
+                                                  memory_budget, priced))
+                except TooDeepError as exc:
+                    if not keep:
+                        error = exc
+                except TokensUnfit:
+                    if packing != "auto":
+                        raise
+            if tried:
+                found.append(_keep_or_compose(tried, objective, batch_size, memory_budget))
     if not found:
         assert error is not None
         raise error

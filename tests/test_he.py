@@ -122,6 +122,17 @@ def test_hand_built_program_compiles_without_a_model(hand_built_program):
         assert np.max(np.abs(y - program.simulate(x))) <= prog.params.expected_error
 
 
+
+def test_compile_progress_bar_counts_the_candidates_and_changes_nothing(mlp, capsys):
+    model, x = mlp
+    quiet = he.compile(model, x, packing="auto")
+    assert capsys.readouterr().err == ""
+    shown = he.compile(model, x, packing="auto", progress=True)
+    err = capsys.readouterr().err
+    # one candidate per packing at least (vector, batch, tokens where it applies), each named
+    assert "compile" in err and "vector, N=8192" in err and "batch, N=8192" in err
+    assert shown.fingerprint == quiet.fingerprint
+
 def test_vector_packing_generates_only_the_galois_keys_it_uses(mlp):
     model, x = mlp
     prog = he.compile(model, x, packing="vector")
