@@ -1,5 +1,7 @@
 """Models written the way users write them, with plain PyTorch layers, through ``he.compile`` /
-``he.Client`` / ``he.Server``: padding modes of convolutions, variance pooling, and the layers
+``he.Client`` / ``he.Server``: padding modes of convolutions, resampling and reshaping layers
+(upsampling, transposed convolutions, adaptive pooling, unflattening, a softmax-free token
+mixing of degree 3), variance pooling, and the layers
 and model shapes the compiler must refuse with an error naming the module (max pooling, fused
 attention, norms by the input's own statistics, models that mix the samples of a batch or
 ignore their input), never with an error from deep inside PyTorch or SEAL.
@@ -62,6 +64,55 @@ def test_padding_modes_trace_to_the_model(name: str) -> None:
 def test_circularly_padded_convolutions_decrypt_to_the_model(encrypted_roundtrip) -> None:
     torch.manual_seed(0)
     encrypted_roundtrip(_CircularConv1d().eval(), torch.rand(16, 2, 9) * 2 - 1)
+
+
+# ----------------------------------------------------------------------------- resampling
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+class _TokenCubes(nn.Module):
+    """Degree-3 token mixing as attention without its softmax: ``(x x^T) x``, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(5 * 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((torch.matmul(x, x.transpose(1, 2)) @ x).flatten(1))
+
+
+#: layers that resample, pool or reshape, as users write them: name -> (model, sample shape)
+_RESAMPLED = {
+    "upsample_nearest": (lambda: nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.Upsample(scale_factor=2), _Square(), nn.AvgPool2d(4),
+        nn.Flatten(), nn.Linear(2 * 4 * 4, 2)), (1, 8, 8)),
+    "conv_transpose": (lambda: nn.Sequential(
+        nn.Conv2d(1, 2, 3, stride=2), _Square(), nn.ConvTranspose2d(2, 1, 2, stride=2),
+        nn.Flatten(), nn.Linear(36, 2)), (1, 7, 7)),
+    "adaptive_avg_pool": (lambda: nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), _Square(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(4, 2)), (1, 8, 8)),
+    "unflatten": (lambda: nn.Sequential(
+        nn.Linear(8, 12), nn.Unflatten(1, (3, 4)), _Square(), nn.Flatten(), nn.Linear(12, 2)),
+        (8,)),
+    "token_cubes": (_TokenCubes, (5, 4)),
+}
+
+
+@pytest.mark.parametrize("packing", ["vector", "batch"])
+@pytest.mark.parametrize("name", sorted(_RESAMPLED))
+def test_resampling_and_reshaping_layers_decrypt_to_the_model(encrypted_roundtrip, name: str,
+                                                              packing: str) -> None:
+    make, shape = _RESAMPLED[name]
+    torch.manual_seed(0)
+    model = make()
+    x = torch.rand(32, *shape) * 2 - 1
+    model.train()
+    with torch.no_grad():
+        model(x)                      # BatchNorm statistics of the data, not of the init
+    encrypted_roundtrip(model.eval(), x, packing)
 
 
 # ----------------------------------------------------------------------------- variance
