@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from polynets import cli
+from _models import Square
 
 
 def subcommands() -> list[str]:
@@ -165,10 +166,6 @@ def he_files(tmp_path_factory):
     from torch import nn
 
     he = pytest.importorskip("he")
-
-    class Square(nn.Module):
-        def forward(self, x):
-            return x * x
 
     root = tmp_path_factory.mktemp("he_cli")
     torch.manual_seed(0)

@@ -34,11 +34,7 @@ from polynets._io import dump_safetensors, read_safetensors
 from polynets.ir.program import _digest as program_digest
 from polynets.ir.program import (PolyProgram, atomic_write_bytes, load_npy_bytes,
                               loads_json_strict)
-
-
-class Square(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x
+from _models import Square
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,7 @@ import he
 import polynets as pn
 from he.backend import build_context
 from he.params import MAX_MODULUS_BITS
-
-
-class Square(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x
+from _models import Square
 
 
 def _bn_eval(model: nn.Module, x: torch.Tensor) -> nn.Module:

@@ -9,6 +9,7 @@ from torch import nn
 
 import he
 import polynets as pn
+from _models import Square
 
 
 class Tokens(nn.Module):
@@ -35,10 +36,6 @@ def _data():
 
 @pytest.mark.parametrize("packing", ["vector", "batch"])
 def test_predicted_request_sizes_match_the_serialised_ciphertexts(packing):
-    class Square(nn.Module):
-        def forward(self, x):
-            return x * x
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), Square(), nn.Linear(4, 3)).eval()
     x = torch.rand(16, 6)

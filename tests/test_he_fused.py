@@ -22,7 +22,6 @@ from he.fused import RawAccess, fuse_map, raw_access
 from he.params import CKKSParams
 from he.plan import batch_counts
 from he.runtime import live_rows
-from polynets.ir.lowering import lower
 
 
 @pytest.fixture(scope="module")

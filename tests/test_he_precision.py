@@ -12,11 +12,7 @@ from torch import nn
 
 import he
 from he.compiler import ARGMAX_QUANTILE, argmax_precision
-
-
-class Square(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x
+from _models import Square
 
 
 def test_bits_keep_the_promise_below_half_the_gap_of_all_but_the_quantile():

@@ -15,7 +15,7 @@ from torch import nn
 import he
 import polynets as pn
 from he.compiler import _lower
-from he.tokens import (TokensNotApplicable, build_token_plan, simulate_tokens, token_grid,
+from he.tokens import (build_token_plan, simulate_tokens, token_grid,
                        token_paddings)
 from polynets.ir.lowering import evaluate_steps, lower
 

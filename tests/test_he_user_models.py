@@ -19,6 +19,7 @@ from torch import nn
 
 import he
 import polynets as pn
+from _models import Square
 
 
 # ----------------------------------------------------------------------------- padding modes
@@ -67,11 +68,6 @@ def test_circularly_padded_convolutions_decrypt_to_the_model(encrypted_roundtrip
 
 
 # ----------------------------------------------------------------------------- resampling
-class _Square(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x
-
-
 class _TokenCubes(nn.Module):
     """Degree-3 token mixing as attention without its softmax: ``(x x^T) x``, then a head."""
 
@@ -86,16 +82,16 @@ class _TokenCubes(nn.Module):
 #: layers that resample, pool or reshape, as users write them: name -> (model, sample shape)
 _RESAMPLED = {
     "upsample_nearest": (lambda: nn.Sequential(
-        nn.Conv2d(1, 2, 3, padding=1), nn.Upsample(scale_factor=2), _Square(), nn.AvgPool2d(4),
+        nn.Conv2d(1, 2, 3, padding=1), nn.Upsample(scale_factor=2), Square(), nn.AvgPool2d(4),
         nn.Flatten(), nn.Linear(2 * 4 * 4, 2)), (1, 8, 8)),
     "conv_transpose": (lambda: nn.Sequential(
-        nn.Conv2d(1, 2, 3, stride=2), _Square(), nn.ConvTranspose2d(2, 1, 2, stride=2),
+        nn.Conv2d(1, 2, 3, stride=2), Square(), nn.ConvTranspose2d(2, 1, 2, stride=2),
         nn.Flatten(), nn.Linear(36, 2)), (1, 7, 7)),
     "adaptive_avg_pool": (lambda: nn.Sequential(
-        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), _Square(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), Square(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(4, 2)), (1, 8, 8)),
     "unflatten": (lambda: nn.Sequential(
-        nn.Linear(8, 12), nn.Unflatten(1, (3, 4)), _Square(), nn.Flatten(), nn.Linear(12, 2)),
+        nn.Linear(8, 12), nn.Unflatten(1, (3, 4)), Square(), nn.Flatten(), nn.Linear(12, 2)),
         (8,)),
     "token_cubes": (_TokenCubes, (5, 4)),
 }

@@ -26,13 +26,9 @@ from polynets._io import dump_safetensors, read_safetensors
 from polynets.errors import ProgramFormatError
 from polynets.ir.program import _digest as program_digest
 from polynets.ir.program import FORMAT_VERSION, PolyProgram
+from _models import Square
 
 _MAGIC = "polynets-program"
-
-
-class Square(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * x
 
 
 @pytest.fixture(scope="module", params=["mlp", "hand-built"])

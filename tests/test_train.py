@@ -14,7 +14,6 @@ from torch.utils.data import Subset
 
 import polynets as pn
 from polynets.training.data import load_dataset
-from polynets.training.device import autocast_dtype, select_device
 from polynets.errors import ConfigError, TrainingDivergedError
 from polynets.training.train import TrainConfig, Trainer
 
