@@ -9,6 +9,7 @@ back with the same fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import json
@@ -1427,8 +1428,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     # a few dozen updates at most, each after seconds of work: every one is shown
     with tqdm(desc="compile", unit=" candidates", disable=not progress, leave=False,
               mininterval=0) as bar:
-        def priced(what: str) -> None:
-            bar.set_postfix_str(what + (", maps kept apart" if keep else ""), refresh=False)
+        def priced(what: str, kept_apart: bool) -> None:
+            bar.set_postfix_str(what + (", maps kept apart" if kept_apart else ""),
+                                refresh=False)
             bar.update(1)
 
         for kind in kinds:
@@ -1439,7 +1441,9 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                     tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq,
                                                   opts, rings, costs, precision_bits,
                                                   scale_bits, samples_per_ciphertext,
-                                                  memory_budget, priced))
+                                                  memory_budget,
+                                                  functools.partial(priced,
+                                                                    kept_apart=bool(keep))))
                 except TooDeepError as exc:
                     if not keep:
                         error = exc
