@@ -274,6 +274,11 @@ def _grid_of(lowered: Lowered) -> tuple[tuple[int, ...], np.ndarray, np.ndarray,
                 and np.all(np.diff(sp.csc_matrix(st.terms[st.inputs.index(0)]).indptr) > 0)]
         if full:
             patches = _input_patches(Lowered([lowered.steps[0]] + full, 0))
+    if patches is None and _read_by_element(lowered):
+        # patches of one element (a 1x1 patch embedding of one channel): a token per element
+        shape = _strip(lowered.steps[0].shape)
+        n = int(np.prod(shape))
+        return shape, np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64), 1
     if patches is None:
         raise TokensNotApplicable("the maps reading the input do not read it by patches (tokens "
                                   "packing needs an input the client can lay out token by token)")
@@ -293,6 +298,16 @@ def _grid_of(lowered: Lowered) -> tuple[tuple[int, ...], np.ndarray, np.ndarray,
         plane = np.zeros(token.size, dtype=np.int64)
         planes = 1
     return grid, token.astype(np.int64), plane.astype(np.int64), planes
+
+
+def _read_by_element(lowered: Lowered) -> bool:
+    """Whether every output of the maps reading the input reads one element of it at most, and
+    one of those maps reads them all (the others may skip a border): patches of one element."""
+    readers = [st.terms[st.inputs.index(0)] for st in lowered.steps[1:]
+               if st.kind == "affine" and 0 in st.inputs]
+    return bool(readers) and \
+        all(np.all(np.diff(sp.csr_matrix(m).indptr) <= 1) for m in readers) and \
+        any(np.all(np.diff(sp.csc_matrix(m).indptr) > 0) for m in readers)
 
 
 def token_grid(lowered: Lowered) -> tuple[int, ...]:

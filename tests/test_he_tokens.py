@@ -61,6 +61,9 @@ def _models() -> dict[str, nn.Module]:
                              embed="patch", embed_dim=8, depth=2, expansion=2, norm="batch"),
         "monet_pyramid": pn.MONet(img_size=16, in_chans=1, num_classes=10, patch_size=2,
                                   embed_dim=8, depth=2, merges=1, norm="batch"),
+        # patches of one element: a token per pixel of a one-channel image
+        "monet_1x1": pn.MONet(img_size=8, in_chans=1, num_classes=10, patch_size=1,
+                              embed="patch", embed_dim=4, depth=1, norm="batch"),
         "tokens_shift": _TokenNet(12, 2, 6, 2, True),
         "tokens_plain": _TokenNet(8, 4, 8, 2, False),
     }
@@ -139,7 +142,7 @@ def test_the_cost_model_chooses_the_padding():
     assert chosen != (4, 4)
 
 
-@pytest.mark.parametrize("name", ["monet_d1", "tokens_plain"])
+@pytest.mark.parametrize("name", ["monet_d1", "tokens_plain", "monet_1x1"])
 def test_encrypted_tokens_packing_agrees_with_the_model(name, encrypted_roundtrip):
     model, _, size = _lowered(name, seed=3)
     x = torch.rand(32, 1, size, size)
