@@ -524,6 +524,8 @@ class Server:
                           tuple(program.params.coeff_mod_bit_sizes))
         #: bytes and seconds :meth:`warm` took (0 where it did nothing)
         self.warm_bytes, self.warm_seconds = 0, 0.0
+        #: tokens packing: a group has run, so its weights and masks are encoded and kept
+        self._tokens_ready = False
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
         if threads is None:
@@ -564,7 +566,8 @@ class Server:
           (the request will say why).
         * Tokens packing: one group of encryptions of zero (the server's own, with the public
           key) runs through the program: the fused maps are built, the slot-vector weights and
-          masks encoded, the group's memory allocated, as the first request would.
+          masks encoded, the group's memory allocated, as the first request would; nothing
+          where that is predicted not to fit the memory available (the request will say why).
         """
         t0 = time.perf_counter()
         if self.program.packing == "batch":
@@ -581,8 +584,11 @@ class Server:
             self.warm_bytes = int(buffer_bytes(mem.buffers))
             note_pool(self._pool_key, buffer_bytes(spare_buffers(self._pool_key)))
         elif self.program.packing == "tokens":
+            if self._tokens_need() > self._free_memory(pool=False):
+                return 0.0          # the request will say why
             zeros = [self._encrypt_constant(0.0) for _ in self.program.plan.input_layout]
             self._run_group(zeros)
+            self._tokens_ready = True
         else:
             return 0.0
         self.warm_seconds = time.perf_counter() - t0
@@ -596,6 +602,16 @@ class Server:
         if self._memory_budget is not None:
             free = min(free, float(self._memory_budget))
         return free
+
+    def _tokens_need(self) -> float:
+        """Tokens packing: bytes a group is predicted to take beyond the keys this server
+        holds: its ciphertexts at their peak and, until a group has run (:meth:`warm` or a
+        request), the slot-vector weights and masks it encodes and keeps."""
+        pred = self.program.plan.predicted
+        working = float(pred.get("working_memory_bytes", 0))
+        if self._tokens_ready:
+            return working
+        return max(working, float(pred.get("server_memory_bytes", 0)) - self.program.key_bytes())
 
     @property
     def tiles(self) -> dict[int, int]:
@@ -719,8 +735,19 @@ class Server:
         """
         ct = _as_ciphertext(ct)
         _check(ct, self.program, self.key_id, "input", "server")
-        if self.program.packing != "batch":
+        if self.program.packing == "vector":
             n_workers = resolve_workers(workers)
+        elif self.program.packing == "tokens":
+            # as many processes as the memory holds, each a group's ciphertexts (and, before
+            # a group has run, its weights)
+            what = f"evaluating a group of {self.program.plan.interleave} tokens-packed samples"
+            try:
+                n_workers = memory_workers(workers, len(ct._groups), self._tokens_need(),
+                                           self._free_memory(pool=False), what)
+            except ResourceError as exc:
+                raise ResourceError(
+                    f"{exc}; vector packing holds one sample at a time (he.compile(..., "
+                    f"packing='vector')), or run on a machine with more memory") from None
         else:
             # a group's ciphertexts dwarf the keys: as many processes as the memory holds,
             # each group in tiles where it would not fit whole
@@ -764,6 +791,7 @@ class Server:
                 len(ct._groups), 1, desc="server", progress=progress)
             if self.program.packing == "batch":
                 note_pool(self._pool_key, working)
+            self._tokens_ready = self.program.packing == "tokens"
         else:
             eng = self.engine
             pool = eng.pool

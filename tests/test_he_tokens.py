@@ -189,6 +189,30 @@ def test_a_warm_tokens_server_builds_at_its_start_what_requests_reuse():
     assert np.max(np.abs(y - prog.simulate(x[:5].numpy()))) <= prog.params.expected_error
 
 
+def test_a_tokens_group_the_memory_does_not_hold_is_refused_before_it_runs():
+    """A tokens server does not warm a group predicted over its memory, and a request is
+    refused with the numbers before anything runs; once a group has run, only its ciphertexts
+    count (the weights are kept)."""
+    model, _, _ = _lowered("monet_d1", seed=7)
+    x = torch.rand(64, 1, 8, 8)
+    prog = he.compile(model, x[:1], calibration=x, packing="tokens", precision_bits=10)
+    pred = prog.plan.predicted
+    weights = pred["server_memory_bytes"] - prog.key_bytes() - pred["working_memory_bytes"]
+    assert weights > 0
+    client = he.Client(prog)
+    ct = client.encrypt(x[:3].numpy())
+    tight = he.Server(prog, client.public_context(), memory_budget=pred["working_memory_bytes"])
+    assert tight.warm_seconds == 0 and not tight.token_kernels.vectors
+    with pytest.raises(he.ResourceError, match=r"tokens-packed samples .*packing='vector'"):
+        tight.run(ct)
+    roomy = he.Server(prog, client.public_context(),
+                      memory_budget=pred["server_memory_bytes"] - prog.key_bytes())
+    assert roomy.warm_seconds > 0
+    roomy._memory_budget = pred["working_memory_bytes"]     # the weights are held now
+    y = client.decrypt(roomy.run(ct))
+    assert np.max(np.abs(y - prog.simulate(x[:3].numpy()))) <= prog.params.expected_error
+
+
 @pytest.mark.slow
 def test_two_poly_blocks_with_masked_shifts_run_encrypted(encrypted_roundtrip):
     model, _, _ = _lowered("monet_d2", seed=5)
