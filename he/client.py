@@ -136,6 +136,14 @@ def _check(ct: Ciphertext, prog: CompiledProgram, key_id: str, role: str, who: s
                                  f"holds {len(ct._groups)} (corrupted or edited header)")
 
 
+def _check_program(program: Any, who: str) -> None:
+    """Refuse anything but a compiled program, naming what was given and where one comes from."""
+    if not isinstance(program, CompiledProgram):
+        raise ParameterError(f"{who} needs a compiled program (he.compile(model, x), or "
+                             f"he.load_program(path) for a file), got "
+                             f"{type(program).__name__}")
+
+
 def _check_key_memory(program: CompiledProgram, doing: str) -> None:
     """Refuse, before SEAL allocates them, keys that alone exceed the memory available."""
     need, free = program.key_bytes(), available_memory()
@@ -172,6 +180,7 @@ class Client:
 
     def __init__(self, program: CompiledProgram, *, threads: int | None = None,
                  _secret: bytes | None = None):
+        _check_program(program, "he.Client")
         self.program = program
         if threads is not None:
             check_int(threads, "Client threads", error=ParameterError)
@@ -484,6 +493,7 @@ class Server:
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
                  memory_budget: int | None = None, threads: int | None = None,
                  warm: bool = True):
+        _check_program(program, "he.Server")
         if not isinstance(public_context, (bytes, bytearray, memoryview)):
             raise SerializationError(f"Server needs the public context as bytes, got "
                                      f"{type(public_context).__name__}")

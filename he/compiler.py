@@ -704,6 +704,11 @@ class CompiledProgram:
     def load(cls, path: str | os.PathLike) -> "CompiledProgram":
         """Read a regular file of bounded size (a FIFO or device is refused, never read) and
         parse it with :meth:`from_bytes`."""
+        if isinstance(path, (bytes, bytearray, memoryview)) and (
+                not isinstance(path, bytes) or b"\0" in path or len(path) > 4096):
+            raise SerializationError(f"load reads a compiled program from a file path, got "
+                                     f"{len(path)} bytes; CompiledProgram.from_bytes parses "
+                                     f"bytes")
         try:
             data = read_bytes_limited(path, "compiled program", SerializationError)
         except SerializationError as exc:

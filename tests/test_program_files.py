@@ -127,6 +127,17 @@ def test_a_loaded_program_decrypts_to_the_same_values(setup, tmp_path):
     assert np.max(np.abs(y - prog.simulate(setup["x"]))) <= prog.params.expected_error
 
 
+def test_a_program_given_as_bytes_or_not_at_all_is_refused_with_where_one_comes_from(setup):
+    prog, public = setup["prog"], setup["public"]
+    with pytest.raises(he.SerializationError, match="from_bytes parses bytes"):
+        he.load_program(prog.to_bytes())
+    for wrong in ("model.he", None, prog.to_bytes()):
+        with pytest.raises(he.ParameterError, match="he.Client needs a compiled program"):
+            he.Client(wrong)
+        with pytest.raises(he.ParameterError, match="he.Server needs a compiled program"):
+            he.Server(wrong, public)
+
+
 def test_the_program_inside_is_safetensors_with_the_json_header_in_its_metadata(setup):
     from safetensors.numpy import load
 
