@@ -283,6 +283,17 @@ def _precision(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of bits or 'argmax', got {text!r}")
 
 
+def _gib(text: str) -> float:
+    """``--memory-budget``: a positive number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add the encrypted-inference subcommands to the ``polynets`` parser."""
     from he.demo import add_arguments
@@ -307,7 +318,7 @@ def register(subparsers: Any) -> None:
                         "fewest bits that keep the class of 99%% of the calibration samples")
     p.add_argument("--security", type=int, choices=(128, 192, 256), default=128,
                    help="classical security level in bits (default 128)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+    p.add_argument("--memory-budget", type=_gib, default=None, metavar="GIB",
                    help="server memory allowed, GiB (--packing auto avoids plans beyond it)")
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBIT/S",
                    help="link between client and server, Mbit/s: the objective then counts "

@@ -11,13 +11,14 @@ this process with the same results (as does a call made from inside a worker).
 from __future__ import annotations
 
 import multiprocessing
+import numbers
 import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from he.errors import ResourceError
+from he.errors import ParameterError, ResourceError
 
 __all__ = ["fork_map", "resolve_workers", "memory_workers"]
 
@@ -25,10 +26,15 @@ _JOB: list[Callable[[int], Any]] = []
 
 
 def resolve_workers(workers: int | None) -> int:
-    """``None`` or ``0`` -> one worker per CPU core; otherwise ``workers`` (at least 1)."""
+    """``None`` or ``0`` -> one worker per CPU core; otherwise ``workers``. Raises
+    :class:`~he.errors.ParameterError` for anything but ``None`` or a non-negative int."""
+    if workers is not None and (isinstance(workers, bool) or
+                                not isinstance(workers, numbers.Integral) or workers < 0):
+        raise ParameterError(f"workers must be a non-negative int (0: one per CPU core), got "
+                             f"{workers!r}")
     if not workers:
         return max(1, os.cpu_count() or 1)
-    return max(1, int(workers))
+    return int(workers)
 
 
 def memory_workers(workers: int | None, tasks: int, working_bytes: float | None,

@@ -25,10 +25,13 @@ def read_csv(path: str, *, time_column: str = "t",
              columns: list[str] | None = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Read ``t`` (n,), ``X`` (n, dim) and the state names from a CSV file with a header row."""
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))
     except OSError as exc:
         raise SymbolicDataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise SymbolicDataError(f"{path} is not a CSV text file ({exc}); expected a header row "
+                                f"and one row of numbers per time") from exc
     rows = [r for r in rows if any(cell.strip() for cell in r)]
     if len(rows) < 2:
         raise SymbolicDataError(f"{path}: expected a header row and data rows")
@@ -36,6 +39,9 @@ def read_csv(path: str, *, time_column: str = "t",
     if time_column not in header:
         raise SymbolicDataError(f"{path}: no time column {time_column!r} in the header "
                                 f"{header}; name it with --time-column")
+    if columns and time_column in columns:
+        raise SymbolicDataError(f"{path}: the time column {time_column!r} cannot be a state "
+                                f"column too (--columns names the states only)")
     states = columns or [h for h in header if h != time_column]
     missing = [c for c in states if c not in header]
     if missing or not states:

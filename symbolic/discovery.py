@@ -927,6 +927,15 @@ class EquationDiscovery(BaseEstimator):
                                   f"{self.selection!r}")
         if isinstance(self.polish, bool) or int(self.polish) < 1:
             raise ExpressionError(f"polish must be an int >= 1, got {self.polish!r}")
+        steps = self.node_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise ExpressionError(f"node_steps must be a non-negative int, got {steps!r}")
+        snap = self.snap_tol
+        if snap is not None and (isinstance(snap, bool) or
+                                 not isinstance(snap, (int, float, np.number)) or
+                                 not np.isfinite(snap) or snap < 0):
+            raise ExpressionError(f"snap_tol must be None or a non-negative number, got "
+                                  f"{snap!r}")
 
     def _train_node(self, trajectories: list[tuple[np.ndarray, np.ndarray]],
                     syms: list[sympy.Symbol]) -> np.ndarray:

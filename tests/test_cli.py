@@ -27,6 +27,14 @@ def test_every_subcommand_has_help(command, capsys):
     assert f"usage: polynets {command}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "lots"])
+def test_compile_refuses_a_memory_budget_that_is_not_a_positive_number(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compile", "model.pt", "--memory-budget", value])
+    assert exit_.value.code == 2
+    assert "expected a positive number of GiB" in capsys.readouterr().err
+
+
 def test_builtin_subcommands_are_present():
     assert {"train", "eval", "certify", "plot", "bench"} <= set(subcommands())
 

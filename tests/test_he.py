@@ -457,6 +457,9 @@ def test_memory_workers_fit_the_processes_to_the_memory():
         memory_workers(3, 5, 3 * gib, 8 * gib)                    # asked for more than fit
     with pytest.raises(he.ResourceError, match="12.0 GiB .* more than the 8.0 GiB"):
         memory_workers(1, 1, 12 * gib, 8 * gib)
+    for bad in (-2, 1.5, True, "2"):
+        with pytest.raises(he.ParameterError, match="workers must be a non-negative int"):
+            memory_workers(bad, 5, None, 1)
 
 
 def test_a_batch_server_refuses_a_group_larger_than_the_memory_before_running(mlp_setup):

@@ -19,6 +19,7 @@ from polynets.ir.program import Node, PolyProgram
 from symbolic import (ExpressionError, NotPolynomialError, SymbolicDataError, SymbolicError,
                       prune, refit, snap, to_latex, to_python, to_sympy)
 from symbolic.cli import read_csv
+from symbolic.discovery import EquationDiscovery
 from symbolic.systems import generate
 
 x, y, z = sympy.symbols("x y z")
@@ -223,6 +224,25 @@ def test_read_csv_reports_missing_time_column(tmp_path):
         read_csv(str(path))
     t, X, names = read_csv(str(path), time_column="time")
     assert names == ["x"] and X.shape == (2, 1) and t.tolist() == [0.0, 1.0]
+
+
+def test_read_csv_refuses_binary_files_and_the_time_column_as_a_state(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(SymbolicDataError, match="is not a CSV text file"):
+        read_csv(str(path))
+    path.write_text("t,x,y\n0,1,2\n1,2,3\n")
+    with pytest.raises(SymbolicDataError, match="time column 't' cannot be a state"):
+        read_csv(str(path), columns=["t", "x"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"node_steps": -5}, "node_steps must be a non-negative int"),
+    ({"snap_tol": -1.0}, "snap_tol must be None or a non-negative number")])
+def test_discovery_refuses_negative_steps_and_snap_tolerance(kwargs, match):
+    traj = generate("lotka_volterra", n=40, t_end=4.0)
+    with pytest.raises(ExpressionError, match=match):
+        EquationDiscovery(degree=2, progress=False, **kwargs).fit(traj.t, traj.X)
 
 
 def test_discover_command_prints_json_equations_from_a_csv(tmp_path, capsys):
