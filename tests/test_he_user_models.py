@@ -198,6 +198,9 @@ _REFUSED = {
     "batch_norm_without_running_stats": (
         lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)),
         (4,), "1", "BatchNorm1d", "input's own statistics", "track_running_stats=True"),
+    # an in-place activation is refused as the activation, not as an in-place write
+    "relu_in_place": (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)), (4,), "1",
+                      "ReLU", "aten.relu$", "Mu-Layer"),
     "exponent_from_data": (lambda: _Exp2(), (4,), "<model>", "_Exp2",
                            "pow with an input-dependent exponent", "additions"),
 }

@@ -240,6 +240,9 @@ class _Recorder(TorchDispatchMode):
         if name in _SHAPE_ONLY:
             return out
         module_type = self.stack[-1][1]
+        if name.endswith("_") and name[:-1] in _NONPOLY:
+            name = name[:-1]            # an in-place activation (ReLU(inplace=True)): not a
+            #                             polynomial, whichever form it takes
         if name in _NONPOLY or (name in ("div", "true_divide") and self.traced(args[1])) \
                 or (name == "where" and self.traced(args[0])) \
                 or (name == "masked_fill" and self.traced(args[1])) \
