@@ -22,8 +22,12 @@ Gauss-Newton covariance of the coefficients, from which z-scores follow.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from scipy import sparse
@@ -199,6 +203,54 @@ def group_windows(windows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[int
     return list(keys.values())
 
 
+_FORTRAN_FLUSHES: list[Any] | None = None
+
+
+def _fortran_flushes() -> list[Any]:
+    """``flush`` of every Fortran runtime mapped into this process (NumPy and SciPy each ship
+    one), found once from ``/proc/self/maps``; none where that is unreadable (not Linux)."""
+    global _FORTRAN_FLUSHES
+    if _FORTRAN_FLUSHES is None:
+        found = []
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({line.split()[-1] for line in f if "libgfortran" in line})
+            for path in paths:
+                found.append(ctypes.CDLL(path)._gfortran_flush_i4)
+        except (OSError, AttributeError):
+            pass
+        _FORTRAN_FLUSHES = found
+    return _FORTRAN_FLUSHES
+
+
+@contextlib.contextmanager
+def _fortran_quiet(on: bool) -> Iterator[None]:
+    """With ``on``, what Fortran writes to standard output meanwhile goes to the null device:
+    LSODA prints its warnings there (file descriptor 1, past Python's ``sys.stdout``), which
+    would land in what a command writes (a JSON result). The Fortran runtimes buffer it, so
+    they are flushed before the descriptor comes back."""
+    if not on:
+        yield
+        return
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        yield                       # no descriptor 1 to guard
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        unit = ctypes.c_int(6)      # Fortran's standard output
+        for flush in _fortran_flushes():
+            flush(ctypes.byref(unit))
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float, atol: float,
                method: str, max_evaluations: int) -> np.ndarray | None:
     """Integrate the sensitivity system; None when it blows up or the solver fails.
@@ -222,7 +274,7 @@ def _integrate(rhs: _Sensitivity, s0: np.ndarray, t_rel: np.ndarray, rtol: float
 
     escape.terminal = True  # type: ignore[attr-defined]
     try:
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"), _fortran_quiet(method == "LSODA"):
             sol = solve_ivp(guarded, (0.0, float(t_rel[-1])), s0.reshape(-1), method=method,
                             t_eval=t_rel, rtol=rtol, atol=atol, events=escape)
     except (OverflowError, FloatingPointError, ValueError, MemoryError,

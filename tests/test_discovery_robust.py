@@ -932,3 +932,29 @@ def test_discovery_speed_benchmark_runs(tmp_path):
     (row,) = result["rows"]
     assert row["same_model"] and row["compiled"]["missed"] == row["compiled"]["spurious"] == 0
     assert row["compiled_s"] > 0 and row["numpy_s"] > 0
+
+
+def test_lsoda_warnings_do_not_reach_standard_output(capfd):
+    """LSODA's Fortran prints its warnings to file descriptor 1, where 'polynets discover
+    --format json' writes its result: the shooting's integrations send them to the null
+    device, flushing the Fortran runtimes' buffers before the descriptor comes back."""
+    import ctypes
+
+    from scipy.integrate import solve_ivp
+
+    from symbolic.shooting import _fortran_flushes, _fortran_quiet
+
+    def stiff():
+        with pytest.warns(UserWarning):     # tolerances too small: LSODA's own message too
+            solve_ivp(lambda t, y: [-1e30 * y[0]], (0, 1), [1.0], method="LSODA",
+                      rtol=1e-14, atol=1e-300)
+
+    print("before", flush=True)
+    with _fortran_quiet(True):
+        stiff()
+    print("after", flush=True)
+    assert capfd.readouterr().out.split() == ["before", "after"]
+    stiff()
+    for flush in _fortran_flushes():                # unguarded, it prints (once flushed)
+        flush(ctypes.byref(ctypes.c_int(6)))
+    assert "lsoda" in capfd.readouterr().out
