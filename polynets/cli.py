@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError
+from polynets.errors import CheckpointError, ConfigError, DataError, PolynetsError, check_int
 from polynets.ir.program import loads_json_strict
 
 __all__ = ["COMMAND_GROUP", "build_parser", "main"]
@@ -149,8 +149,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ConfigError(f"--out {args.out!r} is a file; it must name a run directory")
     train_ds, test_ds, info = _load_data(args)
-    if args.max_train_samples:
+    if args.max_train_samples is not None:
         from torch.utils.data import Subset
+
+        check_int(args.max_train_samples, "--max-train-samples")
 
         train_ds = Subset(train_ds, range(min(args.max_train_samples, len(train_ds))))
     kwargs = model_kwargs_for(args.model, info, parse_model_args(args.model_arg))
@@ -295,12 +297,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ parser
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, unless the help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action) or text
+
+
 def _add_train(sub: Any) -> None:
     from polynets.training.data import DEFAULT_AUTO_AUGMENT
     from polynets.training.train import SCHEDULES
 
     p = sub.add_parser("train", help="train a polynomial network", description=cmd_train.__doc__,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsFormatter)
     _add_model_args(p, "monet")
     _add_data_args(p, required=True)
     p.add_argument("--max-train-samples", type=int, help="train on the first N training samples only")
