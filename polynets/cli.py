@@ -141,6 +141,25 @@ def _finish_distributed() -> None:
 
 
 # ------------------------------------------------------------------------------ commands
+def _check_runs_on(model: Any, name: str, dataset: str, shape: tuple[int, ...]) -> None:
+    """Run ``model`` once on two samples of zeros of the dataset's input shape, so that a model
+    that cannot take them (a patch larger than the image) is refused before training, with
+    what it raised."""
+    import torch
+
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(2, *shape))
+    except Exception as exc:        # the model's own code: whatever it raises, it cannot run
+        raise ConfigError(f"model {name!r} cannot run on {dataset} inputs of shape "
+                          f"{tuple(shape)} ({type(exc).__name__}: {str(exc).strip()}); choose "
+                          f"another model or size it with --model-arg") from exc
+    finally:
+        model.train(was)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a model on a dataset and write run.json, metrics.jsonl, last.pt/best.pt to --out."""
     from polynets.training.checkpoint import build_model
@@ -157,6 +176,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_ds = Subset(train_ds, range(min(args.max_train_samples, len(train_ds))))
     kwargs = model_kwargs_for(args.model, info, parse_model_args(args.model_arg))
     model = build_model(args.model, **kwargs)
+    _check_runs_on(model, args.model, info.name, info.input_shape)
     config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, opt=args.opt, sched=args.sched, lr=args.lr,
                          weight_decay=args.weight_decay, layer_decay=args.layer_decay, warmup_epochs=args.warmup_epochs, min_lr=min(args.min_lr, args.lr),
                          label_smoothing=args.label_smoothing, clip_grad=args.clip_grad, device=args.device,

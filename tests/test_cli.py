@@ -299,6 +299,9 @@ def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
     _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 100_000], capsys, "bytes of JSON")
     _fails_cleanly(["train", "--model-arg", "depth=" + "[" * 20 + "]" * 20], capsys, "nested")
     _fails_cleanly(["train", "--model-arg", "depth=[1, 2"], capsys, "malformed JSON")
+    _fails_cleanly(["train", "--model", "mixer_s16_224"], capsys,
+                   "cannot run on digits inputs of shape (1, 8, 8)")
+    _fails_cleanly(["train", "--max-train-samples", "0"], capsys, "must be a positive int")
 
 
 def test_a_checkpoint_with_a_malformed_run_record_fails_with_one_line(tmp_path, capsys):
