@@ -103,8 +103,10 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _load_model(spec: str, model_args: str | None) -> Any:
-    """A checkpoint file, or a registered model name built with the JSON ``--model-args``."""
+def _load_model(spec: str, model_args: str | None, shape: tuple[int, ...] | None = None) -> Any:
+    """A checkpoint file, or a registered model name built with the JSON ``--model-args``, sized
+    for samples of ``shape`` (``--input-shape``) where it is a square image."""
+    from polynets.cli import shaped_model_kwargs
     from polynets.training.checkpoint import build_model, check_model_kwargs, load_model, model_builder
 
     if os.path.lexists(spec):
@@ -123,7 +125,10 @@ def _load_model(spec: str, model_args: str | None) -> Any:
     if model_args:
         kwargs = loads_json_strict(model_args, "--model-args", ConfigError, max_bytes=1 << 16,
                                    max_depth=8)
-    return build_model(spec, **check_model_kwargs(kwargs, "--model-args")).eval()
+    kwargs = check_model_kwargs(kwargs, "--model-args")
+    if shape is not None:
+        kwargs = shaped_model_kwargs(spec, shape, kwargs)
+    return build_model(spec, **kwargs).eval()
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -134,7 +139,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.bandwidth is not None and not (math.isfinite(args.bandwidth) and args.bandwidth > 0):
         raise NotEncryptableError(f"bandwidth must be a positive number of Mbit/s, got "
                                   f"{args.bandwidth}")
-    model = _load_model(args.model, args.model_args)
+    model = _load_model(args.model, args.model_args, args.input_shape)
     calib = _load_array(args.calibration, "calibration data") if args.calibration else None
     if args.input_shape:
         shape = args.input_shape

@@ -16,6 +16,7 @@ import inspect
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,24 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
     if name.lower() == "monet" and info.kind == "image" and info.img_size <= 32:
         kwargs.update(patch_size=2 if info.img_size % 4 == 0 else 1, embed_dim=64, depth=4, init="trunc_normal")
     kwargs.update(user)
+    return kwargs
+
+
+def shaped_model_kwargs(name: str, shape: Sequence[int], user: dict[str, Any],
+                        num_classes: int | None = None) -> dict[str, Any]:
+    """Arguments that build model ``name`` for samples of ``shape`` (``--input-shape``): for a
+    square image ``(C, H, H)`` its geometry as :func:`model_kwargs_for` gives it for such data
+    (``num_classes`` only where given), then ``user``; other shapes: ``user`` alone."""
+    from polynets.training.data import DatasetInfo
+
+    if len(shape) != 3 or shape[1] != shape[2]:
+        return dict(user)
+    info = DatasetInfo(name=f"samples of shape {tuple(shape)}", kind="image",
+                       num_classes=num_classes or 1, num_train=0, num_test=0,
+                       in_chans=int(shape[0]), img_size=int(shape[1]))
+    kwargs = model_kwargs_for(name, info, user)
+    if num_classes is None and "num_classes" not in user:
+        kwargs.pop("num_classes", None)
     return kwargs
 
 
@@ -250,20 +269,26 @@ def cmd_certify(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{args.checkpoint}: the recorded input shape {shape!r} is not a list of "
                                   "positive sizes; pass --input-shape C,H,W")
         model = load_model(args.checkpoint)
-    else:
-        if not args.model:
-            raise ConfigError("certify needs a checkpoint path or --model NAME")
-        _, _, info = _load_data(args)
-        model = build_model(args.model, **model_kwargs_for(args.model, info, parse_model_args(args.model_arg)))
-        shape = list(info.input_shape)
     if args.input_shape:
         try:
-            shape = [int(s) for s in args.input_shape.split(",")]
+            given = [int(s) for s in args.input_shape.split(",")]
         except ValueError as exc:
             raise ConfigError(f"--input-shape expects comma-separated integers such as 1,8,8, got "
                               f"{args.input_shape!r}") from exc
-        if not shape or any(d < 1 or d > 1 << 16 for d in shape):
+        if not given or any(d < 1 or d > 1 << 16 for d in given):
             raise ConfigError(f"--input-shape expects positive sizes such as 1,8,8, got {args.input_shape!r}")
+    if not args.checkpoint:
+        if not args.model:
+            raise ConfigError("certify needs a checkpoint path or --model NAME")
+        _, _, info = _load_data(args)
+        user = parse_model_args(args.model_arg)
+        # a model named with --input-shape is sized for it, else for the dataset
+        kwargs = shaped_model_kwargs(args.model, given, user, info.num_classes) \
+            if args.input_shape else model_kwargs_for(args.model, info, user)
+        model = build_model(args.model, **kwargs)
+        shape = list(info.input_shape)
+    if args.input_shape:
+        shape = given
     if not shape:
         raise ConfigError("the input shape is unknown; pass --input-shape C,H,W (one sample, no batch dimension)")
     example = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
@@ -460,6 +485,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 0
+    shown = warnings.formatwarning
+
+    def formatwarning(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> str:
+        # the library's own warnings as lines of the command, not Python's source listing
+        if category.__module__.split(".")[0] in ("polynets", "he", "symbolic"):
+            return f"polynets: warning: {_one_line(message)}\n"
+        return shown(message, category, *rest, **kw)
+
+    warnings.formatwarning = formatwarning
     try:
         return int(func(args) or 0)
     except PolynetsError as exc:
@@ -469,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" {exc.filename!r}" if exc.filename else ""
         print(f"polynets: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = shown
 
 
 def _one_line(exc: BaseException) -> str:

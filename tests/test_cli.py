@@ -35,6 +35,20 @@ def test_compile_refuses_a_memory_budget_that_is_not_a_positive_number(value, ca
     assert "expected a positive number of GiB" in capsys.readouterr().err
 
 
+def test_a_named_model_is_sized_by_the_input_shape_and_warnings_are_one_line(tmp_path, capsys):
+    assert cli.main(["certify", "--model", "monet", "--input-shape", "1,16,16"]) == 0
+    assert "input (1, 1, 16, 16) -> output (1, 10)" in capsys.readouterr().out
+    out = tmp_path / "m.he"
+    run = subprocess.run([sys.executable, "-m", "polynets.cli", "compile", "monet",
+                          "--input-shape", "1,8,8", "--model-args", '{"depth": 1, "embed_dim": 8}',
+                          "--memory-budget", "0.0001", "-o", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.replace("\r", "\n").splitlines() if "warning" in line]
+    assert warned and warned[0].startswith("polynets: warning: the server is predicted to need")
+    assert out.exists()
+
+
 def test_builtin_subcommands_are_present():
     assert {"train", "eval", "certify", "plot", "bench"} <= set(subcommands())
 
