@@ -81,6 +81,13 @@ def model_kwargs_for(name: str, info: Any, user: dict[str, Any]) -> dict[str, An
     if name.lower() == "monet" and info.kind == "image" and info.img_size <= 32:
         kwargs.update(patch_size=2 if info.img_size % 4 == 0 else 1, embed_dim=64, depth=4, init="trunc_normal")
     kwargs.update(user)
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if missing:
+        raise ConfigError(
+            f"model {name!r} needs {', '.join(missing)}, which dataset {info.name!r} ({info.kind} data, samples "
+            f"of shape {info.input_shape}) does not give; for images use --model monet or a timm name, for "
+            f"sequences --model polymorpher_classifier, or pass them with --model-arg KEY=VALUE")
     return kwargs
 
 

@@ -316,6 +316,8 @@ def test_misused_training_commands_fail_with_one_line(tmp_path, capsys):
     _fails_cleanly(["train", "--model", "mixer_s16_224"], capsys,
                    "cannot run on digits inputs of shape (1, 8, 8)")
     _fails_cleanly(["train", "--max-train-samples", "0"], capsys, "must be a positive int")
+    _fails_cleanly(["train", "--model", "polymorpher_classifier"], capsys,
+                   "needs seq_len, in_features, which dataset 'digits' (image data")
 
 
 def test_a_checkpoint_with_a_malformed_run_record_fails_with_one_line(tmp_path, capsys):
