@@ -59,7 +59,18 @@ class PolyField:
     def from_exprs(cls, exprs: Sequence[Any], variables: Sequence[str | sympy.Symbol] | None = None,
                    *, exps: np.ndarray | None = None) -> "PolyField":
         """Read polynomials into arrays; ``exps`` fixes the monomial list (others must be zero)."""
-        exprs = [sympy.sympify(e) for e in exprs]
+        if isinstance(exprs, (str, bytes, sympy.Basic)):
+            raise ExpressionError(f"expected a list of expressions, one per equation, got one "
+                                  f"{type(exprs).__name__} ({str(exprs)[:60]!r}); wrap it in a "
+                                  f"list")
+        converted = []
+        for i, e in enumerate(exprs):
+            try:
+                converted.append(sympy.sympify(e))
+            except (sympy.SympifyError, TypeError, ValueError) as exc:
+                raise ExpressionError(f"expression {i} ({str(e)[:60]!r}) is not an expression: "
+                                      f"{exc}") from exc
+        exprs = converted
         if variables is None:
             free = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
             variables = sorted(free, key=lambda s: s.name)

@@ -226,6 +226,14 @@ def test_read_csv_reports_missing_time_column(tmp_path):
     assert names == ["x"] and X.shape == (2, 1) and t.tolist() == [0.0, 1.0]
 
 
+def test_prune_refuses_one_expression_or_text_that_is_none_naming_it():
+    with pytest.raises(ExpressionError, match="got one str .* wrap it in a list"):
+        prune("x + y", 1e-3)
+    with pytest.raises(ExpressionError, match="expression 1 .* is not an expression"):
+        prune(["x", "y +"], 1e-3)
+    assert [str(e) for e in prune(["x + 1e-5*y", "2*y"], 1e-3)] == ["1.0*x", "2.0*y"]
+
+
 def test_read_csv_refuses_binary_files_and_the_time_column_as_a_state(tmp_path):
     path = tmp_path / "data.csv"
     path.write_bytes(bytes(range(128, 256)) * 8)
