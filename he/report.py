@@ -93,6 +93,12 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
             raise InputShapeError(f"report: y_true must hold one label per sample ({len(x)}), "
                                   f"got shape {y.shape}")
         y = y.reshape(-1)
+        classes = flat.shape[1]
+        if y.dtype.kind not in "iuf" or not np.all(np.isfinite(y)) or \
+                np.any(y != np.round(y)) or y.min() < 0 or y.max() >= classes:
+            raise InputShapeError(f"report: y_true must hold class indices 0 .. {classes - 1} "
+                                  f"(the model returns {classes} class scores), got values "
+                                  f"{y.min()!r} .. {y.max()!r} of type {y.dtype}")
         acc_p, acc_e = float(np.mean(pa == y)), float(np.mean(da == y))
     return Report(n=len(x), max_err_sim=float(np.max(np.abs(plain - sim))),
                   max_err_enc=float(np.max(np.abs(plain - dec))),

@@ -485,6 +485,9 @@ def test_report_refuses_labels_that_are_not_one_per_sample() -> None:
         he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 5), dtype=int))
     rep = he.report(model, prog, client, server, x[:2], y_true=np.zeros((2, 1), dtype=int))
     assert rep.max_err_enc_sim <= prog.params.expected_error
+    for labels in ([15, 0], [-1, 0], [0.5, 1]):      # 15 scores per sample: indices 0 .. 14
+        with pytest.raises(he.InputShapeError, match=r"class indices 0 \.\. 14"):
+            he.report(model, prog, client, server, x[:2], y_true=np.array(labels))
 
 
 def test_report_on_a_regression_has_no_argmax_and_refuses_labels() -> None:

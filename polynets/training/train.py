@@ -382,8 +382,9 @@ class Trainer:
         if resume and checkpoint_path is not None and checkpoint_path.exists():
             start_epoch, start_batch, progress, rng = self._restore(scaler)
         elif resume and self.dist.is_main:
-            where = checkpoint_path if checkpoint_path is not None else "anywhere (out_dir is not set)"
-            print(f"polynets: no checkpoint at {where}; starting from scratch", file=sys.stderr)
+            why = f"no checkpoint at {checkpoint_path}" if checkpoint_path is not None else \
+                "nothing to resume from without a run directory (--out / out_dir)"
+            print(f"polynets: {why}; starting from scratch", file=sys.stderr)
         log = None
         if self.out_dir is not None and self.dist.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
