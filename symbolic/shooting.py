@@ -388,9 +388,26 @@ def _stationary(r: np.ndarray, jac: sparse.csr_matrix) -> bool:
     return bool(np.all(cosine <= STATIONARY_COSINE))
 
 
+def _unit_columns(jac: sparse.csr_matrix) -> tuple[sparse.csr_matrix, np.ndarray]:
+    """``J S`` with the columns of unit norm, and ``diag(S)`` (zero columns kept). The
+    monomials' columns grow with their degree in the data's units (``x y`` of states near 1e8
+    is 1e16 where ``x`` is 1e8), and in ``J^T J`` their squares would leave no digit of float64
+    to the small ones: a pseudo-inverse then takes the small ones for a null space."""
+    norms = np.sqrt(np.asarray(jac.multiply(jac).sum(axis=0)).ravel())
+    unit = 1.0 / np.where(norms > 0, norms, 1.0)
+    return (jac @ sparse.diags(unit)).tocsr(), unit
+
+
 def _coefficient_covariance(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
     """``[(J^T J)^+]`` restricted to the q coefficients, by the Schur complement over the
-    block-diagonal initial-state part (one small block per window). (q, q)"""
+    block-diagonal initial-state part (one small block per window), computed on unit columns
+    and scaled back (:func:`_unit_columns`; the same where the inverse exists). (q, q)"""
+    scaled, unit = _unit_columns(jac)
+    return _covariance_of(scaled, q, d) * np.outer(unit[:q], unit[:q])
+
+
+def _covariance_of(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
+    """:func:`_coefficient_covariance` of a Jacobian as it is."""
     jtj = (jac.T @ jac).tocsr()
     A = jtj[:q, :q].toarray()
     B = jtj[:q, q:].toarray()
@@ -409,7 +426,8 @@ def _unidentifiable(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
     """(q,) True for coefficients that lie in the null space of the information matrix (a
     library collinear on the trajectories, e.g. under a conservation law): the data cannot tell
     them from combinations of the others, so their z-score is 0."""
-    info = np.linalg.pinv(_coefficient_covariance(jac, q, d))
+    # on unit columns (the correlation below does not depend on the columns' scales)
+    info = np.linalg.pinv(_covariance_of(_unit_columns(jac)[0], q, d))
     scale = np.sqrt(np.maximum(np.diag(info), 1e-300))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         corr = np.nan_to_num(info / scale[:, None] / scale[None, :], posinf=0.0, neginf=0.0)

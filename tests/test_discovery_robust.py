@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from sklearn.base import clone
@@ -936,25 +938,39 @@ def test_discovery_speed_benchmark_runs(tmp_path):
 
 def test_lsoda_warnings_do_not_reach_standard_output(capfd):
     """LSODA's Fortran prints its warnings to file descriptor 1, where 'polynets discover
-    --format json' writes its result: the shooting's integrations send them to the null
-    device, flushing the Fortran runtimes' buffers before the descriptor comes back."""
+    --format json' writes its result: the shooting's integrations send that descriptor to the
+    null device, flushing the Fortran runtimes' buffers before it comes back."""
     import ctypes
 
     from scipy.integrate import solve_ivp
 
     from symbolic.shooting import _fortran_flushes, _fortran_quiet
 
-    def stiff():
+    print("before", flush=True)
+    with _fortran_quiet(True):
+        os.write(1, b"written to the descriptor itself\n")
         with pytest.warns(UserWarning):     # tolerances too small: LSODA's own message too
             solve_ivp(lambda t, y: [-1e30 * y[0]], (0, 1), [1.0], method="LSODA",
                       rtol=1e-14, atol=1e-300)
-
-    print("before", flush=True)
-    with _fortran_quiet(True):
-        stiff()
+    for flush in _fortran_flushes():        # nothing left in a Fortran buffer either
+        flush(ctypes.byref(ctypes.c_int(6)))
     print("after", flush=True)
     assert capfd.readouterr().out.split() == ["before", "after"]
-    stiff()
-    for flush in _fortran_flushes():                # unguarded, it prints (once flushed)
-        flush(ctypes.byref(ctypes.c_int(6)))
-    assert "lsoda" in capfd.readouterr().out
+    with _fortran_quiet(False):
+        os.write(1, b"shown\n")
+    assert capfd.readouterr().out == "shown\n"
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e8, 1e12])
+def test_states_of_any_magnitude_give_the_equations_in_their_units(scale):
+    """The terms' z-scores come from the information matrix of the shooting's Jacobian, whose
+    columns grow with the monomials' degree in the data's units: at states near 1e8 it was
+    singular in float64, every term looked unidentifiable and the fit ended with constants
+    (score -0.63). On unit columns, the equations come back in the data's units."""
+    traj = generate("lotka_volterra", n=100, t_end=8.0)
+    found = EquationDiscovery(degree=2, progress=False).fit(traj.t, traj.X * scale)
+    coefs = found.coefficients()
+    assert [sorted(c) for c in coefs] == [["x", "x*y"], ["x*y", "y"]]
+    assert coefs[0]["x"] == pytest.approx(1.56, rel=1e-6)
+    assert coefs[0]["x*y"] == pytest.approx(-1.12 / scale, rel=1e-6)
+    assert coefs[1]["x*y"] == pytest.approx(1.21 / scale, rel=1e-6)
