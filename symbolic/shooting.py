@@ -383,27 +383,28 @@ def _stationary(r: np.ndarray, jac: sparse.csr_matrix) -> bool:
     rnorm = float(np.linalg.norm(r))
     if rnorm <= EXACT_RMS * np.sqrt(max(r.size, 1)):
         return True
-    colnorm = np.sqrt(np.asarray(jac.multiply(jac).sum(axis=0)).ravel())
-    cosine = np.abs(jac.T @ r) / (colnorm * rnorm + 1e-300)
+    cosine = np.abs(jac.T @ r) / (_column_norms(jac) * rnorm + 1e-300)
     return bool(np.all(cosine <= STATIONARY_COSINE))
 
 
-def _unit_columns(jac: sparse.csr_matrix) -> tuple[sparse.csr_matrix, np.ndarray]:
-    """``J S`` with the columns of unit norm, and ``diag(S)`` (zero columns kept). The
-    monomials' columns grow with their degree in the data's units (``x y`` of states near 1e8
-    is 1e16 where ``x`` is 1e8), and in ``J^T J`` their squares would leave no digit of float64
-    to the small ones: a pseudo-inverse then takes the small ones for a null space."""
-    norms = np.sqrt(np.asarray(jac.multiply(jac).sum(axis=0)).ravel())
-    unit = 1.0 / np.where(norms > 0, norms, 1.0)
-    return (jac @ sparse.diags(unit)).tocsr(), unit
+def _column_norms(jac: sparse.csr_matrix) -> np.ndarray:
+    """The Euclidean norm of every column of ``jac``."""
+    return np.sqrt(np.asarray(jac.multiply(jac).sum(axis=0)).ravel())
 
 
-def _coefficient_covariance(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
+def _coefficient_covariance(jac: sparse.csr_matrix, q: int, d: int
+                            ) -> tuple[np.ndarray, np.ndarray]:
     """``[(J^T J)^+]`` restricted to the q coefficients, by the Schur complement over the
-    block-diagonal initial-state part (one small block per window), computed on unit columns
-    and scaled back (:func:`_unit_columns`; the same where the inverse exists). (q, q)"""
-    scaled, unit = _unit_columns(jac)
-    return _covariance_of(scaled, q, d) * np.outer(unit[:q], unit[:q])
+    block-diagonal initial-state part (one small block per window), and the same of ``J S``,
+    the columns scaled to unit norm, from which the first is scaled back (the same where the
+    inverse exists). The monomials' columns grow with their degree in the data's units (``x y``
+    of states near 1e8 is 1e16 where ``x`` is 1e8), and in ``J^T J`` their squares would leave
+    no digit of float64 to the small ones: a pseudo-inverse then takes the small ones for a
+    null space. Both (q, q)."""
+    norms = _column_norms(jac)
+    unit = 1.0 / np.where(norms > 0, norms, 1.0)
+    on_unit = _covariance_of((jac @ sparse.diags(unit)).tocsr(), q, d)
+    return on_unit * np.outer(unit[:q], unit[:q]), on_unit
 
 
 def _covariance_of(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
@@ -422,12 +423,13 @@ def _covariance_of(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
     return np.linalg.pinv(schur)
 
 
-def _unidentifiable(jac: sparse.csr_matrix, q: int, d: int) -> np.ndarray:
+def _unidentifiable(on_unit: np.ndarray) -> np.ndarray:
     """(q,) True for coefficients that lie in the null space of the information matrix (a
     library collinear on the trajectories, e.g. under a conservation law): the data cannot tell
-    them from combinations of the others, so their z-score is 0."""
-    # on unit columns (the correlation below does not depend on the columns' scales)
-    info = np.linalg.pinv(_covariance_of(_unit_columns(jac)[0], q, d))
+    them from combinations of the others, so their z-score is 0. ``on_unit``: the coefficients'
+    covariance on unit columns (:func:`_coefficient_covariance`; the correlation below does not
+    depend on the columns' scales)."""
+    info = np.linalg.pinv(on_unit)
     scale = np.sqrt(np.maximum(np.diag(info), 1e-300))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         corr = np.nan_to_num(info / scale[:, None] / scale[None, :], posinf=0.0, neginf=0.0)
@@ -533,9 +535,9 @@ def _shooting_result(problem: "_Shooting", sol: Any, final: tuple[np.ndarray, An
     zscore = np.full(coef.shape, np.nan)
     if q:
         try:
-            cov = _coefficient_covariance(jac, q, d) * sigma2
-            se = np.sqrt(np.maximum(np.diag(cov), 1e-300))
-            zscore[active] = np.where(_unidentifiable(jac, q, d), 0.0, sol.x[:q] / se)
+            cov, on_unit = _coefficient_covariance(jac, q, d)
+            se = np.sqrt(np.maximum(np.diag(cov * sigma2), 1e-300))
+            zscore[active] = np.where(_unidentifiable(on_unit), 0.0, sol.x[:q] / se)
         except np.linalg.LinAlgError:
             pass
     converged = bool(sol.status > 0 and _stationary(r, jac))
