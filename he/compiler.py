@@ -704,16 +704,13 @@ class CompiledProgram:
     def load(cls, path: str | os.PathLike) -> "CompiledProgram":
         """Read a regular file of bounded size (a FIFO or device is refused, never read) and
         parse it with :meth:`from_bytes`."""
-        if isinstance(path, (bytes, bytearray, memoryview)) and (
-                not isinstance(path, bytes) or b"\0" in path or len(path) > 4096):
-            raise SerializationError(f"load reads a compiled program from a file path, got "
-                                     f"{len(path)} bytes; CompiledProgram.from_bytes parses "
-                                     f"bytes")
         try:
             data = read_bytes_limited(path, "compiled program", SerializationError)
         except SerializationError as exc:
-            raise SerializationError(f"{exc}; write one with 'polynets compile' or "
-                                     f"CompiledProgram.save") from exc
+            hint = "CompiledProgram.from_bytes parses bytes" if isinstance(
+                path, (bytes, bytearray, memoryview)) else \
+                "write one with 'polynets compile' or CompiledProgram.save"
+            raise SerializationError(f"{exc}; {hint}") from exc
         return cls.from_bytes(data)
 
 

@@ -183,6 +183,9 @@ def read_bytes_limited(path: str | os.PathLike, what: str,
         raise error(f"{what} {name!r}: a directory in this path is a file") from exc
     except OSError as exc:
         raise error(f"cannot read {what} {name!r}: {exc.strerror}") from exc
+    except ValueError as exc:       # a NUL in the path: the file's bytes given for its path?
+        raise error(f"{what}: expected a file path, got {type(path).__name__} holding a NUL "
+                    f"byte ({len(name)} long)") from exc
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
