@@ -700,8 +700,12 @@ def test_spilling_tiles_write_out_what_later_tiles_read_with_the_same_words(shif
             assert s in seg.inner and (back_at > out_at + 1).all()
     assert batch_memory(low, live, rb, segments, most, False, True) < \
         batch_memory(low, live, rb, segments, most, False)
-    assert allocated_memory(low, live, rb, segments, most, False, True) < \
-        allocated_memory(low, live, rb, segments, most, False)
+    # what a group allocates falls too with the most tiles, where the compiler spills (no
+    # number of tiles fits); with fewer, reused buffers can fit the rows read back worse (at 8
+    # tiles here: 0.6% more), and the compiler compares the two allocations before it spills
+    widest = {s.end: min(s.components, MAX_TILES) for s in segments}
+    assert allocated_memory(low, live, rb, segments, widest, False, True) < \
+        allocated_memory(low, live, rb, segments, widest, False)
     _spills_to_the_same_words(prog, x[:4], [(seg, most[seg.end]) for seg in segments], events)
 
 
