@@ -406,8 +406,8 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin, mem.lazy)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
-    # products and rescales on several threads run at the rotations' measured efficiency
-    speedup = threads * costs.parallel_efficiency(ring) if threads > 1 else 1.0
+    # products, rescales and fused maps on several threads run at their measured efficiency
+    speedup = threads * costs.batch_efficiency(ring) if threads > 1 else 1.0
     seconds = 0.0
     for st, c in zip(lowered.steps, counts):
         lin = max((levels[j] for j in st.inputs), default=0)
@@ -1018,7 +1018,7 @@ def _predict_tokens(plan: TokenPlan, params: CKKSParams, costs: CostModel,
 
     ring = params.poly_modulus_degree
     moduli = _level_moduli(params)
-    speedup = threads * costs.parallel_efficiency(ring) if threads > 1 else 1.0
+    speedup = threads * costs.batch_efficiency(ring) if threads > 1 else 1.0
     seconds = 0.0
     total: dict[str, float] = {}
     for si in range(len(plan.steps)):

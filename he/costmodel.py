@@ -15,8 +15,10 @@ parts: the three-polynomial product, and the relinearisation of one), ``rescale`
 Batch packing's fused linear maps (:mod:`he.fused`) are priced per word instead
 (:data:`WORD_PRIMITIVES`, seconds per ring coefficient of work as
 :meth:`he.fused.FusedMap.work` counts it): ``fused_mac`` (one multiply-accumulate of one digit),
-``fused_in`` (one input word digit gathered), ``fused_out`` (one output word digit reduced), and
-``alloc`` (a fresh output ciphertext, per word it holds).
+``fused_in`` (one input word digit gathered) and ``fused_out`` (one output word digit reduced).
+Their outputs are written into ciphertexts recycled from earlier rows, which a server allocates
+(and the kernel zero-fills) once, as it starts (:meth:`he.Server.warm`): what a request costs
+holds no fresh memory.
 
 :func:`measure` times the primitives on this machine (about half a minute);
 :func:`default_model` returns the table cached by :func:`calibrate` on this machine
@@ -55,12 +57,13 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
                  #: (:class:`he.runtime.SpillFile`): 1.4 ms against a load's 2.8 ms at N=16384,
                  #: six primes, when a load was timed into reused memory (3.4 ms into fresh)
                  "spill": ("load", 0.5)}
-WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out", "alloc")
+WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out")
+#: word costs of older tables that price nothing now (read and ignored)
+_RETIRED_WORDS = ("alloc",)
 #: Seconds per word of the fused primitives, as whole batch runs on a 2-core x86-64 machine show
 #: them (fresh output memory, gathers larger than the caches): several times what small blocks
 #: take on an idle machine, so :func:`measure` keeps these rather than timing small blocks.
-DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9,
-                      "alloc": 2e-9}
+DEFAULT_WORD_COSTS = {"fused_mac": 0.1e-9, "fused_in": 6e-9, "fused_out": 8e-9}
 #: The same where the compiled loops of :mod:`he._kernels` gather, split and recombine the
 #: words (one pass each instead of NumPy's several; the matrix products on one BLAS thread), as
 #: batch runs on a 2-core x86-64 machine showed them (token model of 2 Mu-Layers, 6.6e10
@@ -97,14 +100,17 @@ class CostModel:
     #: per ring, the primitives the table prices from another's timing (:data:`_DERIVED`,
     #: :data:`_DERIVED_PART`) rather than its own: no measurement to compare a probe with
     derived: dict[int, frozenset[str]] = field(default_factory=dict)
+    #: per ring, speed-up per thread of batch packing's threaded work (rescales, the fused maps'
+    #: compiled loops) on several threads at once; none measured: the rotations' (above)
+    batch_parallel: dict[int, float] = field(default_factory=dict)
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
 
     def seconds(self, op: str, ring: int, limbs: int) -> float:
         """Predicted seconds of one ``op`` on a ciphertext of ``limbs`` primes in ring ``ring``
-        (for a word primitive: of one unit of :meth:`he.fused.FusedMap.work` per coefficient,
-        or, for ``alloc``, of one fresh ciphertext)."""
+        (for a word primitive: of one unit of :meth:`he.fused.FusedMap.work` per
+        coefficient)."""
         compiled = op in COMPILED_WORD_COSTS and _kernels.expected()
         key = (op, ring, limbs, compiled)
         if key not in self._memo:
@@ -115,7 +121,7 @@ class CostModel:
         if op in WORD_PRIMITIVES:
             per = COMPILED_WORD_COSTS[op] if compiled else \
                 self.words.get(op, DEFAULT_WORD_COSTS[op])
-            return per * ring * (2 * max(limbs, 1) if op == "alloc" else 1)
+            return per * ring
         if op not in PRIMITIVES:
             raise ValueError(f"unknown primitive {op!r}; one of {PRIMITIVES + WORD_PRIMITIVES}")
         rings = sorted(self.table)
@@ -163,13 +169,16 @@ class CostModel:
             raise ValueError(f"speed factor must be a positive number, not {speed!r}")
         return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
                          dict(self.parallel), dict(self.client_parallel),
-                         self.speed * float(speed), dict(self.derived))
+                         self.speed * float(speed), dict(self.derived),
+                         dict(self.batch_parallel))
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
+                "batch_parallel_efficiency": {str(r): e
+                                              for r, e in self.batch_parallel.items()},
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()
                                    if op not in self.derived.get(r, ())}
                           for r, ops in self.table.items()}}
@@ -196,23 +205,35 @@ class CostModel:
                 raise ValueError(f"cost table for N={r} lacks {sorted(missing)}")
         words = dict(DEFAULT_WORD_COSTS)
         for k, v in dict(d.get("words", {})).items():
+            if k in _RETIRED_WORDS:
+                continue
             if k not in WORD_PRIMITIVES or not float(v) > 0:
                 raise ValueError(f"cost table: bad word cost {k!r}: {v!r}")
             words[k] = float(v)
-        parallel, client = ({int(r): float(e) for r, e in dict(d.get(key, {})).items()}
-                            for key in ("parallel_efficiency", "client_parallel_efficiency"))
-        for what, eff in (("parallel", parallel), ("client parallel", client)):
+        parallel, client, batch = (
+            {int(r): float(e) for r, e in dict(d.get(key, {})).items()}
+            for key in ("parallel_efficiency", "client_parallel_efficiency",
+                        "batch_parallel_efficiency"))
+        for what, eff in (("parallel", parallel), ("client parallel", client),
+                          ("batch parallel", batch)):
             if not all(0.0 < e <= 1.0 for e in eff.values()):
                 raise ValueError(f"cost table: {what} efficiencies {eff} not all in (0, 1]")
         speed = float(d.get("speed", 1.0))
         if not _is_speed(speed):
             raise ValueError(f"cost table: bad speed factor {speed!r}")
-        return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived)
+        return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived,
+                   batch)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
         (the nearest measured ring's; :data:`DEFAULT_PARALLEL_EFFICIENCY` where none was)."""
         return _nearest(self.parallel, ring, DEFAULT_PARALLEL_EFFICIENCY)
+
+    def batch_efficiency(self, ring: int) -> float:
+        """Speed-up per thread of batch packing's threaded work (rescales, relinearisations,
+        the fused maps' compiled loops; :func:`_batch_efficiency`) in ring ``ring`` on several
+        threads at once: the nearest measured ring's, the rotations' where none was."""
+        return _nearest(self.batch_parallel, ring, self.parallel_efficiency(ring))
 
 
 def _nearest(per_ring: dict[int, float], ring: int, default: float) -> float:
@@ -240,15 +261,16 @@ def _time(fn: Any, reps: int) -> float:
 
 def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = False) -> CostModel:
     """Time SEAL's primitives on this machine at several limb counts per ring, and how much
-    faster rotations (and a client's encryptions) run on all its cores at once: the median of
-    readings spread through the timings (:data:`SPEEDUP_READINGS`)."""
+    faster rotations, batch packing's rescales and a client's encryptions run on all its cores
+    at once: the median of readings spread through the timings (:data:`SPEEDUP_READINGS`)."""
     rings = list(rings)
-    readings: dict[int, tuple[list[float], list[float]]] = {ring: ([], []) for ring in rings}
+    readings: dict[int, tuple[list[float], ...]] = {ring: ([], [], []) for ring in rings}
 
     def read_speed_ups() -> None:
         for ring in rings:
             readings[ring][0].append(_parallel_efficiency(ring))
             readings[ring][1].append(_client_efficiency(ring))
+            readings[ring][2].append(_batch_efficiency(ring))
 
     # the speed-ups per thread are read before each ring's table and after the last one (at
     # least SPEEDUP_READINGS times), and their median kept
@@ -258,15 +280,17 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
         table[ring] = _measure_ring(ring, progress)
     for _ in range(max(1, SPEEDUP_READINGS - len(rings))):
         read_speed_ups()
-    parallel = {ring: float(np.median(par)) for ring, (par, _) in readings.items()}
-    client = {ring: float(np.median(cli)) for ring, (_, cli) in readings.items()}
+    parallel, client, batch = ({ring: float(np.median(r[k])) for ring, r in readings.items()}
+                               for k in range(3))
     if progress:
-        for what, eff in (("rotations", parallel), ("a client's encryptions", client)):
+        for what, eff in (("rotations", parallel), ("a client's encryptions", client),
+                          ("batch rescales", batch)):
             print(f"  {what} on every core at once, speed-up per thread: " + ", ".join(
                 f"N={ring} {e:.2f}" for ring, e in eff.items()))
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
-                     parallel=parallel, client_parallel={r: e for r, e in client.items() if e})
+                     parallel=parallel, client_parallel={r: e for r, e in client.items() if e},
+                     batch_parallel=batch)
 
 
 def _small_context(ring: int) -> tuple[Any, Any, Any, Any, Any]:
@@ -362,6 +386,46 @@ def _parallel_efficiency(ring: int) -> float:
         return native.rotate(acc, 1)
 
     return _speedup_per_thread(giant_step, threads)
+
+
+#: data primes of the ciphertexts :func:`_batch_efficiency` rescales (a batch program's are 3-6)
+BATCH_PROBE_PRIMES = 4
+
+
+def _batch_efficiency(ring: int) -> float:
+    """Speed-up per thread of batch packing's threaded work on every core of this process at
+    once, against one thread (1: perfect): rescales (native, :mod:`he.native`) of a ciphertext of
+    :data:`BATCH_PROBE_PRIMES` data primes into a buffer of each call's own, as a batch server
+    finishes its rows. Unlike the rotations' giant steps (:func:`_parallel_efficiency`), whose
+    plaintext products and additions stream through memory, they compute on words in cache: two
+    cores of a 2-core x86-64 machine rescaled 1.75x as fast as one and ran the fused maps'
+    compiled loops 1.9x as fast, where they rotated 1.56x as fast."""
+    import tenseal.sealapi as seal
+
+    from he.native import NativeEvaluator, default_threads
+
+    threads = default_threads()
+    if threads < 2:
+        return DEFAULT_PARALLEL_EFFICIENCY
+    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    enc.set_poly_modulus_degree(ring)
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40] + [30] * BATCH_PROBE_PRIMES + [40]))
+    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    pt = seal.Plaintext()
+    seal.CKKSEncoder(ctx).encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 60, pt)
+    ct = seal.Ciphertext()
+    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    ev = seal.Evaluator(ctx)
+    native = NativeEvaluator(ctx, ev, None, ct, None, pt)
+    if not native.ok or not native.accepts_rescale(ct):
+        return DEFAULT_PARALLEL_EFFICIENCY
+    into = [seal.Ciphertext() for _ in range(8 * threads)]
+    for buf in into:                # each call's buffer sized by a first rescale
+        native.rescale(ct, buf)
+    return _speedup_per_thread(lambda i: native.rescale(ct, into[i]), threads)
 
 
 def _client_efficiency(ring: int) -> float:

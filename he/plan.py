@@ -1471,8 +1471,8 @@ def batch_step_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
 
     Weighted affine rows with at least ``min_fanin`` ciphertext terms (``0``: none) go through
     :func:`he.fused.fuse_map`, as on the server: fused words (``fused_mac``, ``fused_in``,
-    ``fused_out``, per ring coefficient), a fresh output ciphertext (``alloc``) and a rescale
-    each; the other rows one plaintext product and one addition per weight and a rescale.
+    ``fused_out``, per ring coefficient) and a rescale each; the other rows one plaintext
+    product and one addition per weight and a rescale.
     """
     from he.fused import fuse_map
 
@@ -1490,7 +1490,6 @@ def batch_step_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
                                      rest, moduli, min_fanin=min_fanin)
             if fmap is not None:
                 c.update(fmap.work(moduli))
-                c["alloc"] = covered.size
                 c["rescale"] += covered.size
                 rest = np.setdiff1d(rest, covered)
         nnz = sum(int(np.diff(m.indptr)[rest].sum()) for m in mats)
@@ -1582,7 +1581,7 @@ def _lazy_part_counts(st: Any, rows: np.ndarray, in_live: Sequence[np.ndarray],
     cols = [v if j in lazy else np.zeros(v.size, dtype=bool) for j, v in zip(st.inputs, in_live)]
     out_rows = np.flatnonzero(rows & rows_reading(mats, cols))
     c: dict[str, float] = {"relin": out_rows.size, "rescale": out_rows.size,
-                           "add": out_rows.size, "alloc": out_rows.size}
+                           "add": out_rows.size}
     fmap = None
     if moduli is not None and scale is not None and out_rows.size:
         fmap, covered = fuse_map(mats, cols, [np.full(v.size, scale) for v in in_live],

@@ -490,7 +490,7 @@ def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_p
     model = default_model()
     slow = model.scaled(2.0, "twice as slow")
     assert "twice as slow" in slow.source and slow.speed == pytest.approx(2 * model.speed)
-    for op in ("rotate", "mul_plain", "rescale", "fused_mac", "alloc"):
+    for op in ("rotate", "mul_plain", "rescale", "fused_mac", "fused_out"):
         assert slow.seconds(op, 16384, 4) == pytest.approx(2 * model.seconds(op, 16384, 4))
     assert slow.seconds("rotate", 65536, 4) == pytest.approx(2 * model.seconds("rotate", 65536, 4))
     assert CostModel.from_dict(slow.to_dict()).speed == pytest.approx(slow.speed)

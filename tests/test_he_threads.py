@@ -218,6 +218,18 @@ def test_cost_tables_carry_the_parallel_efficiency_of_each_ring():
     d["client_parallel_efficiency"] = {"8192": 0.0}
     with pytest.raises(ValueError, match="client parallel"):
         CostModel.from_dict(d)
+    d.pop("client_parallel_efficiency")
+    # batch packing's threaded work has its own speed-up, the rotations' where none was read
+    d["parallel_efficiency"] = {"8192": 0.7}
+    d["batch_parallel_efficiency"] = {"8192": 0.9}
+    model = CostModel.from_dict(d)
+    assert model.batch_efficiency(8192) == 0.9 and model.parallel_efficiency(8192) == 0.7
+    assert CostModel.from_dict(model.to_dict()).batch_parallel == {8192: 0.9}
+    d.pop("batch_parallel_efficiency")
+    assert CostModel.from_dict(d).batch_efficiency(8192) == 0.7
+    d["batch_parallel_efficiency"] = {"8192": 0.0}
+    with pytest.raises(ValueError, match="batch parallel"):
+        CostModel.from_dict(d)
 
 
 @pytest.mark.skipif(not native_platform() or default_threads() < 2,
@@ -230,6 +242,17 @@ def test_calibration_times_a_clients_threads_themselves():
     # validate, and the floor of 0.1 that threads ran five times slower than one
     e = _client_efficiency(8192)
     assert 0.1 < e <= 1.0
+
+
+@pytest.mark.skipif(not native_platform() or default_threads() < 2,
+                    reason="needs native rescales and two cores")
+def test_calibration_reads_batch_rescales_on_every_core():
+    from he.costmodel import DEFAULT_PARALLEL_EFFICIENCY, _batch_efficiency
+
+    # native rescales of real ciphertexts, each into its own buffer: a speed-up per thread in
+    # (0.1, 1]; exactly the default would mean the native rescale did not validate
+    e = _batch_efficiency(8192)
+    assert 0.1 < e <= 1.0 and e != DEFAULT_PARALLEL_EFFICIENCY
 
 
 def test_the_speed_up_per_thread_is_a_ratio_within_paired_rounds():
@@ -260,10 +283,14 @@ def test_calibration_keeps_the_median_of_speed_ups_read_through_its_timings(monk
     readings = iter([0.3, 0.8, 0.9])
     monkeypatch.setattr(cm, "_parallel_efficiency", lambda ring: next(readings))
     monkeypatch.setattr(cm, "_client_efficiency", lambda ring: 0.6)
+    batch = iter([0.95, 0.5, 0.9])
+    monkeypatch.setattr(cm, "_batch_efficiency", lambda ring: next(batch))
     model = cm.measure(rings=(8192,))
     assert next(readings, None) is None          # read SPEEDUP_READINGS = 3 times
+    assert next(batch, None) is None
     assert model.parallel_efficiency(8192) == pytest.approx(0.8)
     assert model.client_parallel[8192] == pytest.approx(0.6)
+    assert model.batch_efficiency(8192) == pytest.approx(0.9)
 
 
 @pytest.mark.parametrize("babies,giants", [(0, 0), (1, 1), (3, 7), (8, 8), (16, 3)])
@@ -394,6 +421,20 @@ def test_batch_threads_are_priced_and_kept_only_where_predicted_faster(batch_set
     assert serial.options["server_threads"] == 1
     assert serial.plan.predicted["seconds_per_ciphertext"] == \
         pytest.approx(one["seconds_per_ciphertext"])
+    # the threaded part runs at batch packing's own speed-up per thread, not the rotations'
+    d = costs.to_dict()
+    ring = str(prog.params.poly_modulus_degree)
+    d["parallel_efficiency"] = {ring: 0.5}
+    times = {}
+    for eff in (0.5, 1.0):
+        d["batch_parallel_efficiency"] = {ring: eff}
+        c = he.costmodel.CostModel.from_dict(d)
+        s1, s2 = (_predict_batch(prog.lowered, live, prog.params, c, fanin, t, lazy=lazy)
+                  ["seconds_per_ciphertext"] for t in (1, 2))
+        times[eff] = (s1, s2)
+    assert times[0.5][0] == pytest.approx(times[1.0][0])      # one thread: no speed-up
+    threaded = 2 * (times[0.5][0] - times[1.0][1])            # its work on one thread
+    assert times[0.5][1] == pytest.approx(times[0.5][0], rel=1e-9) and threaded > 0
 
 
 @native_only
