@@ -35,7 +35,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -293,22 +293,24 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                      batch_parallel=batch)
 
 
-def _small_context(ring: int) -> tuple[Any, Any, Any, Any, Any]:
-    """A context of ring ``ring`` with two data primes (small ciphertexts, where a call's fixed
-    costs weigh most): context, key generator, encoder, a plaintext of every slot, and its
-    public-key encryption."""
+def _small_context(ring: int, data: Sequence[int] = (40, 28),
+                   scale_bits: int = 28) -> tuple[Any, Any, Any, Any, Any]:
+    """A context of ring ``ring`` with the data primes ``data`` (bits; by default two: small
+    ciphertexts, where a call's fixed costs weigh most) and a 40-bit special prime: context, key
+    generator, encoder, a plaintext of every slot at scale ``2**scale_bits``, and its public-key
+    encryption."""
     import tenseal.sealapi as seal
 
     enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
     enc.set_poly_modulus_degree(ring)
-    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40, 28, 40]))
+    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [*data, 40]))
     ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
     keygen = seal.KeyGenerator(ctx)
     pk = seal.PublicKey()
     keygen.create_public_key(pk)
     encoder = seal.CKKSEncoder(ctx)
     pt = seal.Plaintext()
-    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 28, pt)
+    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** scale_bits, pt)
     ct = seal.Ciphertext()
     seal.Encryptor(ctx, pk).encrypt(pt, ct)
     return ctx, keygen, encoder, pt, ct
@@ -407,19 +409,9 @@ def _batch_efficiency(ring: int) -> float:
     threads = default_threads()
     if threads < 2:
         return DEFAULT_PARALLEL_EFFICIENCY
-    enc = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
-    enc.set_poly_modulus_degree(ring)
-    enc.set_coeff_modulus(seal.CoeffModulus.Create(ring, [40] + [30] * BATCH_PROBE_PRIMES + [40]))
-    ctx = seal.SEALContext(enc, True, seal.SEC_LEVEL_TYPE.TC128)
-    keygen = seal.KeyGenerator(ctx)
-    pk = seal.PublicKey()
-    keygen.create_public_key(pk)
-    pt = seal.Plaintext()
-    seal.CKKSEncoder(ctx).encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 60, pt)
-    ct = seal.Ciphertext()
-    seal.Encryptor(ctx, pk).encrypt(pt, ct)
-    ev = seal.Evaluator(ctx)
-    native = NativeEvaluator(ctx, ev, None, ct, None, pt)
+    # a product's scale (2^60), which a rescale by a 30-bit prime keeps above 1
+    ctx, _, _, pt, ct = _small_context(ring, (40,) + (30,) * BATCH_PROBE_PRIMES, 60)
+    native = NativeEvaluator(ctx, seal.Evaluator(ctx), None, ct, None, pt)
     if not native.ok or not native.accepts_rescale(ct):
         return DEFAULT_PARALLEL_EFFICIENCY
     into = [seal.Ciphertext() for _ in range(8 * threads)]
