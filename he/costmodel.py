@@ -32,17 +32,19 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from he import _kernels
 
 __all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure",
-           "calibrate", "default_model", "cache_path", "probe_speed"]
+           "calibrate", "default_model", "cache_path", "probe_speed", "probe_rounds",
+           "speed_factor"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load",
               "mul_lazy", "relin", "spill")
@@ -605,47 +607,70 @@ def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) 
 #: the ring and limb count :func:`probe_speed` times every primitive at (about 0.6 s on a
 #: 2-core x86-64 machine, keys included)
 PROBE_RING, PROBE_LIMBS = 8192, 3
-#: rounds of timings the probe takes each primitive's least of
-PROBE_ROUNDS = 4
+#: rounds of timings the probe takes (each primitive's typical round is their median: odd)
+PROBE_ROUNDS = 5
 #: environment variable that fixes the speed factor of the shipped table instead of probing
 #: (``1``: the table as shipped, e.g. for reproducible predictions)
 SPEED_ENV = "POLYNETS_HE_SPEED"
 
 
+def probe_rounds(reference: CostModel, rounds: int = PROBE_ROUNDS) -> list[dict[str, float]]:
+    """Seconds of every primitive :func:`measure` times, at N=:data:`PROBE_RING` and
+    :data:`PROBE_LIMBS` primes, timed as :func:`measure` times them (each the best of three
+    loops), in ``rounds`` rounds one after another; none where ``reference`` does not hold that
+    ring (nothing to compare them with)."""
+    import tenseal.sealapi as seal
+
+    ring, limbs = PROBE_RING, PROBE_LIMBS
+    if ring not in reference.table:
+        return []
+    ctx, tools = _tools(ring, limbs)
+    values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
+    return [_time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
+            for _ in range(rounds)]
+
+
+def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
+                 statistic: Callable[[list[float]], float] = statistics.median
+                 ) -> tuple[float, dict[str, float]]:
+    """The geometric mean, over the primitives ``reference`` measured at the probe's ring, of
+    ``statistic`` of each one's seconds over ``rounds`` (:func:`probe_rounds`) over the table's
+    own seconds (without the factor it may already carry). Returns the factor and each ratio;
+    ``(1.0, {})`` where there is nothing to compare.
+
+    The median round is the table's statistic: each of its seconds is the best of three loops
+    timed once, and so is each round's. The least of the rounds (the best of their loops
+    together) is not: on a shared machine whose speed varies from one moment to the next, it
+    read 2.05-2.71x the table while the servers of the same plans ran at 2.58-2.80x
+    (``benchmarks/he_probe.py``), predicting them up to 25% fast. A primitive the table
+    derives from another's timing (a spill from a load) is priced by that one's ratio already;
+    its own would compare a timing with a rule of thumb."""
+    ring, limbs = PROBE_RING, PROBE_LIMBS
+    if not rounds or ring not in reference.table:
+        return 1.0, {}
+    derived = reference.derived.get(ring, frozenset())
+    ratios = {}
+    for op in sorted(rounds[0]):
+        if op not in reference.table[ring] or op in derived:
+            continue
+        t = float(statistic([r[op] for r in rounds]))
+        if t > 0:
+            ratios[op] = t * reference.speed / reference.seconds(op, ring, limbs)
+    if not ratios:
+        return 1.0, {}
+    return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
+
+
 def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
-    """How many times slower than ``reference`` this machine runs SEAL's primitives: the
-    geometric mean, over every primitive :func:`measure` times, of seconds measured here the
-    way :func:`measure` does (at N=8192 and three primes) over the table's. Returns the factor
-    and each ratio.
+    """How many times slower than ``reference`` this machine runs SEAL's primitives:
+    :func:`speed_factor` over :data:`PROBE_ROUNDS` rounds of :func:`probe_rounds`. Returns the
+    factor and each primitive's ratio.
 
     Machines of one kind differ: the table shipped with the package, measured on one 2-core
     virtual machine, ran 1.3-1.5x faster in every primitive than another such machine did.
     The factor scales every primitive alike, so the plans a model chooses do not change, only
     its predicted seconds."""
-    import tenseal.sealapi as seal
-
-    ring, limbs = PROBE_RING, PROBE_LIMBS
-    if ring not in reference.table:     # nothing to compare: nothing timed
-        return 1.0, {}
-    ctx, tools = _tools(ring, limbs)
-    values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
-    # each primitive's least time over rounds spread through the probe: a machine slowed for a
-    # moment (another process, a neighbour on the host, the first fraction of a second of a busy
-    # process here) only ever adds time
-    best: dict[str, float] = {}
-    for _ in range(PROBE_ROUNDS):
-        got = _time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
-        best = {op: min(t, best.get(op, t)) for op, t in got.items()}
-    # against the table's own seconds, without the factor it may already carry, where it
-    # measured them (a primitive it derives from another, e.g. a spill from a load, is priced
-    # by that one's ratio already; its own would compare a timing with a rule of thumb)
-    derived = reference.derived.get(ring, frozenset())
-    ratios = {op: t * reference.speed / reference.seconds(op, ring, limbs)
-              for op, t in sorted(best.items())
-              if op in reference.table[ring] and op not in derived and t > 0}
-    if not ratios:
-        return 1.0, {}
-    return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
+    return speed_factor(reference, probe_rounds(reference))
 
 
 _CACHE: dict[str, CostModel] = {}

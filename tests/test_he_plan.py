@@ -513,6 +513,34 @@ def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_p
         CostModel.from_dict({**model.to_dict(), "speed": -2})
 
 
+def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
+    """The table's seconds are each the best of three loops timed once, and so is each probe
+    round's: the factor takes the median round, not the least (the best of every round's
+    loops together), which read a shared machine fast."""
+    from he import costmodel
+
+    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    ring, limbs = costmodel.PROBE_RING, costmodel.PROBE_LIMBS
+    ops = ("rotate", "mul_plain", "add")
+    table = {op: shipped.seconds(op, ring, limbs) for op in ops}
+    # rounds at 1x, 2x and 3x the table, one primitive's rounds out of order
+    rounds = [{op: table[op] * k for op in ops} for k in (2.0, 1.0, 3.0)]
+    rounds[0]["spill"] = rounds[1]["spill"] = rounds[2]["spill"] = 1.0   # derived: not compared
+    factor, ratios = costmodel.speed_factor(shipped, rounds)
+    assert ratios == pytest.approx({op: 2.0 for op in ops}) and factor == pytest.approx(2.0)
+    least, _ = costmodel.speed_factor(shipped, rounds, min)
+    assert least == pytest.approx(1.0)
+    # per primitive, then the geometric mean over primitives
+    mixed = [{"rotate": table["rotate"] * 4, "add": table["add"]}] * 3
+    assert costmodel.speed_factor(shipped, mixed)[0] == pytest.approx(2.0)
+    # a table already carrying a factor is compared without it
+    assert costmodel.speed_factor(shipped.scaled(5.0, ""), rounds)[0] == pytest.approx(2.0)
+    assert costmodel.speed_factor(shipped, []) == (1.0, {})
+    assert costmodel.PROBE_ROUNDS % 2 == 1         # a median that is one of the rounds
+    got = costmodel.probe_rounds(shipped, 2)
+    assert len(got) == 2 and set(got[0]) >= set(ops) and all(t > 0 for t in got[0].values())
+
+
 def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     from he import costmodel
 
