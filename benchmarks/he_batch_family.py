@@ -46,6 +46,7 @@ from he import _kernels  # noqa: E402
 from he.runtime import eager_products  # noqa: E402
 from he_family import MODELS, chosen_models  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
+from he_probe import RULES, shipped_table  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64,mixer,pom,"
@@ -281,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
                     or (v == "eager" and prog.options.get("lazy_products"))
                     or (v in ("tiled", "in_tiles", "spilled") and v in servers)]
         times: dict[str, list[float]] = {v: [] for v in variants}
+        # the machine's speed right before the passes, read by the probe's rule and the one
+        # it replaced from the same rounds (benchmarks/he_probe.py)
+        table = shipped_table()
+        rounds = he.costmodel.probe_rounds(table)
+        row["probe_factors"] = {rule: he.costmodel.speed_factor(table, rounds, stat)[0]
+                                for rule, stat in RULES.items()}
         try:
             # in turns
             for _ in range(2):
@@ -303,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "prediction_error_first": pred / times["threads"][0] - 1,
                     "server_warm_s": servers["threads"].warm_seconds,
                     "prediction_error_unscaled": pred / speed / fast - 1,
+                    "prediction_error_by_rule": {
+                        rule: pred / speed * f / fast - 1
+                        for rule, f in row["probe_factors"].items()},
                     "prediction_error_one_thread": row["predicted_one_thread_s"] / one - 1,
                     "max_abs_error_vs_simulation": err,
                     "promised_error": prog.params.expected_error,
