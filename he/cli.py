@@ -45,10 +45,14 @@ def _program(path: str) -> Any:
     return he.CompiledProgram.from_bytes(_read(path, "compiled program"))
 
 
-def _check_output(path: str) -> None:
-    """Refuse an output path that cannot be a file before any work is done."""
+def _check_output(path: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path that cannot be a file, or (where ``suffixes`` are given) whose
+    name does not say one of the formats written, before any work is done."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise WriteError(f"cannot write {path!r}: it is a directory; name a file in it")
+    if suffixes and not path.endswith(suffixes):
+        raise WriteError(f"cannot write {path!r}: outputs are written as "
+                         f"{' or '.join(suffixes)}; name the file so")
     parent = os.path.dirname(os.path.abspath(path))
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
@@ -239,7 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_decrypt(args: argparse.Namespace) -> int:
     """Client: decrypt a result file; write .npy or .csv and print the predictions."""
     if args.output:
-        _check_output(args.output)
+        _check_output(args.output, (".npy", ".csv"))
     prog = _program(args.program)
     client = _client(prog, args.keys, create=False)
     y = client.decrypt(_read(args.result, "result"))

@@ -79,6 +79,14 @@ _SHIPPED = Path(__file__).with_name("cost_table.json")
 DEFAULT_PARALLEL_EFFICIENCY = 0.85
 
 
+def _number(value: Any) -> float:
+    """``value`` as a float; NaN where it is not a number (refused by :func:`_is_speed`)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def _is_speed(factor: float) -> bool:
     """Whether ``factor`` can scale a table's seconds: a finite positive number."""
     return bool(np.isfinite(factor) and factor > 0)
@@ -105,6 +113,12 @@ class CostModel:
     #: per ring, speed-up per thread of batch packing's threaded work (rescales, the fused maps'
     #: compiled loops) on several threads at once; none measured: the rotations' (above)
     batch_parallel: dict[int, float] = field(default_factory=dict)
+    #: this machine's seconds of the fused maps' word work per second of the word costs'
+    #: constants (:data:`COMPILED_WORD_COSTS`, batch runs on the shipped table's machine), on
+    #: top of ``speed``: 1 for the shipped table; a table measured here reads it
+    #: (:func:`_word_speed`), as SEAL's primitives and the word loops need not differ by the same
+    #: factor from one machine to another
+    word_speed: float = 1.0
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -123,7 +137,7 @@ class CostModel:
         if op in WORD_PRIMITIVES:
             per = COMPILED_WORD_COSTS[op] if compiled else \
                 self.words.get(op, DEFAULT_WORD_COSTS[op])
-            return per * ring
+            return per * ring * self.word_speed
         if op not in PRIMITIVES:
             raise ValueError(f"unknown primitive {op!r}; one of {PRIMITIVES + WORD_PRIMITIVES}")
         rings = sorted(self.table)
@@ -172,10 +186,11 @@ class CostModel:
         return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
                          dict(self.parallel), dict(self.client_parallel),
                          self.speed * float(speed), dict(self.derived),
-                         dict(self.batch_parallel))
+                         dict(self.batch_parallel), self.word_speed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
+                "word_speed": self.word_speed,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
@@ -220,11 +235,13 @@ class CostModel:
                           ("batch parallel", batch)):
             if not all(0.0 < e <= 1.0 for e in eff.values()):
                 raise ValueError(f"cost table: {what} efficiencies {eff} not all in (0, 1]")
-        speed = float(d.get("speed", 1.0))
+        speed, word_speed = (_number(d.get(key, 1.0)) for key in ("speed", "word_speed"))
         if not _is_speed(speed):
-            raise ValueError(f"cost table: bad speed factor {speed!r}")
+            raise ValueError(f"cost table: bad speed factor {d.get('speed')!r}")
+        if not _is_speed(word_speed):
+            raise ValueError(f"cost table: bad word speed factor {d.get('word_speed')!r}")
         return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived,
-                   batch)
+                   batch, word_speed)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
@@ -284,15 +301,66 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
         read_speed_ups()
     parallel, client, batch = ({ring: float(np.median(r[k])) for ring, r in readings.items()}
                                for k in range(3))
+    words = _word_speed()
     if progress:
         for what, eff in (("rotations", parallel), ("a client's encryptions", client),
                           ("batch rescales", batch)):
             print(f"  {what} on every core at once, speed-up per thread: " + ", ".join(
                 f"N={ring} {e:.2f}" for ring, e in eff.items()))
+        print(f"  fused maps' word loops: {words:.2f}x the shipped word costs")
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
                      parallel=parallel, client_parallel={r: e for r, e in client.items() if e},
-                     batch_parallel=batch)
+                     batch_parallel=batch, word_speed=words)
+
+
+#: (inputs, outputs) of the dense fused maps :func:`_word_speed` times: one whose work is
+#: mostly multiply-accumulates, one mostly gathered input words (about 1.5 s and 140 MB of
+#: ciphertexts on a 2-core machine)
+WORD_SHAPES = ((256, 64), (512, 16))
+
+
+def _word_speed(shapes: Sequence[tuple[int, int]] = WORD_SHAPES, reps: int = 3) -> float:
+    """This machine's seconds of the fused maps' word work per second of the shipped word
+    costs: dense maps of random integer weights (:func:`he.fused.fuse_map`) applied to fresh
+    ciphertexts of N=8192 and two data primes on one thread, each the median of ``reps`` runs,
+    over what the word costs price their :meth:`he.fused.FusedMap.work`; the geometric mean over
+    ``shapes``. On one 2-core machine these maps read 1.55-2.31x while a batch server's own
+    maps ran 1.87-2.17x the constants (token models, one thread)."""
+    from he.fused import fuse_map, raw_access
+    import scipy.sparse as sp
+    import tenseal.sealapi as seal
+
+    _kernels.kernels()                   # compiled and checked now (or NumPy's, and priced so)
+    ring = 8192
+    ctx, _, _, _, ct = _small_context(ring)
+    moduli = [int(m.value()) for m in ctx.first_context_data().parms().coeff_modulus()]
+    ev = seal.Evaluator(ctx)
+    raw = raw_access(ct)
+    unit = CostModel({}, "word costs as shipped")
+    rng = np.random.default_rng(0)
+    ratios = []
+    for n_in, n_out in shapes:
+        w = sp.csr_matrix(rng.normal(0.0, 1.0, (n_out, n_in)))
+        fm, _ = fuse_map([w], [np.ones(n_in, bool)], [np.full(n_in, 2.0 ** 12)],
+                         np.arange(n_out), moduli, min_fanin=1)
+        if fm is None:
+            raise RuntimeError(f"no fused map of {n_in} inputs and {n_out} outputs")
+        cts = []
+        for _ in range(n_in + n_out):
+            c = seal.Ciphertext()
+            ev.negate(ct, c)
+            cts.append(c)
+        ins, outs = cts[:n_in], cts[n_in:]
+        fm.apply(raw, ins, outs, moduli)
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fm.apply(raw, ins, outs, moduli)
+            runs.append(time.perf_counter() - t0)
+        ratios.append(statistics.median(runs) / unit.price(fm.work(moduli), ring, len(moduli)))
+        del cts, ins, outs
+    return float(np.exp(np.mean(np.log(ratios))))
 
 
 def _small_context(ring: int, data: Sequence[int] = (40, 28),
@@ -641,8 +709,9 @@ def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
     The median round is the table's statistic: each of its seconds is the best of three loops
     timed once, and so is each round's. The least of the rounds (the best of their loops
     together) is not: on a shared machine whose speed varies from one moment to the next, it
-    read 2.05-2.71x the table while the servers of the same plans ran at 2.58-2.80x
-    (``benchmarks/he_probe.py``), predicting them up to 25% fast. A primitive the table
+    read the machine fast (``benchmarks/he_probe.py``, 12 models each timed between two probes:
+    the median round predicted all 24 within -28% to +29%, the least round 22 within 30%,
+    from -32% to +24%). A primitive the table
     derives from another's timing (a spill from a load) is priced by that one's ratio already;
     its own would compare a timing with a rule of thumb."""
     ring, limbs = PROBE_RING, PROBE_LIMBS
@@ -701,10 +770,7 @@ def _to_this_machine(model: CostModel) -> CostModel:
     """The shipped table scaled by :envvar:`POLYNETS_HE_SPEED` or :func:`probe_speed`."""
     fixed = os.environ.get(SPEED_ENV)
     if fixed is not None:
-        try:
-            factor = float(fixed)
-        except ValueError:
-            factor = float("nan")
+        factor = _number(fixed)
         if not _is_speed(factor):
             raise ValueError(f"{SPEED_ENV}={fixed!r}: expected a positive number (1: the "
                              f"shipped table as it is)")

@@ -241,6 +241,7 @@ def _fails_cleanly(argv, capsys, message):
     (["decrypt", "{r}/m.he", "/dev/zero", "--keys", "{r}/keys"], "not a regular file"),
     (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/nokeys"], "no keys"),
     (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/keys", "-o", "{r}/file/y.npy"], "is a file"),
+    (["decrypt", "{r}/m.he", "{r}/y.ct", "--keys", "{r}/keys", "-o", "{r}/y.txt"], "written as .npy or .csv"),
     (["compile", "{r}/missing.pt", "-o", "{r}/z.he", "--input-shape", "6"], "no checkpoint at"),
     (["compile", "{r}/foreign.pt", "-o", "{r}/z.he", "--input-shape", "6"], "not a polynets checkpoint"),
     (["compile", "{r}", "-o", "{r}/z.he", "--input-shape", "6"], "is a directory"),

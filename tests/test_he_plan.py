@@ -513,6 +513,34 @@ def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_p
         CostModel.from_dict({**model.to_dict(), "speed": -2})
 
 
+def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed(monkeypatch):
+    """SEAL's primitives and the fused maps' word loops need not differ by one factor between
+    machines: a table measured here carries the words' own factor, saved and read back, on top
+    of the primitives' (a table scaled by the probe keeps it)."""
+    from he import costmodel
+
+    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    assert shipped.word_speed == 1.0
+    d = shipped.to_dict()
+    d["word_speed"] = 2.0
+    slow = CostModel.from_dict(d)
+    assert slow.word_speed == 2.0 and CostModel.from_dict(slow.to_dict()).word_speed == 2.0
+    for op in costmodel.WORD_PRIMITIVES:
+        assert slow.seconds(op, 8192, 3) == pytest.approx(2 * shipped.seconds(op, 8192, 3))
+    # the primitives keep their own prices; the probe's factor scales both
+    assert slow.seconds("rotate", 8192, 3) == shipped.seconds("rotate", 8192, 3)
+    both = slow.scaled(3.0, "")
+    assert both.word_speed == 2.0
+    assert both.seconds("fused_mac", 8192, 3) == pytest.approx(6 * shipped.seconds("fused_mac",
+                                                                                   8192, 3))
+    for bad in (0, -1, "fast", float("inf")):
+        with pytest.raises(ValueError, match="word speed"):
+            CostModel.from_dict({**d, "word_speed": bad})
+    # read on real fused maps and ciphertexts, as measure() does
+    got = costmodel._word_speed(shapes=((48, 8),), reps=1)
+    assert np.isfinite(got) and got > 0
+
+
 def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
     """The table's seconds are each the best of three loops timed once, and so is each probe
     round's: the factor takes the median round, not the least (the best of every round's
