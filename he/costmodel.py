@@ -60,6 +60,13 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
                  #: six primes, when a load was timed into reused memory (3.4 ms into fresh)
                  "spill": ("load", 0.5)}
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out")
+#: polynomials of the ciphertext a table's ``rescale`` was timed on: two, as servers rescale
+#: (after a plaintext product, a relinearisation or a fused map). Tables that do not say timed
+#: an unrelinearised product of three (1.41-1.67x as long at N=8192 and 16384, three and four
+#: primes); read, their rescales are scaled by the ratio of the work (one inverse NTT of the
+#: dropped prime, then per prime left an NTT and a product, per polynomial)
+RESCALE_POLYS = 2
+_OLD_RESCALE_POLYS = 3
 #: word costs of older tables that price nothing now (read and ignored)
 _RETIRED_WORDS = ("alloc",)
 #: Seconds per word of the fused primitives, as whole batch runs on a 2-core x86-64 machine show
@@ -190,7 +197,7 @@ class CostModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
-                "word_speed": self.word_speed,
+                "word_speed": self.word_speed, "rescale_polys": RESCALE_POLYS,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
@@ -204,6 +211,13 @@ class CostModel:
     def from_dict(cls, d: dict[str, Any]) -> "CostModel":
         table = {int(r): {str(op): [(int(p[0]), float(p[1])) for p in pts]
                           for op, pts in ops.items()} for r, ops in d["table"].items()}
+        polys = d.get("rescale_polys", _OLD_RESCALE_POLYS)
+        if polys not in (RESCALE_POLYS, _OLD_RESCALE_POLYS):
+            raise ValueError(f"cost table: rescales timed on {polys!r} polynomials (2 or 3)")
+        for ops in table.values():
+            if "rescale" in ops and polys != RESCALE_POLYS:
+                ops["rescale"] = [(limbs, t * RESCALE_POLYS / polys)
+                                  for limbs, t in ops["rescale"]]
         derived: dict[int, frozenset[str]] = {}
         for r, ops in table.items():
             made = set()

@@ -541,6 +541,27 @@ def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed(monk
     assert np.isfinite(got) and got > 0
 
 
+def test_rescales_are_priced_on_two_polynomials_whatever_the_table_timed():
+    """Servers rescale ciphertexts of two polynomials; a table that does not say what it timed
+    (the shipped one) timed three, and is read with its rescales scaled by 2/3."""
+    from he import costmodel
+
+    d = json.loads(costmodel._SHIPPED.read_text())
+    assert "rescale_polys" not in d
+    old = CostModel.from_dict(d)
+    said = CostModel.from_dict({**d, "rescale_polys": 2})
+    for ring in (8192, 16384):
+        assert old.seconds("rescale", ring, 3) == pytest.approx(
+            2 / 3 * said.seconds("rescale", ring, 3))
+        assert old.seconds("rotate", ring, 3) == said.seconds("rotate", ring, 3)
+    # written out it says two, and reads back unchanged (no second scaling)
+    again = CostModel.from_dict(old.to_dict())
+    assert again.to_dict()["rescale_polys"] == 2
+    assert again.seconds("rescale", 8192, 3) == old.seconds("rescale", 8192, 3)
+    with pytest.raises(ValueError, match="polynomials"):
+        CostModel.from_dict({**d, "rescale_polys": 4})
+
+
 def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
     """The table's seconds are each the best of three loops timed once, and so is each probe
     round's: the factor takes the median round, not the least (the best of every round's
