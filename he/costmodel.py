@@ -688,8 +688,8 @@ def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) 
     return model
 
 
-#: the ring and limb count :func:`probe_speed` times every primitive at (about 0.6 s on a
-#: 2-core x86-64 machine, keys included)
+#: the ring and limb count :func:`probe_speed` times every primitive at (about 0.8 s on a
+#: quiet 2-core x86-64 machine, keys included)
 PROBE_RING, PROBE_LIMBS = 8192, 3
 #: rounds of timings the probe takes (each primitive's typical round is their median: odd)
 PROBE_ROUNDS = 5
@@ -725,9 +725,9 @@ def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
     The median round is the table's statistic: each of its seconds is the best of three loops
     timed once, and so is each round's. The least of the rounds (the best of their loops
     together) is not: on a shared machine whose speed varies from one moment to the next, it
-    read the machine fast (``benchmarks/he_probe.py``, 12 models each timed between two probes:
-    the median round predicted all 24 within -28% to +29%, the least round 22 within 30%,
-    from -32% to +24%). A primitive the table
+    read the machine fast (``benchmarks/he_probe.py``, 12 models each timed between two probes
+    on a shared machine: the median round predicted all 24 within -14% to +15%, the least
+    round 22 within 30%, from -35% to +12%). A primitive the table
     derives from another's timing (a spill from a load) is priced by that one's ratio already;
     its own would compare a timing with a rule of thumb."""
     ring, limbs = PROBE_RING, PROBE_LIMBS
