@@ -46,7 +46,7 @@ from he import _kernels  # noqa: E402
 from he.runtime import eager_products  # noqa: E402
 from he_family import MODELS, chosen_models  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
-from he_probe import RULES, shipped_table  # noqa: E402
+from he_probe import RULES  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64,mixer,pom,"
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         times: dict[str, list[float]] = {v: [] for v in variants}
         # the machine's speed right before the passes, read by the probe's rule and the one
         # it replaced from the same rounds (benchmarks/he_probe.py)
-        table = shipped_table()
+        table = he.costmodel.shipped_model()
         rounds = he.costmodel.probe_rounds(table)
         row["probe_factors"] = {rule: he.costmodel.speed_factor(table, rounds, stat)[0]
                                 for rule, stat in RULES.items()}

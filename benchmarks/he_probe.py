@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import he  # noqa: E402
-from he.costmodel import CostModel, probe_rounds, speed_factor  # noqa: E402
+from he.costmodel import probe_rounds, shipped_model, speed_factor  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 from he_family import MODELS, ProcessDied, chosen_models, isolated  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
@@ -50,15 +50,10 @@ DEFAULT_MODELS = ("p4_d32_mean,p2_d32,rows_d64,p7_d32,p4_d48_x2,conv_seq,polyblo
                   "padre,mixer,p14_h128")
 
 
-def shipped_table() -> CostModel:
-    """The package's table as shipped (no factor), whatever this machine has cached."""
-    return CostModel.from_dict(json.loads(he.costmodel._SHIPPED.read_text()))
-
-
 def measure_model(name: str, data: tuple[torch.Tensor, ...], epochs: int, runs: int,
                   rounds: int) -> dict:
     xtr, ytr, xte, _ = data
-    table = shipped_table()
+    table = shipped_model()
     model = train(MODELS[name](), xtr, ytr, epochs, augment=True, lr=2e-3)
     prog = he.compile(model, xtr[:1], calibration=xtr[:2000], cost_model=table)
     predicted = prog.plan.predicted["seconds_per_ciphertext"]

@@ -43,8 +43,8 @@ import numpy as np
 from he import _kernels
 
 __all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure",
-           "calibrate", "default_model", "cache_path", "probe_speed", "probe_rounds",
-           "speed_factor"]
+           "calibrate", "default_model", "shipped_model", "cache_path", "probe_speed",
+           "probe_rounds", "speed_factor"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load",
               "mul_lazy", "relin", "spill")
@@ -759,6 +759,12 @@ def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:
 
 
 _CACHE: dict[str, CostModel] = {}
+
+
+def shipped_model() -> CostModel:
+    """The table shipped with the package as it is: no probe's factor, whatever this machine
+    has cached (what :func:`default_model` scales when nothing is cached)."""
+    return CostModel.from_dict(json.loads(_SHIPPED.read_text()))
 
 
 def default_model() -> CostModel:

@@ -513,13 +513,13 @@ def test_a_scaled_cost_model_prices_every_primitive_alike_and_chooses_the_same_p
         CostModel.from_dict({**model.to_dict(), "speed": -2})
 
 
-def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed(monkeypatch):
+def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed():
     """SEAL's primitives and the fused maps' word loops need not differ by one factor between
     machines: a table measured here carries the words' own factor, saved and read back, on top
     of the primitives' (a table scaled by the probe keeps it)."""
     from he import costmodel
 
-    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    shipped = costmodel.shipped_model()
     assert shipped.word_speed == 1.0
     d = shipped.to_dict()
     d["word_speed"] = 2.0
@@ -568,7 +568,7 @@ def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
     loops together), which read a shared machine fast."""
     from he import costmodel
 
-    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    shipped = costmodel.shipped_model()
     ring, limbs = costmodel.PROBE_RING, costmodel.PROBE_LIMBS
     ops = ("rotate", "mul_plain", "add")
     table = {op: shipped.seconds(op, ring, limbs) for op in ops}
@@ -593,7 +593,7 @@ def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
 def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     from he import costmodel
 
-    shipped = CostModel.from_dict(json.loads(costmodel._SHIPPED.read_text()))
+    shipped = costmodel.shipped_model()
     factor, ratios = costmodel.probe_speed(shipped)
     assert set(ratios) >= {"rotate", "mul_plain", "mul_ct", "rescale", "add"}
     # the primitives the table derives from another's timing are not compared (a spill priced
