@@ -175,6 +175,21 @@ class Engine:
         self.native: NativeEvaluator | None = None
         #: threads that rotate one ciphertext group's values at once
         self.pool = Pool(1)
+        #: hoisted baby steps (:mod:`he.hoist`), once :meth:`use_hoisting` validated them
+        self.hoister: Any = None
+
+    def use_hoisting(self, probe: Any, probe_step: int) -> str:
+        """Rotate the baby steps of a plan that asks for it (:attr:`he.plan.VectorPlan.hoisted`)
+        from one decomposition of each input (:class:`he.hoist.Hoister`, validated on
+        ``probe``, a top-level ciphertext, and ``probe_step``, a step with a Galois key);
+        returns why not where it cannot or the environment says not (:func:`he.hoist.refused`;
+        SEAL then rotates them one by one), else ``""``."""
+        from he.hoist import Hoister, refused
+        self.hoister, why = None, refused()
+        if not why:
+            self.hoister, why = Hoister.validated(self.context, self.galois_keys,
+                                                  self.evaluator, self.encoder, probe, probe_step)
+        return why
 
     def use_threads(self, threads: int | None, probe: Any, probe_step: int | None) -> str:
         """Rotate, multiply and rescale on ``threads`` threads (None: every core this process

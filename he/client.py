@@ -513,6 +513,12 @@ class Server:
             self.engine.key_steps = frozenset(program.plan.key_steps)
         self._encryptor = seal.Encryptor(self.engine.context, pk)
         self.context_bytes = len(public_context)
+        #: why the plan's hoisted baby steps rotate with SEAL one by one ("" where they are
+        #: hoisted, or the plan hoists none)
+        self.hoist_note = ""
+        if program.packing == "vector" and gk is not None and program.plan.hoisted_steps():
+            self.hoist_note = self.engine.use_hoisting(self._encrypt_constant(1.0),
+                                                       program.plan.galois_steps()[0])
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \
             if program.packing == "vector" else None
         self.token_kernels = TokenKernels(self.engine, program.plan) \

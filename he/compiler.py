@@ -29,6 +29,7 @@ from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels, wide_variant)
+from he.hoist import expected as hoist_expected
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
                      choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
                      next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
@@ -134,12 +135,15 @@ def _server_budget(memory_budget: int | None) -> int:
 
 
 def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois_keys: int,
-                   slots_ciphertexts: int = 0) -> int:
-    """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs), relinearisation
-    and Galois keys, and ``slots_ciphertexts`` live ciphertexts at the top level."""
+                   slots_ciphertexts: int = 0, special_rows: int = 0) -> int:
+    """Bytes the server holds: encoded plaintexts (``(count, level)`` pairs; ``special_rows``
+    of them extended by the special prime's row, :mod:`he.hoist`), relinearisation and Galois
+    keys (a hoisted step's key counts twice: :class:`he.hoist.Hoister` keeps a permuted copy),
+    and ``slots_ciphertexts`` live ciphertexts at the top level."""
     n = params.poly_modulus_degree
     top = params.data_primes
-    plain = sum(count * n * params.limbs(lv) * 8 for count, lv in plaintexts)
+    plain = sum(count * n * params.limbs(lv) * 8 for count, lv in plaintexts) \
+        + special_rows * n * 8
     key = 2 * n * (top + 1) * top * 8
     return int(plain + key * (1 + galois_keys) + slots_ciphertexts * 2 * n * top * 8)
 
@@ -147,8 +151,8 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 #: op_counts entries that are not primitives: plaintexts held, and the work among the
 #: primitives that the server spreads over its threads (baby and giant steps, the giant steps'
 #: products; :meth:`he.plan.VectorPlan.op_counts`)
-_NOT_PRIMITIVES = ("plaintexts", "babies", "giants", "baby_items", "giant_items",
-                   "giant_products", "giant_zero", "giant_zero_products")
+_NOT_PRIMITIVES = ("plaintexts", "plaintexts_ext", "babies", "giants", "baby_items",
+                   "giant_items", "giant_products", "giant_zero", "giant_zero_products")
 
 
 def client_threads() -> int:
@@ -210,35 +214,49 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     then rotates the sum, so its products and their additions run on the threads with its
     rotation (``giant_items`` steps, ``giant_products`` products; ``giant_zero`` of them, with
     ``giant_zero_products`` products, rotate nothing, so the threads may wait on the others).
-    Each phase takes what :func:`_makespan` gives its items at ``efficiency``; the rest of the
-    step (the folds, the rescale) runs in one thread. Counts without ``giant_items`` (saved
-    before it) spread the giant rotations alone, without ``giant_zero`` the products evenly."""
+    Hoisted baby steps (``rotate_hoisted`` of the ``baby_items``) follow their inputs'
+    decompositions (``decompose``, spread too), and their giant steps' extended products
+    (``mul_ext``) and divisions (``mod_down``) run with the giant steps. Each phase takes what
+    :func:`_makespan` gives its items at ``efficiency``; the rest of the step (the folds, the
+    rescale) runs in one thread. Counts without ``giant_items`` (saved before it) spread the
+    giant rotations alone, without ``giant_zero`` the products evenly."""
     serial = price({k: v for k, v in c.items() if k not in _NOT_PRIMITIVES})
     babies, giants = c.get("babies", 0), c.get("giants", 0)
     items, products = c.get("giant_items", giants), c.get("giant_products", 0)
     baby_items = c.get("baby_items", babies)
     if threads <= 1 or baby_items + items == 0:
         return serial
+    lifted, ext = c.get("rotate_hoisted", 0), c.get("mul_ext", 0)
     zero, zero_products = c.get("giant_zero", 0), c.get("giant_zero_products", 0)
     if zero >= items:
         zero, zero_products = 0, 0
     rot_items = items - zero
 
     def sums(n_products: float) -> float:
-        """One giant step's products and the additions that sum them."""
-        return price({"mul_plain": n_products, "add": max(0.0, n_products - 1)})
+        """One giant step's products and the additions that sum them, extended products in
+        proportion to their share."""
+        share = ext / products if products else 0.0
+        counts = {"mul_plain": n_products * (1 - share), "mul_ext": n_products * share,
+                  "add": max(0.0, n_products * (1 - share) - 1)}
+        return price({k: v for k, v in counts.items() if v})
 
-    baby = [price({"rotate": babies / baby_items})] * baby_items if baby_items else []
+    n_decompose, n_divide = c.get("decompose", 0), c.get("mod_down", 0)
+    decompose = [price({"decompose": 1})] * n_decompose if n_decompose else []
+    plain_babies = baby_items - lifted
+    baby = [price({"rotate_hoisted": 1})] * lifted if lifted else []
+    if plain_babies:
+        baby += [price({"rotate": babies / plain_babies})] * plain_babies
+    divide = price({"mod_down": n_divide / items}) if items and n_divide else 0.0
     giant = []
     if rot_items:
-        giant += [sums((products - zero_products) / rot_items) +
+        giant += [sums((products - zero_products) / rot_items) + divide +
                   price({"rotate": giants / rot_items})] * rot_items
     if zero:
-        giant += [sums(zero_products / zero)] * zero
+        giant += [sums(zero_products / zero) + divide] * zero
     # the serial price counts every product and addition once: what the items hold comes out
-    spread = sum(baby) + sum(giant)
-    return (serial - spread + _makespan(baby, threads, efficiency) +
-            _makespan(giant, threads, efficiency))
+    spread = sum(decompose) + sum(baby) + sum(giant)
+    return (serial - spread + _makespan(decompose, threads, efficiency) +
+            _makespan(baby, threads, efficiency) + _makespan(giant, threads, efficiency))
 
 
 def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> int:
@@ -252,10 +270,12 @@ def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> 
 def _vector_held(plan: VectorPlan, counts: list[dict[str, int]]) -> int:
     """Ciphertexts a vector server holds at its peak: a value per step (an upper bound: values
     are freed once read) and, while the widest map runs, its baby-step rotations and its giant
-    steps' results, which :func:`he.runtime._affine` keeps until it sums them."""
-    inner = max((c.get("babies", 0) + c.get("giant_items", c.get("giants", 0)) for c in counts),
-                default=0)
-    return len(plan.steps) + int(inner)
+    steps' results, which :func:`he.runtime._affine` keeps until it sums them (a hoisted input's
+    decomposition as ``(L + 1) / 2`` ciphertexts, ``L`` the primes at the top level)."""
+    half = (plan.levels + 2) / 2
+    inner = max((c.get("babies", 0) + c.get("rotate_hoisted", 0) + c.get("decompose", 0) * half
+                 + c.get("giant_items", c.get("giants", 0)) for c in counts), default=0)
+    return len(plan.steps) + int(math.ceil(inner))
 
 
 def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
@@ -290,8 +310,9 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "upload_bytes": wire_bytes(params, 0, len(plan.input_layout), 1),
             "download_bytes": wire_bytes(params, plan.steps[plan.output].level, 1, 2),
             "server_threads": threads,
-            "server_memory_bytes": _server_memory(params, plaintexts, len(plan.galois_steps()),
-                                                  _vector_held(plan, counts))}
+            "server_memory_bytes": _server_memory(
+                params, plaintexts, len(plan.galois_steps()) + len(plan.hoisted_steps()),
+                _vector_held(plan, counts), total.get("plaintexts_ext", 0))}
 
 
 def _level_moduli(params: CKKSParams) -> list[list[int]]:
@@ -524,12 +545,13 @@ class CompiledProgram:
                 max_input_ciphertexts=int(self.options["max_input_ciphertexts"]),
                 planes_per_ct=None if per_ct is None else {int(k): int(v)
                                                            for k, v in per_ct.items()},
-                stacked=stacked)
+                stacked=stacked, hoist_weights=_stored_weights(self.options.get("hoist")))
             keys = self.options.get("keys", "direct")
             if keys not in ("direct", "basis"):
                 raise ValueError(f"keys must be 'direct' or 'basis', got {keys!r}")
             if keys == "basis":
                 self.plan.key_steps = key_basis(params.slots)
+
         else:
             live = live_rows(self.lowered)
             self.plan = BatchPlan(live, np.flatnonzero(live[0]), params.slots)
@@ -627,9 +649,11 @@ class CompiledProgram:
         p = self.plan.predicted
         if isinstance(self.plan, VectorPlan):
             s = self.plan.cost()
+            hoisted = (f" and {s['hoisted_rotations']} hoisted baby steps from "
+                       f"{s['decompositions']} decompositions" if s["hoisted_rotations"] else "")
             lines.append(f"  vector plan: {self.plan.interleave} sample(s) per ciphertext, "
-                         f"{s['rotations']} rotations ({len(self.plan.galois_steps())} Galois "
-                         f"keys), "
+                         f"{s['rotations']} rotations{hoisted} ({len(self.plan.galois_steps())} "
+                         f"Galois keys), "
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
                          f"group")
@@ -820,6 +844,9 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
             "baby-step rotations and giant steps (their products and rotation)")
 
     objective = options["objective"]
+    # baby steps hoisted where this machine can and the cost model finds it cheaper (he.hoist;
+    # a server validates its hoister, and rotates with SEAL where that fails)
+    weights = hoist_weights(params, costs) if hoist_expected() else None
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
     plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
@@ -837,7 +864,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                                       output_shape=tuple(program.output_shape),
                                       max_planes=max_planes,
                                       max_input_ciphertexts=int(options["max_input_ciphertexts"]),
-                                      planes_per_ct=per_ct, price=price)
+                                      planes_per_ct=per_ct, price=price,
+                                      hoist_weights=_stored_weights(weights))
             threads, threads_why, predicted = served(trial)
             score = _objective_cost(predicted, objective, options.get("batch_size"),
                                     options.get("bandwidth"))
@@ -866,7 +894,44 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                     f"included){planes_why}; {threads_why}")}
     if max_planes != MAX_PLANES:
         opts["max_planes"] = max_planes
+    if weights is not None:
+        opts["hoist"] = weights
     return plan, opts
+
+
+def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:
+    """Per level (a string, as stored in a program's options), the prices of a hoisted baby
+    step, an input's decomposition and a giant step's division by the special prime, each in
+    rotations at that level under ``costs`` (:data:`he.plan.HoistWeights`; four significant
+    digits, so that a stored program rebuilds the same plan)."""
+    ring = params.poly_modulus_degree
+    out = {}
+    for lv in range(params.levels + 1):
+        limbs = params.limbs(lv)
+        rot = costs.seconds("rotate", ring, limbs)
+        out[str(lv)] = [float(f"{costs.seconds(op, ring, limbs) / rot:.4g}")
+                        for op in ("rotate_hoisted", "decompose", "mod_down")]
+    return out
+
+
+def _stored_weights(stored: Any) -> Callable[[int], tuple[float, float, float]] | None:
+    """The :data:`he.plan.HoistWeights` of a program's ``hoist`` option (None: no hoisting, as
+    programs saved before it); raises ValueError on anything but positive prices per level."""
+    if stored is None:
+        return None
+    if not isinstance(stored, dict) or any(
+            not isinstance(v, list) or len(v) != 3
+            or any(type(x) not in (int, float) or not 0 < x < 1e6 for x in v)
+            for v in stored.values()):
+        raise ValueError("hoist must map levels to three positive prices")
+    table = {int(k): tuple(float(x) for x in v) for k, v in stored.items()}
+
+    def weights(level: int) -> tuple[float, float, float]:
+        if level not in table:
+            raise ValueError(f"hoist holds no prices for level {level}")
+        return table[level]
+
+    return weights
 
 
 def wide_phases(lowered: Lowered) -> list[int]:

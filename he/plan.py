@@ -419,10 +419,34 @@ def _rotations_of(split: tuple[int, int], keys: np.ndarray, period: int
     return babies - {0}, giants - {0}
 
 
+#: prices of hoisted baby steps at one level, each in rotations there: ``(baby, decompose,
+#: divide)`` -- a hoisted rotation, an input's decomposition, a giant step's division by the
+#: special prime (:mod:`he.hoist`)
+HoistWeights = Callable[[int], tuple[float, float, float]]
+
+
+def _hoisted_groups(split: tuple[int, int], keys: np.ndarray, period: int) -> int:
+    """Giant steps (the one of no rotation among them) under ``split`` that hold a term of a
+    nonzero baby step: a hoisted plan divides each one's sum by the special prime."""
+    step, n1 = split
+    units = _units(keys, step, period)
+    if units is None:
+        return 0
+    return int(np.unique(units[units % n1 != 0] // n1).size)
+
+
 def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps: int = 3
                   ) -> dict[tuple[int, int], tuple[int, int]]:
     """BSGS splits ``(step, n1)`` of every (affine step, input period) that minimise the
-    rotations of the whole plan.
+    rotations of the whole plan (:func:`bsgs_plan` with no hoisting)."""
+    return bsgs_plan(terms, sweeps)[0]
+
+
+def bsgs_plan(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps: int = 3,
+              weights: HoistWeights | None = None
+              ) -> tuple[dict[tuple[int, int], tuple[int, int]], set[tuple[Any, int]]]:
+    """BSGS splits ``(step, n1)`` of every (affine step, input period) and the inputs (``(input,
+    level)``) whose baby steps are hoisted, that minimise the rotations of the whole plan.
 
     ``terms``: ``(step, input, level, p_in, diagonal offsets)`` of every materialised map. The
     terms of one step and input period share one split (they share giant rotations); the baby
@@ -432,19 +456,26 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
     price) are searched together: coordinate descent over unit steps dividing each map's offsets
     and power-of-two baby counts, from each map's own best split and from every split shared by
     all of them; the cost is distinct baby rotations per (input, level) plus giant rotations per
-    (step, period)."""
+    (step, period).
+
+    With ``weights`` (per level, what hoisted baby steps cost in rotations: :data:`HoistWeights`)
+    every group of linked maps is also searched hoisted, where a baby step costs ``baby``, each
+    input ``decompose`` once and each giant step holding a baby step's term ``divide``
+    (cheap baby steps favour more of them and fewer giants), and keeps the cheaper of the two
+    searches: its inputs are hoisted where the hoisted search won."""
     Var = tuple[int, int]
     var_keys: dict[Var, list[tuple[tuple[int, int], np.ndarray]]] = {}
     for si, j, lvl, p_in, d in terms:
         var_keys.setdefault((si, p_in), []).append(((j, lvl), np.unique(d)))
     union = {v: np.unique(np.concatenate([k for _, k in ts])) for v, ts in var_keys.items()}
     choice = {v: _bsgs(u, v[1]) for v, u in union.items()}
+    hoisted: set[tuple[Any, int]] = set()
     readers: dict[tuple[int, int], list[Var]] = {}
     for v, ts in var_keys.items():
         for src, _ in ts:
             readers.setdefault(src, []).append(v)
     for comp in _components(var_keys, readers):
-        if len(comp) < 2:
+        if len(comp) < 2 and weights is None:
             continue
         cands: dict[Var, list[tuple[int, int]]] = {}
         for v in comp:
@@ -458,7 +489,7 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
                     span = int(units.max()) + 1
                     cands[v] += [(st, 1 << e) for e in range(0, span.bit_length() + 1)]
 
-        memo: dict[tuple[Any, ...], tuple[set[int] | None, set[int]]] = {}
+        memo: dict[tuple[Any, ...], Any] = {}
 
         def rotations(key: tuple[Any, ...], split: tuple[int, int], keys: np.ndarray,
                       period: int) -> tuple[set[int] | None, set[int]]:
@@ -466,22 +497,35 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
                 memo[key, split] = _rotations_of(split, keys, period)
             return memo[key, split]
 
-        def cost(ch: dict[Var, tuple[int, int]]) -> int:
+        def divided(v: Var, split: tuple[int, int]) -> int:
+            if ("groups", v, split) not in memo:
+                memo["groups", v, split] = _hoisted_groups(split, union[v], v[1])
+            return memo["groups", v, split]
+
+        def cost(ch: dict[Var, tuple[int, int]], hoist: bool = False) -> float:
             babies: dict[tuple[int, int], set[int]] = {}
-            n = 0
+            n = 0.0
             for v in comp:
                 n += len(rotations((v,), ch[v], union[v], v[1])[1])
+                if hoist:
+                    n += divided(v, ch[v]) * weights(var_keys[v][0][0][1])[2]
                 for i, (src, k) in enumerate(var_keys[v]):
                     babies.setdefault(src, set()).update(
                         rotations((v, i), ch[v], k, v[1])[0] or ())
-            return n + sum(len(b) for b in babies.values())
+            for (_, lvl), b in babies.items():
+                if hoist and b:
+                    baby, decompose, _ = weights(lvl)
+                    n += decompose + baby * len(b)
+                else:
+                    n += len(b)
+            return n
 
-        def descend(ch: dict[Var, tuple[int, int]]) -> dict[Var, tuple[int, int]]:
+        def descend(ch: dict[Var, tuple[int, int]], hoist: bool) -> dict[Var, tuple[int, int]]:
             for _ in range(sweeps):
                 before = dict(ch)
                 for v in comp:
                     ch = min(({**ch, v: s} for s in cands[v]),
-                             key=lambda c: (cost(c), c[v] != ch[v]))
+                             key=lambda c: (cost(c, hoist), c[v] != ch[v]))
                 if ch == before:
                     break
             return ch
@@ -489,8 +533,14 @@ def shared_splits(terms: Sequence[tuple[int, int, int, int, np.ndarray]], sweeps
         own = {v: choice[v] for v in comp}
         starts = [own] + [{v: s if s in cands[v] else own[v] for v in comp}
                           for s in sorted({s for v in comp for s in cands[v]})]
-        choice.update(min((descend(s) for s in starts), key=cost))
-    return choice
+        # the cheapest search, not hoisting where both cost the same
+        best = min(((cost(ch, hoist), hoist, ch)
+                    for hoist in ((False, True) if weights is not None else (False,))
+                    for ch in (descend(s, hoist) for s in starts)), key=lambda t: t[:2])
+        choice.update(best[2])
+        if best[1]:
+            hoisted |= {src for v in comp for src, _ in var_keys[v]}
+    return choice, hoisted
 
 
 def _components(var_keys: dict[Any, list[tuple[Any, np.ndarray]]],
@@ -713,6 +763,9 @@ class VectorPlan:
     #: physical rotation steps with Galois keys when they are a :func:`key_basis` (the others
     #: composed from them); None: one key per distinct rotation
     key_steps: list[int] | None = None
+    #: ``(input, level)`` whose baby steps are hoisted, ``input`` as :meth:`VStep.sources`
+    #: names it (:mod:`he.hoist`; which baby steps: :meth:`hoists`)
+    hoisted_sources: list[tuple[Any, int]] = field(default_factory=list)
 
     @property
     def levels(self) -> int:
@@ -787,6 +840,32 @@ class VectorPlan:
         """Key switchings one rotation by ``step`` (virtual slots) takes with this key set."""
         return len(rotation_path(step * self.interleave, self.slots, self.key_steps))
 
+    def hoists(self, key: tuple[Any, int, int]) -> bool:
+        """Whether the baby step ``key`` = ``(input, level, step)`` (``step`` in virtual slots)
+        is hoisted: its input is among :attr:`hoisted_sources`, and its rotation is one key
+        switching (a rotation composed from a key basis rotates its first hop's result, which
+        no other baby step shares)."""
+        return tuple(key[:2]) in self._hoisted_set and bool(key[2] % self.virtual_slots) \
+            and self.rotation_weight(key[2]) == 1
+
+    @property
+    def _hoisted_set(self) -> frozenset[tuple[Any, int]]:
+        return frozenset((src, int(lvl)) for src, lvl in self.hoisted_sources)
+
+    def hoisted_steps(self) -> list[int]:
+        """Physical rotation steps of the hoisted baby steps (a permuted copy of each one's
+        Galois key is kept, :class:`he.hoist.Hoister`)."""
+        if not self.hoisted_sources:
+            return []
+        out = set()
+        for si, s in enumerate(self.steps):
+            lin = max((self.steps[j].level for j in s.inputs), default=0)
+            for src, mv in zip(s.sources(), s.matvecs):
+                if mv is not None:
+                    out |= {b * self.interleave % self.slots for b in mv.babies
+                            if self.hoists((src, lin, b))}
+        return sorted(out)
+
     @property
     def widest(self) -> int:
         return max(s.period for s in self.steps)
@@ -814,28 +893,41 @@ class VectorPlan:
                 lin = max(self.steps[j].level for j in s.inputs)
                 new = {(j, lin, b) for j, mv in mvs for b in mv.babies if b} - babies_done
                 babies_done |= new
-                giants: dict[int, set[int]] = {}
-                for _, mv in mvs:
-                    giants.setdefault(mv.p_in, set()).update(mv.giants)
+                lifted = {key for key in new if self.hoists(key)}
+                # (input period, giant) -> its terms' baby steps
+                giants: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+                for j, mv in mvs:
+                    for g, grp in zip(mv.giants, mv.groups):
+                        giants.setdefault((mv.p_in, g), []).extend((j, lin, b) for b in grp)
+                ext = sum(self.hoists(key) for keys in giants.values() for key in keys)
                 diags = sum(mv.n_diagonals for _, mv in mvs)
                 # the giant steps of no rotation (one per input period at most) and their
                 # products: the runtime spreads them over its threads like the others
-                zero = [len(grp) for _, mv in mvs for g, grp in zip(mv.giants, mv.groups)
-                        if not g]
+                zero = [len(bs) for (_, g), bs in giants.items() if not g]
                 widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
                 folds = len(widest.folds)
-                c["babies"] = sum(w(b) for _, _, b in new)
+                c["babies"] = sum(w(b) for _, _, b in new - lifted)
                 c["baby_items"] = len(new)
-                c["giants"] = sum(w(g) for gs in giants.values() for g in gs if g)
-                c["giant_items"] = sum(len(gs) for gs in giants.values())
+                c["giants"] = sum(w(g) for _, g in giants if g)
+                c["giant_items"] = len(giants)
                 c["giant_products"] = diags
-                c["giant_zero"] = sum(1 for gs in giants.values() if 0 in gs)
+                c["giant_zero"] = sum(1 for _, g in giants if not g)
                 c["giant_zero_products"] = sum(zero)
                 c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
-                c["mul_plain"] += diags
+                c["mul_plain"] += diags - ext
                 c["plaintexts"] += diags
-                c["add"] += diags + folds + len(s.matvecs) - 1
+                c["add"] += diags - ext + folds + len(s.matvecs) - 1
                 c["rescale"] += 1
+                if lifted or ext:
+                    # hoisted: an input's decomposition, a rotation without its division by
+                    # the special prime per baby step, the extended products of a giant step
+                    # summed and divided once (he.hoist)
+                    c["decompose"] = len({key[:2] for key in lifted})
+                    c["rotate_hoisted"] = len(lifted)
+                    c["mul_ext"] = ext
+                    c["mod_down"] = sum(any(self.hoists(key) for key in keys)
+                                        for keys in giants.values())
+                    c["plaintexts_ext"] = ext
             elif s.matvecs:
                 c["add"] += len(s.matvecs) - 1
             if s.kind == "planes":
@@ -861,7 +953,9 @@ class VectorPlan:
     def cost(self) -> dict[str, int]:
         counts = self.op_counts()
         return {"rotations": sum(c["rotate"] for c in counts),
-                "plain_mults": sum(c["mul_plain"] for c in counts),
+                "hoisted_rotations": sum(c.get("rotate_hoisted", 0) for c in counts),
+                "decompositions": sum(c.get("decompose", 0) for c in counts),
+                "plain_mults": sum(c["mul_plain"] + c.get("mul_ext", 0) for c in counts),
                 "ct_mults": sum(c["mul_ct"] for c in counts),
                 "plaintexts": sum(c["plaintexts"] for c in counts),
                 "input_ciphertexts": len(self.input_layout)}
@@ -1319,11 +1413,15 @@ def _stacking_pays(lowered: Lowered, a: int, b: int, mi: int, reach: set[int],
 
 
 def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray],
-                  widths: list[int], periods: list[int], planes_at: Sequence[int]
-                  ) -> list[VStep]:
+                  widths: list[int], periods: list[int], planes_at: Sequence[int],
+                  hoist_weights: HoistWeights | None = None,
+                  hoisted: set[tuple[Any, int]] | None = None) -> list[VStep]:
     """The plan's steps: affine steps with their diagonal maps (BSGS splits chosen jointly, see
-    :func:`shared_splits`) and biases, stacked pairs' second halves as ``half`` steps, products
-    checked to multiply values of one layout. Planes steps are filled in later."""
+    :func:`bsgs_plan`, with ``hoist_weights`` where baby steps may be hoisted: the inputs whose
+    baby steps are go into ``hoisted``) and biases, stacked pairs' second halves as ``half``
+    steps, products checked to multiply values of one layout. Planes steps are filled in
+    later."""
+    hoisted = set() if hoisted is None else hoisted
     steps = lowered.steps
     levels = step_levels(steps, "vector")
     vsteps = [VStep(st.kind, st.inputs, st.n, levels[si], maps[si], periods[si],
@@ -1357,11 +1455,13 @@ def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray
             for v, at in biases:
                 if v is not None:
                     vs.bias[at] = v
-    splits = shared_splits([(si, src, max(levels[i] for i in steps[si].inputs), periods[j],
-                             _diagonals_of(*_coo_int(a), periods[j], periods[si])[1])
-                            for si, mats in step_mats.items()
-                            for j, src, a in zip(steps[si].inputs, vsteps[si].sources(), mats)
-                            if a is not None])
+    splits, lifted = bsgs_plan(
+        [(si, src, max(levels[i] for i in steps[si].inputs), periods[j],
+          _diagonals_of(*_coo_int(a), periods[j], periods[si])[1])
+         for si, mats in step_mats.items()
+         for j, src, a in zip(steps[si].inputs, vsteps[si].sources(), mats) if a is not None],
+        weights=hoist_weights)
+    hoisted.update(lifted)
     for si, mats in step_mats.items():
         vsteps[si].matvecs = [None if a is None else
                               make_matvec(a, periods[j], periods[si], splits[si, periods[j]])
@@ -1374,7 +1474,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                       max_planes: int = MAX_PLANES, max_input_ciphertexts: int = 8,
                       planes_per_ct: dict[int, int] | None = None,
                       price: Callable[[dict[str, int], int], float] | None = None,
-                      stacked: Sequence[Sequence[int]] | None = None) -> VectorPlan:
+                      stacked: Sequence[Sequence[int]] | None = None,
+                      hoist_weights: HoistWeights | None = None) -> VectorPlan:
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
@@ -1383,7 +1484,9 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     ``max_input_ciphertexts`` ciphertexts. Steps that read the same arrangement of the input
     share its ciphertexts. The two maps of a product stack where that is cheaper under
     ``price(counts, level)`` (see :func:`_stack_pairs`), or as ``stacked`` pairs say (a stored
-    plan's ``VectorPlan.stacked``).
+    plan's ``VectorPlan.stacked``). ``hoist_weights``: what hoisted baby steps cost at each
+    level (:func:`bsgs_plan`); the plan hoists those of the inputs where they are cheaper
+    (None: no hoisting).
     """
     steps = lowered.steps
     orders = _checked_orders(lowered, orders)
@@ -1401,9 +1504,11 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     pairs, wide = _stack_pairs(lowered, maps, periods, vslots, planes_at, price, stacked)
     for v in wide | set(pairs.values()):
         widths[v] = periods[v] = 2 * periods[v]
-    vsteps = _vector_steps(lowered, pairs, maps, widths, periods, planes_at)
+    hoisted: set[tuple[Any, int]] = set()
+    vsteps = _vector_steps(lowered, pairs, maps, widths, periods, planes_at, hoist_weights,
+                           hoisted)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
-                      stacked=sorted(pairs.items()))
+                      stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted))
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))

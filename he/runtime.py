@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from he.backend import Engine
 from he.errors import SerializationError
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
+from he.hoist import Extended
 from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
@@ -950,7 +951,9 @@ def address_space_room() -> int | None:
 
 class _Plaintexts:
     """Plaintexts by key: encoded once while they fit the byte budget, else encoded at each use
-    (slower, but the server's memory stays within the budget)."""
+    (slower, but the server's memory stays within the budget). An extended plaintext (the
+    level's primes and the special one, for hoisted baby steps: :mod:`he.hoist`) is a word
+    array rather than a SEAL plaintext."""
 
     def __init__(self, encode: Any, bytes_of: Any, budget: int, zero: Any):
         self._zero = zero
@@ -960,17 +963,18 @@ class _Plaintexts:
         self.kept_bytes = 0
         self.lazy = 0
         self._pt: dict[Any, Any] = {}
-        self._raw: dict[Any, tuple[np.ndarray, int, float]] = {}
+        self._raw: dict[Any, tuple[np.ndarray, int, float, bool]] = {}
 
-    def add(self, key: Any, vec: np.ndarray, level: int, scale: float) -> None:
-        size = self._bytes_of(level)
+    def add(self, key: Any, vec: np.ndarray, level: int, scale: float,
+            extended: bool = False) -> None:
+        size = self._bytes_of(level, extended)
         if self._zero(vec, scale):
             return                          # encodes to zero: the product is skipped
         if self.kept_bytes + size <= self.budget:
-            self._pt[key] = self._encode(vec, level, scale)
+            self._pt[key] = self._encode(vec, level, scale, extended)
             self.kept_bytes += size
         else:
-            self._raw[key] = (vec, level, scale)
+            self._raw[key] = (vec, level, scale, extended)
             self.lazy += 1
 
     def __getitem__(self, key: Any) -> Any:
@@ -985,32 +989,41 @@ class VectorKernels:
     """Plaintexts of a vector plan (diagonals, planes, biases) at the level where each is used,
     tiled to the plan's virtual slots and interleaved for its samples; encoded once while they
     fit ``memory_budget`` bytes (default: half the memory available), encoded at each use
-    beyond it."""
+    beyond it. The diagonals of hoisted baby steps (:meth:`he.plan.VectorPlan.hoists`, where
+    the engine has a validated :class:`he.hoist.Hoister`) are extended plaintexts."""
 
     def __init__(self, eng: Engine, plan: VectorPlan, memory_budget: int | None = None):
         self.interleave = plan.interleave
         vslots = plan.virtual_slots
         budget = int(available_memory() // 2 if memory_budget is None else memory_budget)
         n = eng.params.poly_modulus_degree
+        hoister = eng.hoister
+        #: whether a baby step ``(input, level, step)`` is hoisted (its products are extended)
+        self.hoists: Callable[[tuple[int, int, int]], bool] = \
+            plan.hoists if hoister is not None else (lambda key: False)
 
-        def encode(vec: np.ndarray, level: int, scale: float) -> Any:
+        def encode(vec: np.ndarray, level: int, scale: float, extended: bool) -> Any:
             full = np.repeat(np.tile(vec, vslots // vec.size), plan.interleave)
+            if extended:
+                return hoister.extend_plain(eng.encoder, full.tolist(), scale,
+                                            eng.params.limbs(level))
             return eng.encode_vector(full, level, scale)
 
-        store = _Plaintexts(encode, lambda level: n * eng.params.limbs(level) * 8, budget,
-                            lambda vec, scale: float(np.max(np.abs(vec), initial=0.0))
+        store = _Plaintexts(encode, lambda level, ext: n * (eng.params.limbs(level) + ext) * 8,
+                            budget, lambda vec, scale: float(np.max(np.abs(vec), initial=0.0))
                             * scale < 0.5)
         self.store = store
         # the cheapest to keep first: plaintexts of late (low-limb) steps are the smallest
         for si in sorted(range(len(plan.steps)), key=lambda i: -plan.steps[i].level):
             st = plan.steps[si]
             lin = max((plan.steps[s].level for s in st.inputs), default=0)
-            for ti, mv in enumerate(st.matvecs):
+            for ti, (src, mv) in enumerate(zip(st.sources(), st.matvecs)):
                 if mv is None:
                     continue
                 for gi, group in enumerate(mv.groups):
                     for b, vec in group.items():
-                        store.add(("d", si, ti, gi, b), vec, lin, eng.plain_scales[lin])
+                        store.add(("d", si, ti, gi, b), vec, lin, eng.plain_scales[lin],
+                                  self.hoists((src, lin, b)))
             for j, w in enumerate(st.planes):
                 store.add(("p", si, j), w, 0, eng.plain_scales[0])
             if st.bias is not None:
@@ -1074,15 +1087,38 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
                 terms.setdefault((mv.p_in, giant), []).append(
                     ((src, lin, b), ("d", si, ti, gi, b)))
     # baby steps, then each giant step's sum and rotation, spread over the engine's threads;
-    # every sum is taken in the same order whatever the threads, so results are bit-identical
+    # every sum is taken in the same order whatever the threads, so results are bit-identical.
+    # Hoisted baby steps (kern.hoists) decompose each input once, rotate it by every step
+    # without the division by the special prime, and their giant step divides the sum of
+    # its plaintext products once (he.hoist)
     keys = list(babies)
-    for key, ct in zip(keys, eng.pool.map(lambda key: eng.rotate(babies[key], key[2] * k),
-                                          keys)):
+    lifted = [key for key in keys if kern.hoists(key)]
+    if lifted:
+        hoister = eng.hoister
+        sources = list(dict.fromkeys(key[:2] for key in lifted))
+        decomposed = dict(zip(sources, eng.pool.map(
+            lambda src: hoister.decompose(babies[next(key for key in lifted
+                                                      if key[:2] == src)]), sources)))
+        for key, ext in zip(lifted, eng.pool.map(
+                lambda key: hoister.rotate_ext(decomposed[key[:2]], key[2] * k), lifted)):
+            rotated[key] = ext
+    plain = [key for key in keys if not kern.hoists(key)]
+    for key, ct in zip(plain, eng.pool.map(lambda key: eng.rotate(babies[key], key[2] * k),
+                                           plain)):
         rotated[key] = ct
 
     def giant_step(item: tuple[tuple[int, int], list[Any]]) -> Any:
         (_, giant), group = item
-        acc = _accumulate(eng, (eng.mul_plain(rotated[r], kern.store[d]) for r, d in group))
+        ext = [(kern.store[d], rotated[r]) for r, d in group if isinstance(rotated[r], Extended)]
+        acc = _accumulate(eng, (eng.mul_plain(rotated[r], kern.store[d]) for r, d in group
+                                if not isinstance(rotated[r], Extended)))
+        if ext:
+            total = eng.hoister.mod_down(eng.hoister.product_sum(ext),
+                                         ext[0][1].source.scale * eng.plain_scales[lin])
+            if acc is None:
+                acc = total
+            else:
+                eng.add_inplace(acc, total)
         return eng.rotate(acc, giant * k)
 
     items = list(terms.items())

@@ -1,0 +1,243 @@
+"""Hoisted baby steps (he.hoist): exact against SEAL where the arithmetic is the same, within
+SEAL's own error elsewhere, refused where anything differs, chosen by the cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tenseal.sealapi as seal
+import torch
+
+import he
+from he.hoist import ENV_NO_HOISTING, Hoister, expected
+from he.native import galois_element
+from he.plan import bsgs_plan, shared_splits
+
+pytestmark = pytest.mark.skipif(not expected(), reason="no hoisting on this platform")
+
+STEPS = (1, 3, -5, 8)
+
+
+@pytest.fixture(scope="module")
+def ckks():
+    """A small 128-bit context (N=4096, two data primes and a special one), its keys, a
+    ciphertext of random values and SEAL's tools."""
+    ring = 4096
+    parms = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(ring)
+    parms.set_coeff_modulus(seal.CoeffModulus.Create(ring, [36, 30, 36]))
+    ctx = seal.SEALContext(parms, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    gk = seal.GaloisKeys()
+    keygen.create_galois_keys([galois_element(s, ring) for s in STEPS], gk)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    encoder, ev = seal.CKKSEncoder(ctx), seal.Evaluator(ctx)
+    x = np.random.default_rng(0).uniform(-1, 1, ring // 2)
+    pt = seal.Plaintext()
+    encoder.encode(x.tolist(), 2.0 ** 30, pt)
+    ct = seal.Ciphertext()
+    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    dec = seal.Decryptor(ctx, keygen.secret_key())
+
+    def decrypt(c):
+        out = seal.Plaintext()
+        dec.decrypt(c, out)
+        return np.array(encoder.decode_double(out))
+
+    return {"ctx": ctx, "gk": gk, "encoder": encoder, "ev": ev, "ct": ct, "x": x,
+            "decrypt": decrypt, "ring": ring}
+
+
+def _hoister(ckks):
+    h, why = Hoister.validated(ckks["ctx"], ckks["gk"], ckks["ev"], ckks["encoder"],
+                               ckks["ct"], 1)
+    assert h is not None, why
+    return h
+
+
+def test_hoisted_rotations_decrypt_as_seals_do(ckks):
+    h = _hoister(ckks)
+    d = h.decompose(ckks["ct"])
+    for s in STEPS:
+        want = np.roll(ckks["x"], -s)
+        ref = seal.Ciphertext()
+        ckks["ev"].rotate_vector(ckks["ct"], s, ckks["gk"], ref)
+        err_seal = np.abs(ckks["decrypt"](ref) - want).max()
+        err = np.abs(ckks["decrypt"](h.rotate(d, s)) - want).max()
+        assert err < max(4 * err_seal, 1e-6)
+
+
+def test_a_giant_steps_sum_is_divided_once_and_decrypts_to_its_products(ckks):
+    h = _hoister(ckks)
+    rng = np.random.default_rng(1)
+    d = h.decompose(ckks["ct"])
+    limbs = ckks["ct"].coeff_modulus_size()
+    diags = [rng.uniform(-1, 1, ckks["ring"] // 2) for _ in STEPS]
+    terms = [(h.extend_plain(ckks["encoder"], v.tolist(), 2.0 ** 20, limbs), h.rotate_ext(d, s))
+             for v, s in zip(diags, STEPS)]
+    out = h.mod_down(h.product_sum(terms), ckks["ct"].scale * 2.0 ** 20)
+    want = sum(v * np.roll(ckks["x"], -s) for v, s in zip(diags, STEPS))
+    # SEAL's own: rotate, multiply, add
+    acc = None
+    for v, s in zip(diags, STEPS):
+        r, p = seal.Ciphertext(), seal.Plaintext()
+        ckks["ev"].rotate_vector(ckks["ct"], s, ckks["gk"], r)
+        ckks["encoder"].encode(v.tolist(), ckks["ct"].parms_id(), 2.0 ** 20, p)
+        ckks["ev"].multiply_plain_inplace(r, p)
+        if acc is None:
+            acc = r
+        else:
+            ckks["ev"].add_inplace(acc, r)
+    err_seal = np.abs(ckks["decrypt"](acc) - want).max()
+    assert np.abs(ckks["decrypt"](out) - want).max() < max(4 * err_seal, 1e-5)
+
+
+def test_a_constant_second_polynomial_rotates_to_seals_very_words(ckks):
+    """The validation's identity, on a lower level too: SEAL's digits of a constant are the
+    hoister's, so the words must match exactly."""
+    from he.fused import raw_access
+    h = _hoister(ckks)
+    ct = seal.Ciphertext()
+    ckks["ev"].mod_switch_to_next(ckks["ct"], ct)
+    limbs = ct.coeff_modulus_size()
+    words = raw_access(ct).view(ct)
+    moduli = np.array([m.value() for m in ckks["ctx"].get_context_data(ct.parms_id())
+                       .parms().coeff_modulus()], dtype=np.uint64)
+    words[limbs:] = (np.uint64(977) % moduli)[:, None]
+    for s in STEPS:
+        ref = seal.Ciphertext()
+        ckks["ev"].rotate_vector(ct, s, ckks["gk"], ref)
+        got = h.rotate(h.decompose(ct), s)
+        assert np.array_equal(raw_access(got).view(got), raw_access(ref).view(ref))
+
+
+def test_a_hoister_whose_keys_are_wrong_is_refused(ckks, monkeypatch):
+    h = _hoister(ckks)
+    perm, keys = h._step(1)
+    bad = keys.copy()
+    bad[0, 0, 0, :4] ^= np.uint64(1)
+    monkeypatch.setattr(Hoister, "_step", lambda self, step: (perm, bad))
+    got, why = Hoister.validated(ckks["ctx"], ckks["gk"], ckks["ev"], ckks["encoder"],
+                                 ckks["ct"], 1)
+    assert got is None and "differs from SEAL's" in why
+
+
+def test_a_probe_step_without_a_key_is_refused(ckks):
+    got, why = Hoister.validated(ckks["ctx"], ckks["gk"], ckks["ev"], ckks["encoder"],
+                                 ckks["ct"], 2)
+    assert got is None and "no Galois key for the probe step 2" in why
+
+
+def test_the_environment_turns_hoisting_off(monkeypatch):
+    monkeypatch.setenv(ENV_NO_HOISTING, "1")
+    assert not expected()
+    assert he.hoist.refused() == f"{ENV_NO_HOISTING} is set"
+
+
+def _dense_terms(n: int = 64, period: int = 64):
+    return [(0, (0,), 1, period, np.arange(n))]
+
+
+def test_cheap_baby_steps_get_more_of_them_and_fewer_giants():
+    terms = _dense_terms()
+    plain = shared_splits(terms)
+    assert bsgs_plan(terms)[0] == plain and not bsgs_plan(terms)[1]
+    cheap, hoisted = bsgs_plan(terms, weights=lambda lv: (0.25, 0.5, 0.3))
+    assert hoisted == {((0,), 1)}
+    assert cheap[0, 64][1] > plain[0, 64][1]          # more baby steps
+    # hoisting that costs more than it saves is not chosen, and the split is the plain one
+    dear, none = bsgs_plan(terms, weights=lambda lv: (1.0, 5.0, 1.0))
+    assert not none and dear == plain
+
+
+def _token_model():
+    torch.manual_seed(0)
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            import polynets as pn
+            self.embed = pn.PatchEmbed(8, 2, 1, 8)
+            self.mu = pn.MuLayer(8)
+            self.head = torch.nn.Linear(8 * 16, 10)
+
+        def forward(self, x):
+            t = self.embed(x)
+            return self.head((t + self.mu(t)).flatten(1))
+
+    return Tokens().eval()
+
+
+@pytest.fixture(scope="module")
+def token_program():
+    x = torch.rand(16, 1, 8, 8)
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector")
+    return prog, x
+
+
+def test_a_hoisted_plan_runs_within_its_promise_and_so_does_seal_on_it(token_program,
+                                                                       monkeypatch):
+    prog, x = token_program
+    counts = prog.plan.predicted["counts"]
+    assert counts["rotate_hoisted"] > 0 and counts["decompose"] > 0 and counts["mod_down"] > 0
+    assert "hoisted baby steps" in prog.summary()
+    client = he.Client(prog)
+    public = client.public_context()
+    server = he.Server(prog, public)
+    assert server.hoist_note == "" and server.engine.hoister is not None
+    xs = x[:2].numpy()
+    request = client.encrypt(xs).to_bytes()
+    sim = prog.simulate(xs)
+    assert np.abs(client.decrypt(server.run(request).to_bytes()) - sim).max() \
+        <= prog.params.expected_error
+    # the same program with SEAL rotating every baby step (the environment says so)
+    monkeypatch.setenv(ENV_NO_HOISTING, "1")
+    plain = he.Server(prog, public)
+    assert plain.engine.hoister is None and ENV_NO_HOISTING in plain.hoist_note
+    assert np.abs(client.decrypt(plain.run(request).to_bytes()) - sim).max() \
+        <= prog.params.expected_error
+
+
+def test_a_saved_hoisted_program_rebuilds_the_same_plan(token_program, tmp_path):
+    prog, _ = token_program
+    path = tmp_path / "prog.pnhe"
+    prog.save(path)
+    again = he.load_program(path)
+    assert again.plan.hoisted_sources == prog.plan.hoisted_sources
+    assert again.plan.op_counts() == prog.plan.op_counts()
+
+
+def test_a_program_compiled_without_hoisting_hoists_nothing(monkeypatch):
+    monkeypatch.setenv(ENV_NO_HOISTING, "1")
+    x = torch.rand(8, 1, 8, 8)
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector")
+    assert "hoist" not in prog.options and not prog.plan.hoisted_sources
+    assert prog.plan.predicted["counts"].get("rotate_hoisted", 0) == 0
+
+
+@pytest.mark.parametrize("bad", [{"0": [1.0, 2.0]}, {"0": [0.0, 1.0, 1.0]}, [1, 2, 3],
+                                 {"0": ["a", 1.0, 1.0]}])
+def test_bad_hoisting_prices_in_a_program_are_refused(bad):
+    from he.compiler import _stored_weights
+    with pytest.raises(ValueError, match="hoist must map levels to three positive prices"):
+        _stored_weights(bad)
+
+
+def test_cost_tables_without_hoisted_primitives_price_them_as_parts_of_others():
+    from he.costmodel import HOISTED_PRIMITIVES, shipped_model
+    model = shipped_model()
+    for op in HOISTED_PRIMITIVES:
+        assert 0 < model.seconds(op, 8192, 3)
+    assert model.seconds("rotate_hoisted", 8192, 3) < model.seconds("rotate", 8192, 3)
+
+
+def test_a_measured_level_times_the_hoisted_primitives():
+    import tenseal.sealapi as seal_api
+
+    from he.costmodel import HOISTED_PRIMITIVES, _time_level, _tools, tools_hoister
+    ctx, tools = _tools(8192, 2)
+    assert tools_hoister(tools) is not None
+    values = np.linspace(-1, 1, 4096).tolist()
+    got = _time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, 2)
+    assert all(got[op] > 0 for op in HOISTED_PRIMITIVES)
