@@ -435,6 +435,20 @@ class Engine:
         self.evaluator.add_plain(ct, self.encode_scalar(value, level, self.scales[level]), out)
         return out
 
+    def rotate_alone(self, ct: Any, step: int) -> Any:
+        """``ct`` rotated left by ``step`` slots where nothing else runs beside (a fold, from
+        outside the engine's threads): where a hoister was validated, each key switching's
+        stages shared among the threads (:meth:`he.hoist.Hoister.rotate_shared`, the same
+        words on one thread as on several), else :meth:`rotate`."""
+        hoister = self.hoister
+        if hoister is None:
+            return self.rotate(ct, step)
+        pool = self.pool if self.pool.threads > 1 else None
+        for s in rotation_path(step, self.slots, self.key_steps):
+            ct = hoister.rotate_shared(ct, s, pool) if hoister.accepts(ct, s) \
+                else self.rotate(ct, s)
+        return ct
+
     def rotate(self, ct: Any, step: int) -> Any:
         """``ct`` rotated left by ``step`` slots: one key switching, or where the keys are a
         power-of-two basis (:attr:`key_steps`), the composition :func:`he.plan.rotation_path`

@@ -516,7 +516,7 @@ class Server:
         #: why the plan's hoisted baby steps rotate with SEAL one by one ("" where they are
         #: hoisted, or the plan hoists none)
         self.hoist_note = ""
-        if program.packing == "vector" and gk is not None and program.plan.hoisted_steps():
+        if program.packing == "vector" and gk is not None and program.plan.shares_rotations:
             self.hoist_note = self.engine.use_hoisting(self._encrypt_constant(1.0),
                                                        program.plan.galois_steps()[0])
         self.kernels = VectorKernels(self.engine, program.plan, memory_budget) \

@@ -151,7 +151,7 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 #: op_counts entries that are not primitives: plaintexts held, and the work among the
 #: primitives that the server spreads over its threads (baby and giant steps, the giant steps'
 #: products; :meth:`he.plan.VectorPlan.op_counts`)
-_NOT_PRIMITIVES = ("plaintexts", "plaintexts_ext", "babies", "giants", "baby_items",
+_NOT_PRIMITIVES = ("plaintexts", "plaintexts_ext", "alone", "babies", "giants", "baby_items",
                    "giant_items", "giant_products", "giant_zero", "giant_zero_products")
 
 
@@ -214,6 +214,9 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     then rotates the sum, so its products and their additions run on the threads with its
     rotation (``giant_items`` steps, ``giant_products`` products; ``giant_zero`` of them, with
     ``giant_zero_products`` products, rotate nothing, so the threads may wait on the others).
+    Where the plan shares rotations (``alone`` in the counts: its folds among the
+    rotations), each fold's key switching, and a single giant step's work, are shared among
+    the threads.
     Hoisted baby steps (``rotate_hoisted`` of the ``baby_items``) follow their inputs'
     decompositions (``decompose``, spread too), and their giant steps' extended products
     (``mul_ext``) and divisions (``mod_down``) run with the giant steps. Each phase takes what
@@ -224,6 +227,13 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     babies, giants = c.get("babies", 0), c.get("giants", 0)
     items, products = c.get("giant_items", giants), c.get("giant_products", 0)
     baby_items = c.get("baby_items", babies)
+    alone = c.get("alone", 0)
+    if alone:
+        # folds hoisted one by one, each key switching's stages shared among the threads
+        # (he.backend.Engine.rotate_alone)
+        shared = price({"decompose": 1, "rotate_hoisted": 1, "mod_down": 1}) \
+            / (threads * efficiency if threads > 1 else 1)
+        serial -= alone * (price({"rotate": 1}) - shared)
     if threads <= 1 or baby_items + items == 0:
         return serial
     lifted, ext = c.get("rotate_hoisted", 0), c.get("mul_ext", 0)
@@ -241,7 +251,9 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
         return price({k: v for k, v in counts.items() if v})
 
     n_decompose, n_divide = c.get("decompose", 0), c.get("mod_down", 0)
-    decompose = [price({"decompose": 1})] * n_decompose if n_decompose else []
+    # one input's decomposition shares its rows among the threads (he.hoist.Hoister.decompose)
+    decompose = [price({"decompose": 1})] * n_decompose if n_decompose > 1 else \
+        [price({"decompose": 1}) / threads] * threads if n_decompose else []
     plain_babies = baby_items - lifted
     baby = [price({"rotate_hoisted": 1})] * lifted if lifted else []
     if plain_babies:
@@ -253,6 +265,9 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
                   price({"rotate": giants / rot_items})] * rot_items
     if zero:
         giant += [sums(zero_products / zero) + divide] * zero
+    if len(giant) == 1 and "alone" in c:
+        # a single giant step shares its work among the threads (he.runtime._affine)
+        giant = [giant[0] / threads] * threads
     # the serial price counts every product and addition once: what the items hold comes out
     spread = sum(decompose) + sum(baby) + sum(giant)
     return (serial - spread + _makespan(decompose, threads, efficiency) +

@@ -54,6 +54,10 @@ _INTT = ("_ZN4seal4util34inverse_ntt_negacyclic_harvey_lazyENS0_7PtrIterIPmEERKN
 #: words per block of the compiled products' loops (their 128-bit sums, 4 words each, stay
 #: in a first-level cache)
 _BLOCK = 512
+#: digits up to which the compiled products keep each word's sums in registers over the digits
+#: (faster with few digits; with many, the blocked loop: 1.2-1.8 against 1.8-2.9 ns per product
+#: at 3 digits, 2.6-3.0 against 1.9 at 6, N=8192 and 16384 on a 2-core x86-64 machine)
+_FEW_DIGITS = 4
 _KERNELS: dict[str, Any] = {}
 _FOUND: dict[str, bool] = {}
 _LOCK = threading.Lock()
@@ -150,21 +154,25 @@ def _build() -> dict[str, Callable[..., Any]]:
         return t - q if t >= q else t
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def reduce_rows(src: Any, moduli: Any, ratios: Any, out: Any) -> None:
-        """``out[i, j] = (src[j] mod moduli[j]) mod moduli[i]`` for ``src[j]`` below
-        ``2 moduli[j]`` (a lazy inverse NTT's output)."""
-        for j in range(out.shape[1]):
-            qj = moduli[j]
-            row = src[j]
-            for w in range(row.shape[0]):
-                row[w] = row[w] - qj if row[w] >= qj else row[w]
-        for i in range(out.shape[0]):
+    def reduce_rows(src: Any, moduli: Any, ratios: Any, rows: Any, out: Any) -> None:
+        """``out[i, j] = src[j] mod moduli[i]`` for the rows ``i`` in ``rows`` (``src[j]``
+        below ``moduli[j]``)."""
+        for i in rows:
             q, r = moduli[i], ratios[i]
             for j in range(out.shape[1]):
                 if i != j:
                     row, dst = src[j], out[i, j]
                     for w in range(row.shape[0]):
                         dst[w] = barrett64(row[w], q, r)
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def canonical(src: Any, moduli: Any) -> None:
+        """``src[j] <- src[j] mod moduli[j]`` for ``src[j]`` below ``2 moduli[j]`` (a lazy
+        inverse NTT's output)."""
+        for j in range(src.shape[0]):
+            qj, row = moduli[j], src[j]
+            for w in range(row.shape[0]):
+                row[w] = row[w] - qj if row[w] >= qj else row[w]
 
     @intrinsic
     def word_pointer(typingctx: Any, address: Any) -> Any:
@@ -180,15 +188,16 @@ def _build() -> dict[str, Callable[..., Any]]:
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def mac(digits: Any, keys: Any, key_rows: Any, moduli: Any, r0s: Any, r1s: Any, perm: Any,
-            c0: Any, lift: Any, lift_shoup: Any, out: Any) -> None:
-        """The extended rotation: ``u[c, i] = sum_j digits[i, j] keys[j, c, key_rows[i]] mod
+            c0: Any, lift: Any, lift_shoup: Any, rows: Any, out: Any) -> None:
+        """The extended rotation, in the primes ``rows`` (indices among the level's and the
+        special one): ``u[c, i] = sum_j digits[i, j] keys[j, c, key_rows[i]] mod
         moduli[i]``, then ``out[c, i, w] = u[c, i, perm[w]]`` plus, for ``c = 0`` and the
         level's primes, ``lift[i] c0[i, perm[w]]`` (``lift[i] = p mod q_i``; nothing in the
         special prime, where ``p c0`` is zero). Digits below ``2^62``, keys below ``2^61``:
         128-bit sums of at most 16 products, one Barrett reduction each. The products run
         digit by digit over contiguous words with the sums in memory (a loop over the digits
         inside the words' loop runs several times slower)."""
-        n_mod, n_dig, n = digits.shape
+        _, n_dig, n = digits.shape
         limbs = c0.shape[0]
         h0 = np.empty(_BLOCK, dtype=np.uint64)
         l0 = np.empty(_BLOCK, dtype=np.uint64)
@@ -196,14 +205,36 @@ def _build() -> dict[str, Callable[..., Any]]:
         l1 = np.empty(_BLOCK, dtype=np.uint64)
         u0 = np.empty(n, dtype=np.uint64)
         u1 = np.empty(n, dtype=np.uint64)
-        for i in range(n_mod):
+        for i in rows:
             q, r0, r1, kr = moduli[i], r0s[i], r1s[i], key_rows[i]
             f = lift[i] if i < limbs else np.uint64(0)
             fs = lift_shoup[i] if i < limbs else np.uint64(0)
-            # a block of words at a time, its 128-bit sums in the first-level cache while
+            if n_dig <= _FEW_DIGITS:
+                # few digits: each word's sums in registers over the digits
+                for w in range(n):
+                    s0 = np.uint64(0)
+                    t0 = np.uint64(0)
+                    s1 = np.uint64(0)
+                    t1 = np.uint64(0)
+                    for j in range(n_dig):
+                        a = digits[i, j, w]
+                        s0, t0 = mac128(s0, t0, a, keys[j, 0, kr, w])
+                        s1, t1 = mac128(s1, t1, a, keys[j, 1, kr, w])
+                    m = barrett128(s0, t0, q, r0, r1)
+                    if i < limbs:
+                        x = c0[i, w]
+                        v = x * f - mulhi(x, fs) * q
+                        m += v - q if v >= q else v
+                        m = m - q if m >= q else m
+                    u0[w] = m
+                    u1[w] = barrett128(s1, t1, q, r0, r1)
+                n_blocks = 0
+            else:
+                n_blocks = n
+            # many: a block of words at a time, its 128-bit sums in the first-level cache while
             # every digit's words pass, then reduced in order (sums of whole rows would go out
             # to memory per digit)
-            for start in range(0, n, _BLOCK):
+            for start in range(0, n_blocks, _BLOCK):
                 size = min(_BLOCK, n - start)
                 h0[:] = 0
                 l0[:] = 0
@@ -233,29 +264,36 @@ def _build() -> dict[str, Callable[..., Any]]:
                 d1[w] = u1[perm[w]]
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def product_sum(plains: Any, cts: Any, moduli: Any, r0s: Any, r1s: Any, out: Any) -> None:
+    def product_sum(plains: Any, cts: Any, moduli: Any, r0s: Any, r1s: Any, rows_of: Any,
+                    out: Any) -> None:
         """``out[c, i] = sum_t plain_t[i] ct_t[c, i] mod moduli[i]``: ``plains`` and ``cts``
         the addresses of ``(rows, n)`` and ``(2, rows, n)`` words (canonical), at most 256
-        terms (128-bit sums)."""
+        terms (128-bit sums), for the rows ``i`` in ``rows_of``."""
         _, rows, n = out.shape
         terms = plains.shape[0]
-        hi = np.empty(_BLOCK, dtype=np.uint64)
-        lo = np.empty(_BLOCK, dtype=np.uint64)
-        for c in range(2):
-            for i in range(rows):
-                q, r0, r1, dst = moduli[i], r0s[i], r1s[i], out[c, i]
-                for start in range(0, n, _BLOCK):
-                    stop = min(start + _BLOCK, n)
-                    hi[:] = 0
-                    lo[:] = 0
-                    for t in range(terms):
-                        pt = numba.carray(word_pointer(plains[t]), (rows * n,))
-                        ct = numba.carray(word_pointer(cts[t]), (2 * rows * n,))
-                        po, co = i * n + start, (c * rows + i) * n + start
-                        for w in range(stop - start):
-                            hi[w], lo[w] = mac128(hi[w], lo[w], pt[po + w], ct[co + w])
-                    for w in range(stop - start):
-                        dst[start + w] = barrett128(hi[w], lo[w], q, r0, r1)
+        h0 = np.empty(_BLOCK, dtype=np.uint64)
+        l0 = np.empty(_BLOCK, dtype=np.uint64)
+        h1 = np.empty(_BLOCK, dtype=np.uint64)
+        l1 = np.empty(_BLOCK, dtype=np.uint64)
+        for i in rows_of:
+            q, r0, r1, d0, d1 = moduli[i], r0s[i], r1s[i], out[0, i], out[1, i]
+            for start in range(0, n, _BLOCK):
+                size = min(_BLOCK, n - start)
+                h0[:] = 0
+                l0[:] = 0
+                h1[:] = 0
+                l1[:] = 0
+                for t in range(terms):
+                    pt = numba.carray(word_pointer(plains[t]), (rows * n,))
+                    ct = numba.carray(word_pointer(cts[t]), (2 * rows * n,))
+                    po, c0o, c1o = i * n + start, i * n + start, (rows + i) * n + start
+                    for w in range(size):
+                        a = pt[po + w]
+                        h0[w], l0[w] = mac128(h0[w], l0[w], a, ct[c0o + w])
+                        h1[w], l1[w] = mac128(h1[w], l1[w], a, ct[c1o + w])
+                for w in range(size):
+                    d0[start + w] = barrett128(h0[w], l0[w], q, r0, r1)
+                    d1[start + w] = barrett128(h1[w], l1[w], q, r0, r1)
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def round_special(last: Any, half: Any, moduli: Any, ratios: Any, fixes: Any,
@@ -287,7 +325,8 @@ def _build() -> dict[str, Callable[..., Any]]:
                 m = m * f - mulhi(m, fs) * q
                 dst[w] = m - q if m >= q else m
 
-    return {"reduce_rows": reduce_rows, "mac": mac, "product_sum": product_sum,
+    return {"reduce_rows": reduce_rows, "canonical": canonical, "mac": mac,
+            "product_sum": product_sum,
             "round_special": round_special, "divide": divide}
 
 
@@ -338,6 +377,7 @@ class Hoister:
         self._key_parms_id = context.key_parms_id()
         self._steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._levels: dict[int, _Level] = {}
+        self._has_key: dict[int, bool] = {}
         self._lock = threading.Lock()
         lib = _library()
         self._ntt, self._intt = getattr(lib, _NTT), getattr(lib, _INTT)
@@ -416,7 +456,7 @@ class Hoister:
         out = np.empty((2, rows, n), dtype=np.uint64)
         self._k["product_sum"](np.array([p.ctypes.data for p in plains], dtype=np.int64),
                                np.array([c.ctypes.data for c in cts], dtype=np.int64),
-                               lv.moduli, lv.r0, lv.r1, out)
+                               lv.moduli, lv.r0, lv.r1, np.arange(rows), out)
         for c in range(2):
             for i in range(rows):
                 q = int(lv.moduli[i])
@@ -431,26 +471,42 @@ class Hoister:
             level = self._levels[limbs] = _Level(self._primes, limbs)
         return level
 
-    def decompose(self, ct: Any) -> Decomposed:
+    def decompose(self, ct: Any, pool: Any = None) -> Decomposed:
         """``ct``'s digits for :meth:`rotate_ext`: its second polynomial in coefficients (lazy
         inverse NTTs), each prime's digit reduced modulo every other prime and the special
         prime and taken to NTT form (lazy: words below four times the prime); the digit of a
-        prime in itself is the ciphertext's own words."""
+        prime in itself is the ciphertext's own words. ``pool`` (a :class:`he.native.Pool`):
+        the primes' rows are shared among its threads."""
         limbs = ct.coeff_modulus_size()
         lv = self._level(limbs)
         words = raw_access(ct).view(ct)
         c0 = np.array(words[:limbs])
         coeff = np.array(words[limbs:2 * limbs])
-        for j in range(limbs):
-            self._intt(coeff[j].ctypes.data, lv.primes[j].address)
         digits = np.empty((limbs + 1, limbs, self.ring), dtype=np.uint64)
-        self._k["reduce_rows"](coeff, lv.moduli, lv.ratios, digits)
-        for i, prime in enumerate(lv.primes):
-            for j in range(limbs):
-                if i == j:
-                    digits[i, j] = words[limbs + j]
-                else:
-                    self._ntt(digits[i, j].ctypes.data, prime.address)
+        threads = 1 if pool is None else min(pool.threads, limbs + 1)
+        chunks = [np.arange(t, limbs + 1, threads) for t in range(threads)]
+
+        def inverse(t: int) -> None:
+            for j in range(t, limbs, threads):
+                self._intt(coeff[j].ctypes.data, lv.primes[j].address)
+            self._k["canonical"](coeff[t::threads], lv.moduli[:limbs][t::threads])
+
+        def rows(t: int) -> None:
+            self._k["reduce_rows"](coeff, lv.moduli, lv.ratios, chunks[t], digits)
+            for i in chunks[t]:
+                address = lv.primes[i].address
+                for j in range(limbs):
+                    if i == j:
+                        digits[i, j] = words[limbs + j]
+                    else:
+                        self._ntt(digits[i, j].ctypes.data, address)
+
+        if threads == 1:
+            inverse(0)
+            rows(0)
+        else:
+            pool.map(inverse, range(threads))
+            pool.map(rows, range(threads))
         return Decomposed(ct, c0, digits)
 
     def _step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -475,21 +531,31 @@ class Hoister:
                     got = self._steps[elt] = (perm, keys)
         return got
 
-    def rotate_ext(self, dec: Decomposed, step: int) -> Extended:
+    def rotate_ext(self, dec: Decomposed, step: int, pool: Any = None) -> Extended:
         """The decomposed ciphertext rotated left by ``step`` slots, times the special prime
         (before :meth:`mod_down`): ``sigma(p c0 + sum_j d_j k_j')``, ``sigma(sum_j d_j
-        k_j'')`` for the step's key ``k``."""
+        k_j'')`` for the step's key ``k``. ``pool``: the primes' rows are shared among its
+        threads."""
         perm, keys = self._step(step)
         limbs = dec.c0.shape[0]
         lv = self._level(limbs)
         out = np.empty((2, limbs + 1, self.ring), dtype=np.uint64)
-        self._k["mac"](dec.digits, keys, lv.key_rows, lv.moduli, lv.r0, lv.r1, perm, dec.c0,
-                       lv.lift, lv.lift_shoup, out)
+        threads = 1 if pool is None else min(pool.threads, limbs + 1)
+
+        def rows(t: int) -> None:
+            self._k["mac"](dec.digits, keys, lv.key_rows, lv.moduli, lv.r0, lv.r1, perm,
+                           dec.c0, lv.lift, lv.lift_shoup, np.arange(t, limbs + 1, threads), out)
+
+        if threads == 1:
+            rows(0)
+        else:
+            pool.map(rows, range(threads))
         return Extended(dec.source, out)
 
-    def product_sum(self, terms: Sequence[tuple[np.ndarray, Extended]]) -> Extended:
+    def product_sum(self, terms: Sequence[tuple[np.ndarray, Extended]],
+                    pool: Any = None) -> Extended:
         """``sum_t plain_t * ext_t`` (plaintexts from :meth:`extend_plain` at the terms'
-        level)."""
+        level); ``pool``: the primes' rows are shared among its threads."""
         ext0 = terms[0][1]
         limbs = ext0.words.shape[1] - 1
         lv = self._level(limbs)
@@ -499,21 +565,32 @@ class Hoister:
         plains = np.array([pt.ctypes.data for pt, _ in terms], dtype=np.int64)
         cts = np.array([ext.words.ctypes.data for _, ext in terms], dtype=np.int64)
         out = np.empty_like(ext0.words)
-        self._k["product_sum"](plains, cts, lv.moduli, lv.r0, lv.r1, out)
+        threads = 1 if pool is None else min(pool.threads, limbs + 1)
+
+        def rows(t: int) -> None:
+            self._k["product_sum"](plains, cts, lv.moduli, lv.r0, lv.r1,
+                                   np.arange(t, limbs + 1, threads), out)
+
+        if threads == 1:
+            rows(0)
+        else:
+            pool.map(rows, range(threads))
         return Extended(ext0.source, out)
 
-    def mod_down(self, ext: Extended, scale: float) -> Any:
+    def mod_down(self, ext: Extended, scale: float, pool: Any = None) -> Any:
         """``ext`` divided by the special prime with rounding: a SEAL ciphertext at its level,
-        of scale ``scale`` (``ext``'s words are overwritten)."""
+        of scale ``scale`` (``ext``'s words are overwritten). ``pool``: the two polynomials on
+        two of its threads."""
         limbs = ext.words.shape[1] - 1
         lv = self._level(limbs)
         out = seal.Ciphertext()
         self._assign(_cxx_address(out), _cxx_address(ext.source))
         out.scale = float(scale)
         words = raw_access(out).view(out)
-        t = np.empty((limbs, self.ring), dtype=np.uint64)
         special = lv.primes[-1]
-        for c in range(2):
+
+        def divide(c: int) -> None:
+            t = np.empty((limbs, self.ring), dtype=np.uint64)
             last = ext.words[c, limbs]
             self._intt(last.ctypes.data, special.address)
             self._k["round_special"](last, lv.half, lv.moduli, lv.ratios, lv.fixes, t)
@@ -521,11 +598,37 @@ class Hoister:
                 self._ntt(t[j].ctypes.data, lv.primes[j].address)
             self._k["divide"](ext.words[c, :limbs], t, lv.moduli[:limbs], lv.inv, lv.inv_shoup,
                               words[c * limbs:(c + 1) * limbs])
+
+        if pool is None or pool.threads < 2:
+            divide(0)
+            divide(1)
+        else:
+            pool.map(divide, range(2))
         return out
 
     def rotate(self, dec: Decomposed, step: int) -> Any:
         """The decomposed ciphertext rotated left by ``step`` slots (a SEAL ciphertext)."""
         return self.mod_down(self.rotate_ext(dec, step), dec.source.scale)
+
+    def accepts(self, ct: Any, step: int) -> bool:
+        """Whether ``ct`` can be rotated by ``step`` here: two polynomials in NTT form at a
+        level of this context, not transparent, and a Galois key for the step."""
+        from he.native import galois_element
+        step %= self.ring // 2
+        if not step or ct.size() != 2 or not ct.is_ntt_form() or ct.is_transparent() \
+                or self._context.get_context_data(ct.parms_id()) is None:
+            return False
+        if step not in self._has_key:
+            self._has_key[step] = bool(self._keys.has_key(galois_element(step, self.ring)))
+        return self._has_key[step]
+
+    def rotate_shared(self, ct: Any, step: int, pool: Any) -> Any:
+        """``ct`` rotated left by ``step`` slots with every stage's work shared among the
+        threads of ``pool`` (:meth:`decompose`, :meth:`rotate_ext`, :meth:`mod_down`): for a
+        rotation nothing else runs beside, which SEAL would take on one thread (``pool`` None:
+        on this one, the same words). Called from outside ``pool``'s threads."""
+        return self.mod_down(self.rotate_ext(self.decompose(ct, pool), step, pool), ct.scale,
+                             pool)
 
     def extend_plain(self, encoder: Any, values: Any, scale: float, limbs: int) -> np.ndarray:
         """``values`` encoded at ``scale`` in the first ``limbs`` primes and the special prime

@@ -766,6 +766,9 @@ class VectorPlan:
     #: ``(input, level)`` whose baby steps are hoisted, ``input`` as :meth:`VStep.sources`
     #: names it (:mod:`he.hoist`; which baby steps: :meth:`hoists`)
     hoisted_sources: list[tuple[Any, int]] = field(default_factory=list)
+    #: a server shares each fold's key switching among its threads (compiled where hoisting
+    #: is: :meth:`he.backend.Engine.rotate_alone`)
+    shares_rotations: bool = False
 
     @property
     def levels(self) -> int:
@@ -914,6 +917,8 @@ class VectorPlan:
                 c["giant_zero"] = sum(1 for _, g in giants if not g)
                 c["giant_zero_products"] = sum(zero)
                 c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
+                if self.shares_rotations:
+                    c["alone"] = sum(w(f) for f in widest.folds)
                 c["mul_plain"] += diags - ext
                 c["plaintexts"] += diags
                 c["add"] += diags - ext + folds + len(s.matvecs) - 1
@@ -943,6 +948,8 @@ class VectorPlan:
                 c["mul_plain"] += 1
             elif s.kind == "half":                  # rotated before the rescale: its own
                 c["rotate"] += w(s.shift)
+                if self.shares_rotations:
+                    c["alone"] = w(s.shift)
                 c["rescale"] += 1
             if s.bias is not None:
                 c["add"] += 1
@@ -1508,7 +1515,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     vsteps = _vector_steps(lowered, pairs, maps, widths, periods, planes_at, hoist_weights,
                            hoisted)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
-                      stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted))
+                      stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted),
+                      shares_rotations=hoist_weights is not None)
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))

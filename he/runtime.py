@@ -1041,10 +1041,12 @@ def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
     return acc
 
 
-def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int) -> Any:
-    """Add rotated copies of ``ct`` onto itself (sums across slot blocks)."""
+def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int, alone: bool = False) -> Any:
+    """Add rotated copies of ``ct`` onto itself (sums across slot blocks); ``alone``: nothing
+    else runs beside (:meth:`Engine.rotate_alone`)."""
+    rotate = eng.rotate_alone if alone else eng.rotate
     for f in steps:
-        ct = eng.add(ct, eng.rotate(ct, f * k))
+        ct = eng.add(ct, rotate(ct, f * k))
     return ct
 
 
@@ -1095,10 +1097,14 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
     lifted = [key for key in keys if kern.hoists(key)]
     if lifted:
         hoister = eng.hoister
-        sources = list(dict.fromkeys(key[:2] for key in lifted))
-        decomposed = dict(zip(sources, eng.pool.map(
-            lambda src: hoister.decompose(babies[next(key for key in lifted
-                                                      if key[:2] == src)]), sources)))
+        first = {}
+        for key in lifted:
+            first.setdefault(key[:2], babies[key])
+        # one input: its decomposition's rows shared among the threads; several: one each
+        if len(first) == 1:
+            decomposed = {src: hoister.decompose(x, eng.pool) for src, x in first.items()}
+        else:
+            decomposed = dict(zip(first, eng.pool.map(hoister.decompose, first.values())))
         for key, ext in zip(lifted, eng.pool.map(
                 lambda key: hoister.rotate_ext(decomposed[key[:2]], key[2] * k), lifted)):
             rotated[key] = ext
@@ -1107,23 +1113,29 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
                                            plain)):
         rotated[key] = ct
 
-    def giant_step(item: tuple[tuple[int, int], list[Any]]) -> Any:
+    def giant_step(item: tuple[tuple[int, int], list[Any]], shared: bool = False) -> Any:
+        """A giant step's products summed, then rotated; ``shared``: the step runs alone, its
+        extended products, division and rotation shared among the engine's threads."""
         (_, giant), group = item
+        pool = eng.pool if shared else None
         ext = [(kern.store[d], rotated[r]) for r, d in group if isinstance(rotated[r], Extended)]
         acc = _accumulate(eng, (eng.mul_plain(rotated[r], kern.store[d]) for r, d in group
                                 if not isinstance(rotated[r], Extended)))
         if ext:
-            total = eng.hoister.mod_down(eng.hoister.product_sum(ext),
-                                         ext[0][1].source.scale * eng.plain_scales[lin])
+            total = eng.hoister.mod_down(eng.hoister.product_sum(ext, pool),
+                                         ext[0][1].source.scale * eng.plain_scales[lin], pool)
             if acc is None:
                 acc = total
             else:
                 eng.add_inplace(acc, total)
-        return eng.rotate(acc, giant * k)
+        return eng.rotate_alone(acc, giant * k) if shared else eng.rotate(acc, giant * k)
 
     items = list(terms.items())
+    # a single giant step runs alone: its work is shared among the threads instead
+    done = [giant_step(items[0], shared=True)] if len(items) == 1 else \
+        eng.pool.map(giant_step, items)
     by_period: dict[int, list[Any]] = {}
-    for ((p, _), _), ct in zip(items, eng.pool.map(giant_step, items)):
+    for ((p, _), _), ct in zip(items, done):
         by_period.setdefault(p, []).append(ct)
     parts = sorted(((folds_of[p], _accumulate(eng, cts)) for p, cts in by_period.items()),
                    key=lambda t: -len(t[0]))
@@ -1133,15 +1145,15 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         if out is None:
             out, folds = ct, list(term_folds)
             continue
-        out = _fold(eng, out, folds[len(term_folds):], k)
+        out = _fold(eng, out, folds[len(term_folds):], k, alone=True)
         eng.add_inplace(out, ct)
         folds = list(term_folds)
     if out is not None:
         # folded before the rescale: at the product's scale a rotation's key-switching noise
         # and the copies' rescale noise (summed over the blocks) are negligible
-        out = _fold(eng, out, folds, k)
+        out = _fold(eng, out, folds, k, alone=True)
         if halves is not None and half_shift:
-            halves[si] = eng.rotate(out, half_shift * k)
+            halves[si] = eng.rotate_alone(out, half_shift * k)
         out = eng.to_level(out, lin + 1)
     for mv, x in zip(st.matvecs, xs):
         if mv is None and x is not None:

@@ -241,3 +241,42 @@ def test_a_measured_level_times_the_hoisted_primitives():
     values = np.linspace(-1, 1, 4096).tolist()
     got = _time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, 2)
     assert all(got[op] > 0 for op in HOISTED_PRIMITIVES)
+
+
+def test_a_decomposition_shared_among_threads_is_the_same(ckks):
+    from he.native import Pool
+    h = _hoister(ckks)
+    one, two = h.decompose(ckks["ct"]), h.decompose(ckks["ct"], Pool(2))
+    assert np.array_equal(one.digits, two.digits) and np.array_equal(one.c0, two.c0)
+
+
+def test_many_primes_take_the_blocked_products_and_still_match_seal():
+    """Six data primes: more digits than the register loop takes."""
+    from he.hoist import _FEW_DIGITS
+    ring = 8192
+    parms = seal.EncryptionParameters(seal.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(ring)
+    parms.set_coeff_modulus(seal.CoeffModulus.Create(ring, [30] * 6 + [36]))
+    ctx = seal.SEALContext(parms, True, seal.SEC_LEVEL_TYPE.TC128)
+    keygen = seal.KeyGenerator(ctx)
+    gk = seal.GaloisKeys()
+    keygen.create_galois_keys([galois_element(s, ring) for s in (1, -1)], gk)
+    pk = seal.PublicKey()
+    keygen.create_public_key(pk)
+    encoder, ev = seal.CKKSEncoder(ctx), seal.Evaluator(ctx)
+    pt, ct = seal.Plaintext(), seal.Ciphertext()
+    encoder.encode(np.linspace(-1, 1, ring // 2).tolist(), 2.0 ** 25, pt)
+    seal.Encryptor(ctx, pk).encrypt(pt, ct)
+    assert ct.coeff_modulus_size() > _FEW_DIGITS
+    h, why = Hoister.validated(ctx, gk, ev, encoder, ct, 1)
+    assert h is not None, why
+
+
+def test_a_rotation_shared_among_threads_is_the_hoisted_one(ckks):
+    from he.fused import raw_access
+    from he.native import Pool
+    h = _hoister(ckks)
+    for s in STEPS:
+        one = h.rotate(h.decompose(ckks["ct"]), s)
+        two = h.rotate_shared(ckks["ct"], s, Pool(2))
+        assert np.array_equal(raw_access(one).view(one), raw_access(two).view(two))
