@@ -16,7 +16,9 @@ Ours, a family of models trained on the same images, traced, certified and compi
   embedding (2x2 patches, one merge: 7x7 tokens, 32 channels), mean pooling (degree 16).
 
 For each: vector packing latency (one image per round trip: encrypt, serialise, server, decrypt),
-the server time of one ciphertext next to the cost model's prediction, images/s when the
+the server time of one ciphertext next to the cost model's prediction, the same model compiled
+with hoisted rotations off (``he.hoist.ENV_NO_HOISTING``) and its server timed on the same
+images (the same-run baseline of hoisting), images/s when the
 ciphertext is filled with as many images as the plan interleaves, and batch packing (one image per
 slot) with one process and with ``--workers`` processes -- run when the cost model predicts a
 group within ``--batch-budget`` seconds, otherwise reported as predicted only -- and tokens
@@ -54,6 +56,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import he
+import he.hoist
 import polynets as pn
 from he import _kernels as he_kernels
 from he.runtime import available_memory, eager_products
@@ -335,6 +338,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
         enc_one_thread.append(t1 - t0)
     k = prog.plan.interleave
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
+    unhoisted = _unhoisted(model, xcal, x, n, precision_bits, costs, **compile_kwargs) \
+        if prog.plan.shares_rotations else {}
     pred = prog.plan.predicted
     err = float(np.max(np.abs(np.array(outs) - prog.simulate(x[:n].numpy()))))
     return {"logits": np.array(outs), "median_s": statistics.median(times),
@@ -362,7 +367,37 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "plan": next(line.strip() for line in prog.summary().splitlines()
                          if line.strip().startswith("vector plan")),
             "why": prog.plan.why, "counts": pred["counts"],
-            "layouts": prog.plan.orders}
+            "layouts": prog.plan.orders, **unhoisted,
+            **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
+                statistics.median(server_times)} if unhoisted else {})}
+
+
+def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
+               precision_bits: int, costs: he.costmodel.CostModel | None,
+               **compile_kwargs: Any) -> dict:
+    """The same-run baseline of hoisting: the model compiled with hoisting off
+    (``he.hoist.ENV_NO_HOISTING``: SEAL's rotations one by one, the BSGS splits that minimise
+    the rotations), its server timed on the same images."""
+    saved = os.environ.get(he.hoist.ENV_NO_HOISTING)
+    os.environ[he.hoist.ENV_NO_HOISTING] = "1"
+    try:
+        prog, client, _, server, *_ = _compiled(model, xcal, "vector", precision_bits, costs,
+                                                **compile_kwargs)
+        times = []
+        for i in range(n):
+            ct = client.encrypt(x[i:i + 1]).to_bytes()
+            t0 = time.perf_counter()
+            server.run(ct)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if saved is None:
+            os.environ.pop(he.hoist.ENV_NO_HOISTING, None)
+        else:
+            os.environ[he.hoist.ENV_NO_HOISTING] = saved
+    pred = prog.plan.predicted
+    return {"unhoisted_server_median_s": statistics.median(times),
+            "unhoisted_predicted_server_s": pred["seconds_per_ciphertext"],
+            "unhoisted_counts": pred["counts"]}
 
 
 #: predicted seconds of a batch group below which ``--batch-once`` still times a second pass
@@ -550,6 +585,11 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
           f"{v['images_per_ciphertext']} images per ciphertext -> "
           f"{v['filled_images_per_s']:.1f} img/s; max error vs simulation "
           f"{v['max_abs_error_vs_simulation']:.2e} (promised {v['promised_error']:.2e})")
+    if "hoisting_speedup" in v:
+        print(f"   without hoisting (compiled in the same run): server "
+              f"{v['unhoisted_server_median_s']:.3f} s (predicted "
+              f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
+              f"{v['hoisting_speedup']:.2f}x")
     if "latency_speedup_vs_orion" in v:
         print(f"   Orion, same network and weights: "
               f"{e['orion_same_network']['latency']['median_round_trip_s'] * 1e3:.0f} ms "
