@@ -39,8 +39,11 @@ its own LoLA example and each model converted to Orion layers with the same trai
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import gc
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -338,8 +341,10 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
         enc_one_thread.append(t1 - t0)
     k = prog.plan.interleave
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
-    unhoisted = _unhoisted(model, xcal, x, n, precision_bits, costs, **compile_kwargs) \
-        if prog.plan.shares_rotations else {}
+    del single, single_client
+    gc.collect()
+    unhoisted = _in_child(_unhoisted, model, xcal, x, n, precision_bits, costs,
+                          **compile_kwargs) if prog.plan.shares_rotations else {}
     pred = prog.plan.predicted
     err = float(np.max(np.abs(np.array(outs) - prog.simulate(x[:n].numpy()))))
     return {"logits": np.array(outs), "median_s": statistics.median(times),
@@ -370,6 +375,14 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "layouts": prog.plan.orders, **unhoisted,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
                 statistics.median(server_times)} if unhoisted else {})}
+
+
+def _in_child(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a forked process, its result sent back: what it allocates
+    (SEAL's memory pool keeps every block it ever allocated) goes with the process."""
+    ctx = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+        return ex.submit(fn, *args, **kwargs).result()
 
 
 def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,

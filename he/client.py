@@ -485,7 +485,10 @@ class Server:
     ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no more cores
     than this process may use; SEAL is then called without Python's GIL, see
     :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. Results are
-    the same whatever the number. ``warm``: prepare now what the first request would (batch
+    the same whatever the number. A vector program compiled with hoisting (the default where
+    numba is installed) rotates its baby steps from one decomposition per input
+    (:mod:`he.hoist`, validated against SEAL as the server starts); ``hoist_note`` says why not
+    where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what the first request would (batch
     packing allocates a group's ciphertext memory, tokens packing builds its fused maps and
     encodes its weights, :meth:`warm`), so that it runs at the speed of the next ones.
     """

@@ -1,27 +1,31 @@
-"""Hoisted rotations: several rotations of one ciphertext from one decomposition.
+"""Hoisted rotations: the baby steps of a map from one decomposition of its input, their
+products with the diagonals summed before one division by the special prime.
 
 A rotation by ``s`` is ``(sigma(c0), 0) + KeySwitch(sigma(c1))``, the automorphism ``sigma`` of
 the step applied to both polynomials. SEAL's key switching first brings ``sigma(c1)`` back to
 coefficients (an inverse NTT per prime), reduces every prime's digit modulo every other prime
-and the special prime, and takes them to NTT form again: ``L (L + 1)`` transforms for ``L``
-primes, most of a rotation's time. The digits of ``sigma(c1)`` are the digits of ``c1`` with
-``sigma`` applied (in NTT form, ``sigma`` only permutes each digit's words), so the baby steps
-of a map, which rotate one ciphertext by many steps, decompose it once
-(:meth:`Hoister.decompose`) and each step (:meth:`Hoister.rotate`) only reads the digits in the
-step's permuted order while it multiplies them by the step's Galois key and accumulates,
-then divides by the special prime (``2L + 2`` transforms) and adds ``sigma(c0)``.
+and the special prime ``p`` and takes them to NTT form again: ``L (L + 1)`` transforms for
+``L`` primes, most of a rotation's time; then it multiplies the digits by the step's Galois key,
+divides by ``p`` with rounding and adds ``sigma(c0)``. The digits of ``sigma(c1)`` are the digits
+of ``c1`` with ``sigma`` applied (in NTT form, ``sigma`` only permutes each digit's words), so the
+baby steps of a map, which rotate one ciphertext by many steps, decompose it once
+(:meth:`Hoister.decompose`) and each step only multiplies the digits by its key
+(:meth:`Hoister.rotate_ext`; the key kept permuted by ``sigma^-1``, so the products read every
+array in order and only their sums are permuted). A baby step stays multiplied by ``p``
+(:class:`Extended`, in the level's primes and ``p``): the products of a giant step's baby steps
+with its diagonals (plaintexts in the same primes, :meth:`Hoister.extend_plain`) are summed there
+(:meth:`Hoister.product_sum`) and the sum divided once (:meth:`Hoister.mod_down`). A rotation
+that runs alone shares each stage among a pool's threads (:meth:`Hoister.rotate_shared`).
 
 The arithmetic is SEAL's: 128-bit lazy accumulation of digit-key products and one Barrett
-reduction per word (compiled by numba, :mod:`he._kernels`' intrinsic style), the special
-prime's rounding added before the division, SEAL's own NTTs (called through :mod:`ctypes`,
-without the GIL, on the tables SEAL builds). A hoisted rotation differs from SEAL's in the
-digits' representatives where ``sigma`` negates a coefficient (``-d mod q_i`` rather than
-``(q_j - d) mod q_i``, the same size), so its key-switching noise is of the same size but its
-words are not SEAL's: :class:`Hoister` is validated on a context of its own with the same
-parameters and a secret key of its own (made and dropped there; the server's keys hold none),
-where hoisted rotations must decrypt within a bound of SEAL's own rotations' error; anything
-else leaves :attr:`Hoister.ok` false with :attr:`Hoister.reason`, and the runtime rotates with
-SEAL.
+reduction per word (compiled by numba), the special prime's rounding added before the
+division, SEAL's own NTTs (its exported lazy transforms, called through :mod:`ctypes` without
+the GIL, on tables SEAL builds). A hoisted rotation differs from SEAL's in the digits'
+representatives where ``sigma`` negates a coefficient (``-d mod q_i`` rather than ``(q_j - d)
+mod q_i``, the same size), so its key-switching noise is of the same size but its words are not
+SEAL's. Where the second polynomial is a constant, the digits are the same whatever ``sigma``,
+and so is every word: :meth:`Hoister.validated` checks that against SEAL's rotation (no secret
+key needed); anything else leaves no hoister, and the runtime rotates with SEAL.
 """
 
 from __future__ import annotations
@@ -86,8 +90,9 @@ def refused() -> str:
 
 
 def kernels() -> dict[str, Callable[..., Any]]:
-    """The compiled loops (numba, cached on disk): ``reduce_rows``, ``mac``, ``product_sum``,
-    ``round_special``, ``divide``. Raises ImportError where numba is missing."""
+    """The compiled loops (numba, cached on disk): ``reduce_rows``, ``canonical``, ``mac``,
+    ``product_sum``, ``round_special``, ``divide``. Raises ImportError where numba is
+    missing."""
     with _LOCK:
         if not _KERNELS:
             _KERNELS.update(_build())

@@ -1181,6 +1181,14 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
     early = plan.concurrent_planes()
     ready = dict(zip(early, eng.pool.map(
         lambda si: _planes(eng, kern, si, plan.steps[si], inputs), early)))
+    # the last step reading each input at a level: its baby steps are dropped after it
+    last_reader: dict[tuple[Any, int], int] = {}
+    for si in plan.order():
+        st = plan.steps[si]
+        if st.kind == "affine":
+            lin = max(plan.steps[s].level for s in st.inputs)
+            for src in st.sources():
+                last_reader[src, lin] = si
     for si in plan.order():
         st = plan.steps[si]
         if st.kind == "input":
@@ -1193,6 +1201,8 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
             out = _affine(eng, kern, si, st, st.sources(),
                           _summed_inputs(eng, st, [eng.lift(vals[s], lin) for s in st.inputs]),
                           rotated, halves, shift_of.get(si, 0))
+            for key in [key for key in rotated if last_reader.get(key[:2]) == si]:
+                del rotated[key]
         elif st.kind == "mul":
             out = eng.multiply(vals[st.inputs[0]], vals[st.inputs[1]])
         elif st.kind == "half":

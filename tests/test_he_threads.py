@@ -4,6 +4,8 @@ raise."""
 
 from __future__ import annotations
 
+import os
+
 import platform
 
 import numpy as np
@@ -16,6 +18,7 @@ import he
 import polynets as pn
 from he.backend import save_object
 from he.costmodel import CostModel, default_model
+from he.hoist import ENV_NO_HOISTING
 from he.native import NATIVE_PLATFORMS, NativeEvaluator, default_threads, native_platform
 
 #: where the native path is attempted (and so must validate); elsewhere servers run on one core
@@ -83,7 +86,11 @@ def test_planes_steps_run_at_once_and_are_priced_by_their_makespan(monkeypatch):
 
     torch.manual_seed(5)
     model, x = _TwoMapsOfTheInput().eval(), torch.randn(32, 1, 8, 8)
+    # rotations at SEAL's price, so that the first maps read the client's input planes (with
+    # hoisted baby steps the cost model has them rotate the input instead)
+    monkeypatch.setenv("POLYNETS_NO_HOISTING", "1")
     prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2)
+    monkeypatch.delenv("POLYNETS_NO_HOISTING")
     plan, params = prog.plan, prog.params
     early = plan.concurrent_planes()
     assert len(early) == 2 and all(plan.steps[si].kind == "planes" for si in early)
@@ -508,7 +515,17 @@ def _planes_program(packing: str = "vector") -> tuple[nn.Module, torch.Tensor,
         d = default_model().to_dict()
         d["client_parallel_efficiency"] = {str(r): 1.0 for r in d["table"]}
         options = {"samples_per_ciphertext": 1, "cost_model": CostModel.from_dict(d)}
-    prog = he.compile(model.eval(), x[:1], calibration=x, packing=packing, **options)
+    # rotations at SEAL's price: with hoisted baby steps the plan may rotate one input
+    # ciphertext rather than read planes from several
+    saved = os.environ.get(ENV_NO_HOISTING)
+    os.environ[ENV_NO_HOISTING] = "1"
+    try:
+        prog = he.compile(model.eval(), x[:1], calibration=x, packing=packing, **options)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_NO_HOISTING)
+        else:
+            os.environ[ENV_NO_HOISTING] = saved
     return model, x, prog
 
 
