@@ -62,23 +62,35 @@ def kernels() -> tuple[Callable[..., None], Callable[..., None]] | None:
     return _STATE["kernels"]
 
 
-def _build() -> tuple[Callable[..., None], Callable[..., None]]:
-    import numba
+def pointer_intrinsic(element: str) -> Any:
+    """A numba intrinsic that reads an integer address as a pointer to ``element`` words (a
+    numba type name: ``"int64"``, ``"uint64"``), for loops that read SEAL's arrays in place."""
     from numba.core import types
     from numba.extending import intrinsic
 
+    kind = getattr(types, element)
+
     @intrinsic
     def word_pointer(typingctx: Any, address: Any) -> Any:
-        """An integer address as an ``int64*`` (the storage of a SEAL ciphertext: its words
-        are below 2^62, so signed loads and conversions, single instructions, serve)."""
+        """An integer address as a pointer to the words."""
         if not isinstance(address, types.Integer):
             return None
-        ptr = types.CPointer(types.int64)
+        ptr = types.CPointer(kind)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             return builder.inttoptr(args[0], context.get_value_type(ptr))
 
         return ptr(address), codegen
+
+    return word_pointer
+
+
+def _build() -> tuple[Callable[..., None], Callable[..., None]]:
+    import numba
+
+    # the storage of a SEAL ciphertext as int64 words: its words are below 2^62, so signed
+    # loads and conversions, single instructions, serve
+    word_pointer = pointer_intrinsic("int64")
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def gather_digits(addr: Any, count: Any, offsets: Any, lo: int, t: int, shifts: Any,

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tenseal.sealapi as seal
 
+from he._kernels import pointer_intrinsic
 from he.fused import _DYN_DATA, _DYN_SIZE, _cxx_address, raw_access
 from he.native import _ASSIGN
 
@@ -179,17 +180,7 @@ def _build() -> dict[str, Callable[..., Any]]:
             for w in range(row.shape[0]):
                 row[w] = row[w] - qj if row[w] >= qj else row[w]
 
-    @intrinsic
-    def word_pointer(typingctx: Any, address: Any) -> Any:
-        """An integer address as a ``uint64*``."""
-        if not isinstance(address, types.Integer):
-            return None
-        ptr = types.CPointer(types.uint64)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(address), codegen
+    word_pointer = pointer_intrinsic("uint64")
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def mac(digits: Any, keys: Any, key_rows: Any, moduli: Any, r0s: Any, r1s: Any, perm: Any,
