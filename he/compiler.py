@@ -27,7 +27,7 @@ from he.native import default_threads, native_platform
 from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError,
                        SerializationError, TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
-from he.params import (RING_DEGREES, SECURITY_LEVELS, CKKSParams, check_products,
+from he.params import (RING_DEGREES, ROTATION_BITS, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels, wide_variant)
 from he.hoist import expected as hoist_expected
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
@@ -860,8 +860,10 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
 
     objective = options["objective"]
     # baby steps hoisted where this machine can and the cost model finds it cheaper (he.hoist;
-    # a server validates its hoister, and rotates with SEAL where that fails)
-    weights = hoist_weights(params, costs) if hoist_expected() else None
+    # a server validates its hoister, and rotates with SEAL where that fails), on parameters
+    # whose noise analysis covers the baby steps it favours
+    weights = hoist_weights(params, costs) \
+        if hoist_expected() and hoisting_noise_covered(params) else None
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
     plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
@@ -912,6 +914,18 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     if weights is not None:
         opts["hoist"] = weights
     return plan, opts
+
+
+def hoisting_noise_covered(params: CKKSParams) -> bool:
+    """Whether the noise analysis covers the baby steps a hoisted plan favours: their key
+    switching happens at the input's scale and the weights multiply it. A wide chain prices
+    that switching explicitly (:attr:`~he.params.CKKSParams.switching_noise`); a chain of one
+    prime per level prices it as a rescale's, which holds where the special prime has its
+    margin over the widest prime (:data:`he.params.ROTATION_BITS`). Below it (a first prime
+    as wide as the special one, for large values) a rotation at the scale was measured at
+    about 100 rescales' noise, and a hoisted plan of more baby steps broke its promise 8-fold
+    where the plan of fewer kept it; such parameters are planned without hoisting."""
+    return params.pending >= 0 or params.special_margin >= ROTATION_BITS
 
 
 def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:

@@ -66,7 +66,9 @@ RING_DEGREES: tuple[int, ...] = (8192, 16384, 32768)
 _MIN_SCALE_BITS = 20
 _MAX_PRIME_BITS = 60
 _MARGIN_BITS = 2
-_ROTATION_BITS = 10
+#: bits the special prime is kept above the widest data prime where the ring allows, against the
+#: key-switching noise of rotations
+ROTATION_BITS = 10
 #: Key-switching noise of one rotation of a value at the scale, in units of the rescale noise
 #: (:data:`_RESCALE_NOISE` N), where the special prime is as wide as the widest data prime; it
 #: falls as 2^-boost with a special prime ``boost`` bits wider. It is heavy-tailed: measured
@@ -177,7 +179,7 @@ class CKKSParams:
         times ``2^-boost``, ``boost`` the :attr:`special_margin`
         (:func:`he.noise.noise_gain` adds it to every value rotated at the scale; values at the
         squared scale get it 2^-scale_bits as large). 0 on a chain of one prime per level,
-        whose special prime is kept :data:`_ROTATION_BITS` bits wider where the ring allows
+        whose special prime is kept :data:`ROTATION_BITS` bits wider where the ring allows
         and whose noise analysis adds ``N 2^-boost`` per rescale instead
         (:func:`noise_unit`)."""
         if self.pending < 0 or len(self.coeff_mod_bit_sizes) < 2:
@@ -334,7 +336,7 @@ def _ring_chain(ring: int, levels: int, mag_bits: int, gain: tuple[float, float]
     output error near ``err_target``; with rotations the special prime gets the largest extra
     (``boost``, even down from the maximum) that still leaves room for ``levels``, or none when
     even that does not fit."""
-    boosts = tuple(range(_ROTATION_BITS, -1, -2)) if rotations else (0,)
+    boosts = tuple(range(ROTATION_BITS, -1, -2)) if rotations else (0,)
     for boost in boosts:
         # key switching's heavy tail, KEY_SWITCHING * 2^-boost rescales' noise per rotated
         # value, counted on every rescale (one prime per level rotates at the scale throughout)

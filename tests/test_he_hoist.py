@@ -288,3 +288,32 @@ def test_a_rotation_shared_among_threads_is_the_hoisted_one(ckks):
         one = h.rotate(h.decompose(ckks["ct"]), s)
         two = h.rotate_shared(ckks["ct"], s, Pool(2))
         assert np.array_equal(raw_access(one).view(one), raw_access(two).view(two))
+
+
+def test_parameters_whose_noise_analysis_misses_baby_steps_are_planned_without_hoisting():
+    """A first prime as wide as the special one (large values): a rotation at the scale is far
+    noisier than the rescale the analysis prices it as, so no hoisted plan (which favours baby
+    steps) is made, and the promise holds."""
+    import dataclasses
+
+    from he.compiler import hoisting_noise_covered
+    from he.params import ROTATION_BITS
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 5, dtype=torch.float64)
+
+    class Square(torch.nn.Module):
+        def forward(self, v):
+            return v * v
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), Square()).double()
+    with torch.no_grad():
+        model[0].weight.mul_(3e4)
+    prog = he.compile(model, x[:1], calibration=x, precision_bits=8)
+    assert prog.params.special_margin < ROTATION_BITS and not hoisting_noise_covered(prog.params)
+    assert "hoist" not in prog.options
+    wide = dataclasses.replace(prog.params, coeff_mod_bit_sizes=(50, 27, 27, 60))
+    assert hoisting_noise_covered(wide)
+    client = he.Client(prog)
+    got = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(x[:4])))
+    assert np.max(np.abs(got - model(x[:4]).detach().numpy())) <= prog.params.expected_error
