@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -50,6 +49,7 @@ sys.path.insert(0, str(HERE))
 import he  # noqa: E402
 import polynets as pn  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
+from he_inference import ProcessDied, isolated  # noqa: E402,F401 (re-exported)
 from he_inference import (Square, TutorialConvNet, accuracy, baseline,  # noqa: E402
                           load_mnist, ours_vector, train)
 
@@ -285,43 +285,6 @@ def chosen_models(spec: str, known: dict[str, Callable[[], nn.Module]] = MODELS)
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {sorted(known)}")
     return names
-
-
-class ProcessDied(RuntimeError):
-    """A model's process ended before it answered (killed for memory, or a crash in SEAL)."""
-
-
-def isolated(fn: Callable[[], dict]) -> dict:
-    """``fn()`` in a forked process of its own, so that each model's keys, ciphertexts and SEAL's
-    memory pool (which keeps what it once allocated) go back to the system when it ends, and a
-    model killed for memory does not end the run (:class:`ProcessDied`); an exception in it is
-    raised here. In this process where ``fork`` is unavailable."""
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return fn()
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-
-    def child() -> None:
-        try:
-            send.send(("ok", fn()))
-        except BaseException as exc:             # noqa: BLE001 - reported to the parent
-            send.send(("error", f"{type(exc).__name__}: {exc}"))
-
-    process = ctx.Process(target=child)
-    process.start()
-    send.close()
-    try:
-        status, value = receive.recv()
-    except EOFError:
-        process.join()
-        raise ProcessDied(f"the model's process ended with exit code {process.exitcode} before "
-                          f"it answered (killed for memory?)") from None
-    finally:
-        receive.close()
-    process.join()
-    if status == "error":
-        raise RuntimeError(f"in the model's process: {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> dict:

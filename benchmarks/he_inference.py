@@ -39,7 +39,6 @@ its own LoLA example and each model converted to Orion layers with the same trai
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import gc
 import json
@@ -49,7 +48,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tenseal as ts
@@ -343,8 +342,9 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
     del single, single_client
     gc.collect()
-    unhoisted = _in_child(_unhoisted, model, xcal, x, n, precision_bits, costs,
-                          **compile_kwargs) if prog.plan.shares_rotations else {}
+    unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
+                                            **compile_kwargs)) \
+        if prog.plan.shares_rotations else {}
     pred = prog.plan.predicted
     err = float(np.max(np.abs(np.array(outs) - prog.simulate(x[:n].numpy()))))
     return {"logits": np.array(outs), "median_s": statistics.median(times),
@@ -377,12 +377,41 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
                 statistics.median(server_times)} if unhoisted else {})}
 
 
-def _in_child(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a forked process, its result sent back: what it allocates
-    (SEAL's memory pool keeps every block it ever allocated) goes with the process."""
+class ProcessDied(RuntimeError):
+    """A model's process ended before it answered (killed for memory, or a crash in SEAL)."""
+
+
+def isolated(fn: Callable[[], dict]) -> dict:
+    """``fn()`` in a forked process of its own, so that each model's keys, ciphertexts and SEAL's
+    memory pool (which keeps what it once allocated) go back to the system when it ends, and a
+    model killed for memory does not end the run (:class:`ProcessDied`); an exception in it is
+    raised here. In this process where ``fork`` is unavailable."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return fn()
     ctx = multiprocessing.get_context("fork")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
-        return ex.submit(fn, *args, **kwargs).result()
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", fn()))
+        except BaseException as exc:             # noqa: BLE001 - reported to the parent
+            send.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    process = ctx.Process(target=child)
+    process.start()
+    send.close()
+    try:
+        status, value = receive.recv()
+    except EOFError:
+        process.join()
+        raise ProcessDied(f"the model's process ended with exit code {process.exitcode} before "
+                          f"it answered (killed for memory?)") from None
+    finally:
+        receive.close()
+    process.join()
+    if status == "error":
+        raise RuntimeError(f"in the model's process: {value}")
+    return value
 
 
 def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
