@@ -177,6 +177,9 @@ class Engine:
         self.pool = Pool(1)
         #: hoisted baby steps (:mod:`he.hoist`), once :meth:`use_hoisting` validated them
         self.hoister: Any = None
+        #: a rotation that runs alone has its key switching's stages shared among the threads
+        #: (:meth:`rotate_alone`; a plan's :attr:`he.plan.VectorPlan.shares_rotations`)
+        self.share_rotations = False
 
     def use_hoisting(self, probe: Any, probe_step: int) -> str:
         """Rotate the baby steps of a plan that asks for it (:attr:`he.plan.VectorPlan.hoisted`)
@@ -435,15 +438,20 @@ class Engine:
         self.evaluator.add_plain(ct, self.encode_scalar(value, level, self.scales[level]), out)
         return out
 
+    def shared_pool(self) -> Any:
+        """The threads that share the work of one rotation or decomposition that runs alone
+        (:attr:`share_rotations`); None: this thread does it."""
+        return self.pool if self.share_rotations and self.pool.threads > 1 else None
+
     def rotate_alone(self, ct: Any, step: int) -> Any:
         """``ct`` rotated left by ``step`` slots where nothing else runs beside (a fold, from
-        outside the engine's threads): where a hoister was validated, each key switching's
-        stages shared among the threads (:meth:`he.hoist.Hoister.rotate_shared`, the same
-        words on one thread as on several), else :meth:`rotate`."""
-        hoister = self.hoister
-        if hoister is None:
+        outside the engine's threads): where a hoister was validated and the plan shares
+        rotations, each key switching's stages shared among the threads
+        (:meth:`he.hoist.Hoister.rotate_shared`, the same words on one thread as on several),
+        else :meth:`rotate`."""
+        hoister, pool = self.hoister, self.shared_pool()
+        if hoister is None or not self.share_rotations:
             return self.rotate(ct, step)
-        pool = self.pool if self.pool.threads > 1 else None
         for s in rotation_path(step, self.slots, self.key_steps):
             ct = hoister.rotate_shared(ct, s, pool) if hoister.accepts(ct, s) \
                 else self.rotate(ct, s)

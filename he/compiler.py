@@ -208,15 +208,17 @@ def _makespan(items: Sequence[float], threads: int, efficiency: float) -> float:
     return clock
 
 
-def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float) -> float:
+def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: float,
+                      handoff: float = 0.0) -> float:
     """Seconds of one vector step whose baby-step rotations, then giant steps, are spread over
     ``threads`` threads (:func:`he.runtime._affine`). A giant step sums its plaintext products
     then rotates the sum, so its products and their additions run on the threads with its
     rotation (``giant_items`` steps, ``giant_products`` products; ``giant_zero`` of them, with
     ``giant_zero_products`` products, rotate nothing, so the threads may wait on the others).
     Where the plan shares rotations (``alone`` in the counts: its folds among the
-    rotations), each fold's key switching, and a single giant step's work, are shared among
-    the threads.
+    rotations), each fold's key switching, a single giant step's work and a single input's
+    decomposition are shared among the threads: each takes its share of the work plus
+    ``handoff`` seconds (:meth:`he.costmodel.CostModel.shared_handoff`).
     Hoisted baby steps (``rotate_hoisted`` of the ``baby_items``) follow their inputs'
     decompositions (``decompose``, spread too), and their giant steps' extended products
     (``mul_ext``) and divisions (``mod_down``) run with the giant steps. Each phase takes what
@@ -228,12 +230,18 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     items, products = c.get("giant_items", giants), c.get("giant_products", 0)
     baby_items = c.get("baby_items", babies)
     alone = c.get("alone", 0)
+    shares = "alone" in c
+
+    def apart(seconds: float) -> list[float]:
+        """Work that runs alone, on the threads where the plan shares it: one item, which
+        :func:`_makespan` runs at full speed, of its share of the work and the hand-offs."""
+        return [seconds / threads + handoff if shares and threads > 1 else seconds]
+
     if alone:
         # folds hoisted one by one, each key switching's stages shared among the threads
         # (he.backend.Engine.rotate_alone)
-        shared = price({"decompose": 1, "rotate_hoisted": 1, "mod_down": 1}) \
-            / (threads * efficiency if threads > 1 else 1)
-        serial -= alone * (price({"rotate": 1}) - shared)
+        lone = apart(price({"decompose": 1, "rotate_hoisted": 1, "mod_down": 1}))[0]
+        serial -= alone * (price({"rotate": 1}) - lone)
     if threads <= 1 or baby_items + items == 0:
         return serial
     lifted, ext = c.get("rotate_hoisted", 0), c.get("mul_ext", 0)
@@ -251,9 +259,7 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
         return price({k: v for k, v in counts.items() if v})
 
     n_decompose, n_divide = c.get("decompose", 0), c.get("mod_down", 0)
-    # one input's decomposition shares its rows among the threads (he.hoist.Hoister.decompose)
-    decompose = [price({"decompose": 1})] * n_decompose if n_decompose > 1 else \
-        [price({"decompose": 1}) / threads] * threads if n_decompose else []
+    decompose = [price({"decompose": 1})] * n_decompose if n_decompose else []
     plain_babies = baby_items - lifted
     baby = [price({"rotate_hoisted": 1})] * lifted if lifted else []
     if plain_babies:
@@ -265,11 +271,14 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
                   price({"rotate": giants / rot_items})] * rot_items
     if zero:
         giant += [sums(zero_products / zero) + divide] * zero
-    if len(giant) == 1 and "alone" in c:
-        # a single giant step shares its work among the threads (he.runtime._affine)
-        giant = [giant[0] / threads] * threads
     # the serial price counts every product and addition once: what the items hold comes out
     spread = sum(decompose) + sum(baby) + sum(giant)
+    # one input's decomposition, and a single giant step, share their work among the threads
+    # where the plan shares work that runs alone (he.runtime._affine)
+    if len(decompose) == 1:
+        decompose = apart(decompose[0])
+    if len(giant) == 1:
+        giant = apart(giant[0])
     return (serial - spread + _makespan(decompose, threads, efficiency) +
             _makespan(baby, threads, efficiency) + _makespan(giant, threads, efficiency))
 
@@ -305,7 +314,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
         lin = plan.runs_at(si)
         step = _threaded_seconds(
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
-            costs.parallel_efficiency(ring))
+            costs.parallel_efficiency(ring), costs.shared_handoff(ring) or 0.0)
         if si in early:
             at_once.append(step)
         else:
@@ -560,7 +569,8 @@ class CompiledProgram:
                 max_input_ciphertexts=int(self.options["max_input_ciphertexts"]),
                 planes_per_ct=None if per_ct is None else {int(k): int(v)
                                                            for k, v in per_ct.items()},
-                stacked=stacked, hoist_weights=_stored_weights(self.options.get("hoist")))
+                stacked=stacked, hoist_weights=_stored_weights(self.options.get("hoist")),
+                share_rotations=_stored_share(self.options))
             keys = self.options.get("keys", "direct")
             if keys not in ("direct", "basis"):
                 raise ValueError(f"keys must be 'direct' or 'basis', got {keys!r}")
@@ -852,11 +862,28 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     def served(trial: VectorPlan) -> tuple[int, str, dict[str, Any]]:
         """The server threads ``trial`` would run on, why, and its prediction on them: every
         candidate is priced as it would be served, so that the one kept is the cheapest as
-        served (not the cheapest on threads the rule then declines)."""
-        return _chosen_threads(
-            _threads(options), _predict_vector(trial, params, costs, 1),
-            lambda n: _predict_vector(trial, params, costs, n),
+        served (not the cheapest on threads the rule then declines). Where it hoists and
+        the cost model prices sharing, ``trial`` shares the work that runs alone among the
+        threads (:attr:`VectorPlan.shares_rotations`) if that is predicted faster."""
+        def on(n: int) -> dict[str, Any]:
+            trial.shares_rotations = False
+            apart = _predict_vector(trial, params, costs, n)
+            if not share:
+                return apart
+            trial.shares_rotations = True
+            together = _predict_vector(trial, params, costs, n)
+            if together["seconds_per_ciphertext"] < apart["seconds_per_ciphertext"]:
+                return together
+            trial.shares_rotations = False
+            return apart
+
+        trial.shares_rotations = False
+        threads, why, predicted = _chosen_threads(
+            _threads(options), _predict_vector(trial, params, costs, 1), on,
             "baby-step rotations and giant steps (their products and rotation)")
+        if threads == 1:
+            trial.shares_rotations = False
+        return threads, why, predicted
 
     objective = options["objective"]
     # baby steps hoisted where this machine can and the cost model finds it cheaper (he.hoist;
@@ -864,6 +891,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     # whose noise analysis covers the baby steps it favours
     weights = hoist_weights(params, costs) \
         if hoist_expected() and hoisting_noise_covered(params) else None
+    # sharing among the threads is priced only where the cost model measured its hand-offs
+    share = weights is not None and costs.shared_handoff(ring) is not None
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
     plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
@@ -898,6 +927,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         planes_why = (f"; the first maps from the client's input planes: {scores[MAX_PLANES]:.3g}"
                       f" s, from one input ciphertext: {scores[0]:.3g} s")
     changed = sum(o is not None for o in orders)
+    shared_why = "; folds and lone giant steps shared among them" if plan.shares_rotations \
+        else ""
     opts = {**options, "server_threads": threads, "threads_why": threads_why,
             "layouts": [None if o is None else list(o) for o in orders],
             "planes_per_ct": {str(i): v for i, v in per_ct.items()},
@@ -908,11 +939,12 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                     f"maps stacked; widest value {plan.widest} slots, room for {most} samples "
                     f"per ciphertext; {plan.interleave} chosen for {objective} "
                     f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client encryption "
-                    f"included){planes_why}; {threads_why}")}
+                    f"included){planes_why}; {threads_why}{shared_why}")}
     if max_planes != MAX_PLANES:
         opts["max_planes"] = max_planes
     if weights is not None:
         opts["hoist"] = weights
+        opts["share_rotations"] = plan.shares_rotations
     return plan, opts
 
 
@@ -941,6 +973,15 @@ def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]
         out[str(lv)] = [float(f"{costs.seconds(op, ring, limbs) / rot:.4g}")
                         for op in ("rotate_hoisted", "decompose", "mod_down")]
     return out
+
+
+def _stored_share(options: dict[str, Any]) -> bool:
+    """A program's ``share_rotations`` option (programs saved before it: shared); raises
+    ValueError where it is not a bool."""
+    share = options.get("share_rotations", True)
+    if type(share) is not bool:
+        raise ValueError(f"share_rotations must be a bool, got {share!r}")
+    return share
 
 
 def _stored_weights(stored: Any) -> Callable[[int], tuple[float, float, float]] | None:

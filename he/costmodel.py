@@ -34,7 +34,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -136,6 +136,10 @@ class CostModel:
     #: (:func:`_word_speed`), as SEAL's primitives and the word loops need not differ by the same
     #: factor from one machine to another
     word_speed: float = 1.0
+    #: per ring, seconds one rotation whose key switching is shared among several threads
+    #: takes beyond its share of the work (:func:`_shared_handoff`); none measured: sharing is
+    #: not priced, so never chosen (:meth:`shared_handoff`)
+    shared: dict[int, float] = field(default_factory=dict)
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -200,10 +204,7 @@ class CostModel:
         """The same table on a machine ``speed`` times as slow (``why`` joins the source)."""
         if not _is_speed(speed):
             raise ValueError(f"speed factor must be a positive number, not {speed!r}")
-        return CostModel(self.table, f"{self.source}; {why}", dict(self.words),
-                         dict(self.parallel), dict(self.client_parallel),
-                         self.speed * float(speed), dict(self.derived),
-                         dict(self.batch_parallel), self.word_speed)
+        return replace(self, source=f"{self.source}; {why}", speed=self.speed * float(speed))
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
@@ -213,6 +214,7 @@ class CostModel:
                                                for r, e in self.client_parallel.items()},
                 "batch_parallel_efficiency": {str(r): e
                                               for r, e in self.batch_parallel.items()},
+                "shared_handoff_seconds": {str(r): t for r, t in self.shared.items()},
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()
                                    if op not in self.derived.get(r, ())}
                           for r, ops in self.table.items()}}
@@ -251,10 +253,12 @@ class CostModel:
             if k not in WORD_PRIMITIVES or not float(v) > 0:
                 raise ValueError(f"cost table: bad word cost {k!r}: {v!r}")
             words[k] = float(v)
-        parallel, client, batch = (
+        parallel, client, batch, shared = (
             {int(r): float(e) for r, e in dict(d.get(key, {})).items()}
             for key in ("parallel_efficiency", "client_parallel_efficiency",
-                        "batch_parallel_efficiency"))
+                        "batch_parallel_efficiency", "shared_handoff_seconds"))
+        if not all(0.0 <= t < 1.0 for t in shared.values()):
+            raise ValueError(f"cost table: shared hand-off seconds {shared} not all in [0, 1)")
         for what, eff in (("parallel", parallel), ("client parallel", client),
                           ("batch parallel", batch)):
             if not all(0.0 < e <= 1.0 for e in eff.values()):
@@ -265,7 +269,7 @@ class CostModel:
         if not _is_speed(word_speed):
             raise ValueError(f"cost table: bad word speed factor {d.get('word_speed')!r}")
         return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived,
-                   batch, word_speed)
+                   batch, word_speed, shared)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
@@ -277,6 +281,15 @@ class CostModel:
         the fused maps' compiled loops; :func:`_batch_efficiency`) in ring ``ring`` on several
         threads at once: the nearest measured ring's, the rotations' where none was."""
         return _nearest(self.batch_parallel, ring, self.parallel_efficiency(ring))
+
+    def shared_handoff(self, ring: int) -> float | None:
+        """Seconds one rotation (or decomposition, or giant step) shared among several threads
+        takes beyond its share of the work in ring ``ring`` (:func:`_shared_handoff`): the
+        nearest measured ring's times this machine's speed; None where the table measured
+        none (sharing is then not priced)."""
+        if not self.shared:
+            return None
+        return self.speed * _nearest(self.shared, ring, 0.0)
 
 
 def _nearest(per_ring: dict[int, float], ring: int, default: float) -> float:
@@ -305,15 +318,17 @@ def _time(fn: Any, reps: int) -> float:
 def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = False) -> CostModel:
     """Time SEAL's primitives on this machine at several limb counts per ring, and how much
     faster rotations, batch packing's rescales and a client's encryptions run on all its cores
-    at once: the median of readings spread through the timings (:data:`SPEEDUP_READINGS`)."""
+    at once, and what sharing one rotation's stages among them adds: the median of readings
+    spread through the timings (:data:`SPEEDUP_READINGS`)."""
     rings = list(rings)
-    readings: dict[int, tuple[list[float], ...]] = {ring: ([], [], []) for ring in rings}
+    readings: dict[int, tuple[list[float], ...]] = {ring: ([], [], [], []) for ring in rings}
 
     def read_speed_ups() -> None:
         for ring in rings:
             readings[ring][0].append(_parallel_efficiency(ring))
             readings[ring][1].append(_client_efficiency(ring))
             readings[ring][2].append(_batch_efficiency(ring))
+            readings[ring][3].append(_shared_handoff(ring))
 
     # the speed-ups per thread are read before each ring's table and after the last one (at
     # least SPEEDUP_READINGS times), and their median kept
@@ -323,19 +338,21 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
         table[ring] = _measure_ring(ring, progress)
     for _ in range(max(1, SPEEDUP_READINGS - len(rings))):
         read_speed_ups()
-    parallel, client, batch = ({ring: float(np.median(r[k])) for ring, r in readings.items()}
-                               for k in range(3))
+    parallel, client, batch, shared = (
+        {ring: float(np.median(r[k])) for ring, r in readings.items()} for k in range(4))
     words = _word_speed()
     if progress:
         for what, eff in (("rotations", parallel), ("a client's encryptions", client),
                           ("batch rescales", batch)):
             print(f"  {what} on every core at once, speed-up per thread: " + ", ".join(
                 f"N={ring} {e:.2f}" for ring, e in eff.items()))
+        print("  a rotation shared among every core, seconds beyond its share of the work: "
+              + ", ".join(f"N={ring} {t * 1e3:.2f} ms" for ring, t in shared.items()))
         print(f"  fused maps' word loops: {words:.2f}x the shipped word costs")
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
                      parallel=parallel, client_parallel={r: e for r, e in client.items() if e},
-                     batch_parallel=batch, word_speed=words)
+                     batch_parallel=batch, word_speed=words, shared=shared)
 
 
 #: (inputs, outputs) of the dense fused maps :func:`_word_speed` times: one whose work is
@@ -512,6 +529,51 @@ def _batch_efficiency(ring: int) -> float:
     for buf in into:                # each call's buffer sized by a first rescale
         native.rescale(ct, buf)
     return _speedup_per_thread(lambda i: native.rescale(ct, into[i]), threads)
+
+
+def _shared_handoff(ring: int) -> float:
+    """Seconds one rotation whose key switching's stages (decomposition, products with the
+    key, division by the special prime) are shared among every core of this process
+    (:meth:`he.hoist.Hoister.rotate_shared`) takes beyond its share of the work, on a
+    ciphertext of one data prime (the least work, so the hand-offs show): the median over
+    :data:`SPEEDUP_ROUNDS` paired rounds of the shared rotation's seconds less those of the
+    same rotation on one thread divided by the threads; 0 where there is one core or no
+    hoister here. Each stage is a hand-off to the threads and back: on a 2-core x86-64 machine
+    about a millisecond per rotation at N=8192-16384, where one rotation of one prime takes
+    1-3 ms on one thread."""
+    import tenseal.sealapi as seal
+
+    from he.native import Pool, default_threads
+
+    threads = default_threads()
+    if threads < 2 or not hoist.expected():
+        return 0.0
+    _, tools = _tools(ring, 1)
+    hoister, (encoder, _, encryptor) = tools_hoister(tools), tools[:3]
+    if hoister is None:
+        return 0.0
+    pt, ct = seal.Plaintext(), seal.Ciphertext()
+    encoder.encode(np.linspace(-1.0, 1.0, ring // 2).tolist(), 2.0 ** 20, pt)
+    encryptor.encrypt(pt, ct)
+    pool, n = Pool(threads), 8
+
+    def timed(on: Any) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            hoister.rotate_shared(ct, 1, on)
+        return (time.perf_counter() - t0) / n
+
+    timed(None), timed(pool)
+    extra = []
+    for r in range(SPEEDUP_ROUNDS):
+        if r % 2:
+            shared = timed(pool)
+            one = timed(None)
+        else:
+            one = timed(None)
+            shared = timed(pool)
+        extra.append(max(0.0, shared - one / threads))
+    return float(np.median(extra))
 
 
 def _client_efficiency(ring: int) -> float:

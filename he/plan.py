@@ -766,8 +766,9 @@ class VectorPlan:
     #: ``(input, level)`` whose baby steps are hoisted, ``input`` as :meth:`VStep.sources`
     #: names it (:mod:`he.hoist`; which baby steps: :meth:`hoists`)
     hoisted_sources: list[tuple[Any, int]] = field(default_factory=list)
-    #: a server shares each fold's key switching among its threads (compiled where hoisting
-    #: is: :meth:`he.backend.Engine.rotate_alone`)
+    #: a server shares the work of each rotation or decomposition that runs alone (a fold, a
+    #: single giant step) among its threads (:meth:`he.backend.Engine.rotate_alone`): compiled
+    #: where hoisting is and the cost model finds it faster (:func:`he.compiler.shares_work`)
     shares_rotations: bool = False
 
     @property
@@ -1482,7 +1483,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                       planes_per_ct: dict[int, int] | None = None,
                       price: Callable[[dict[str, int], int], float] | None = None,
                       stacked: Sequence[Sequence[int]] | None = None,
-                      hoist_weights: HoistWeights | None = None) -> VectorPlan:
+                      hoist_weights: HoistWeights | None = None,
+                      share_rotations: bool = True) -> VectorPlan:
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
@@ -1493,7 +1495,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     ``price(counts, level)`` (see :func:`_stack_pairs`), or as ``stacked`` pairs say (a stored
     plan's ``VectorPlan.stacked``). ``hoist_weights``: what hoisted baby steps cost at each
     level (:func:`bsgs_plan`); the plan hoists those of the inputs where they are cheaper
-    (None: no hoisting).
+    (None: no hoisting). ``share_rotations``: where hoisting is, a server shares the work of a
+    rotation that runs alone among its threads (:attr:`VectorPlan.shares_rotations`).
     """
     steps = lowered.steps
     orders = _checked_orders(lowered, orders)
@@ -1516,7 +1519,7 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                            hoisted)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
                       stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted),
-                      shares_rotations=hoist_weights is not None)
+                      shares_rotations=hoist_weights is not None and share_rotations)
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))

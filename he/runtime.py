@@ -1100,9 +1100,11 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         first = {}
         for key in lifted:
             first.setdefault(key[:2], babies[key])
-        # one input: its decomposition's rows shared among the threads; several: one each
+        # one input: its decomposition's rows shared among the threads (where the plan shares
+        # work that runs alone); several: one each
         if len(first) == 1:
-            decomposed = {src: hoister.decompose(x, eng.pool) for src, x in first.items()}
+            decomposed = {src: hoister.decompose(x, eng.shared_pool()) for src, x in
+                          first.items()}
         else:
             decomposed = dict(zip(first, eng.pool.map(hoister.decompose, first.values())))
         for key, ext in zip(lifted, eng.pool.map(
@@ -1117,7 +1119,7 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         """A giant step's products summed, then rotated; ``shared``: the step runs alone, its
         extended products, division and rotation shared among the engine's threads."""
         (_, giant), group = item
-        pool = eng.pool if shared else None
+        pool = eng.shared_pool() if shared else None
         ext = [(kern.store[d], rotated[r]) for r, d in group if isinstance(rotated[r], Extended)]
         acc = _accumulate(eng, (eng.mul_plain(rotated[r], kern.store[d]) for r, d in group
                                 if not isinstance(rotated[r], Extended)))

@@ -10,7 +10,7 @@ import torch
 
 import he
 from he.hoist import ENV_NO_HOISTING, Hoister, expected
-from he.native import galois_element
+from he.native import default_threads, galois_element, native_platform
 from he.plan import bsgs_plan, shared_splits
 
 pytestmark = pytest.mark.skipif(not expected(), reason="no hoisting on this platform")
@@ -57,15 +57,22 @@ def _hoister(ckks):
 
 
 def test_hoisted_rotations_decrypt_as_seals_do(ckks):
+    # the errors of all the steps together: on this chain (a special prime no wider than the
+    # widest prime) a key switching's error is heavy-tailed, so one rotation's largest error
+    # differed from SEAL's by up to 9x either way over 100 rotations (its root mean square by
+    # up to 3x); a wrong slot, key or division errs by the values themselves (about 1; the
+    # largest error of 40 draws of these four rotations was 5e-4)
     h = _hoister(ckks)
     d = h.decompose(ckks["ct"])
+    errs, errs_seal = [], []
     for s in STEPS:
         want = np.roll(ckks["x"], -s)
         ref = seal.Ciphertext()
         ckks["ev"].rotate_vector(ckks["ct"], s, ckks["gk"], ref)
-        err_seal = np.abs(ckks["decrypt"](ref) - want).max()
-        err = np.abs(ckks["decrypt"](h.rotate(d, s)) - want).max()
-        assert err < max(4 * err_seal, 1e-6)
+        errs_seal.append(ckks["decrypt"](ref) - want)
+        errs.append(ckks["decrypt"](h.rotate(d, s)) - want)
+    assert np.abs(errs).max() < 1e-2
+    assert np.sqrt(np.mean(np.square(errs))) < 3 * np.sqrt(np.mean(np.square(errs_seal)))
 
 
 def test_a_giant_steps_sum_is_divided_once_and_decrypts_to_its_products(ckks):
@@ -317,3 +324,100 @@ def test_parameters_whose_noise_analysis_misses_baby_steps_are_planned_without_h
     client = he.Client(prog)
     got = client.decrypt(he.Server(prog, client.public_context()).run(client.encrypt(x[:4])))
     assert np.max(np.abs(got - model(x[:4]).detach().numpy())) <= prog.params.expected_error
+
+
+def _handoff_model(seconds):
+    """The shipped table with the hand-off of a shared rotation set to ``seconds`` per ring."""
+    from dataclasses import replace
+
+    from he.costmodel import shipped_model
+    return replace(shipped_model(), shared={r: seconds for r in (8192, 16384, 32768)})
+
+
+@pytest.mark.skipif(default_threads() < 2 or not native_platform(),
+                    reason="a server shares work among threads on a native platform of 2 cores")
+def test_work_that_runs_alone_is_shared_only_where_the_cost_model_finds_it_faster():
+    from he.compiler import _predict_vector
+
+    x = torch.rand(16, 1, 8, 8)
+    progs = {h: he.compile(_token_model(), x[:1], calibration=x, packing="vector",
+                           server_threads=2, cost_model=_handoff_model(h)) for h in (0.0, 0.5)}
+    free, dear = progs[0.0], progs[0.5]
+    assert free.options["server_threads"] == 2 and free.plan.shares_rotations
+    assert free.options["share_rotations"] is True and "shared among them" in free.plan.why
+    assert not dear.plan.shares_rotations and dear.options["share_rotations"] is False
+    # the choice is the cheaper prediction of the two
+    costs = _handoff_model(0.0)
+    shared = _predict_vector(free.plan, free.params, costs, 2)["seconds_per_ciphertext"]
+    free.plan.shares_rotations = False
+    apart = _predict_vector(free.plan, free.params, costs, 2)["seconds_per_ciphertext"]
+    free.plan.shares_rotations = True
+    assert shared < apart
+    # a server does as its program says, and sharing changes no word of the result
+    client = he.Client(free)
+    public = client.public_context()
+    request = client.encrypt(x[:2].numpy()).to_bytes()
+    one, two = he.Server(free, public, threads=1), he.Server(free, public, threads=2)
+    assert two.engine.share_rotations and two.engine.hoister is not None
+    out = two.run(request).to_bytes()
+    assert out == one.run(request).to_bytes()
+    assert np.abs(client.decrypt(out) - free.simulate(x[:2].numpy())).max() \
+        <= free.params.expected_error
+
+
+def test_a_table_without_measured_hand_offs_never_shares():
+    from he.costmodel import CostModel, shipped_model
+    d = shipped_model().to_dict()
+    assert CostModel.from_dict(d).shared_handoff(8192) > 0
+    d.pop("shared_handoff_seconds")
+    model = CostModel.from_dict(d)
+    assert model.shared_handoff(8192) is None
+    x = torch.rand(16, 1, 8, 8)
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector", server_threads=2,
+                      cost_model=model)
+    assert not prog.plan.shares_rotations
+
+
+@pytest.mark.parametrize("bad", [{"8192": -1e-3}, {"8192": 2.0}])
+def test_bad_hand_offs_in_a_cost_table_are_refused(bad):
+    from he.costmodel import CostModel, shipped_model
+    d = shipped_model().to_dict()
+    d["shared_handoff_seconds"] = bad
+    with pytest.raises(ValueError, match="shared hand-off seconds"):
+        CostModel.from_dict(d)
+
+
+def test_hand_offs_scale_with_the_machine_and_survive_a_round_trip():
+    from he.costmodel import CostModel
+    model = _handoff_model(1e-3)
+    assert model.scaled(2.0, "slower").shared_handoff(16384) == pytest.approx(2e-3)
+    assert CostModel.from_dict(model.to_dict()).shared == model.shared
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_a_bad_sharing_choice_in_a_program_is_refused(bad):
+    from he.compiler import _stored_share
+    assert _stored_share({}) is True            # saved before the choice: shared
+    with pytest.raises(ValueError, match="share_rotations must be a bool"):
+        _stored_share({"share_rotations": bad})
+
+
+def test_a_shared_item_costs_its_share_of_the_work_and_the_hand_off():
+    from he.compiler import _threaded_seconds
+    prices = {"decompose": 1.0, "rotate_hoisted": 0.25, "mod_down": 0.5, "mul_ext": 0.1,
+              "rotate": 2.0, "rescale": 0.3, "add": 0.01}
+
+    def price(counts):
+        return sum(n * prices[op] for op, n in counts.items())
+
+    c = {"decompose": 1, "rotate_hoisted": 4, "mul_ext": 4, "mod_down": 1, "rescale": 1,
+         "add": 0, "baby_items": 4, "giant_items": 1, "giant_products": 4}
+    apart = _threaded_seconds(c, price, 2, 1.0, handoff=0.2)
+    shared = _threaded_seconds({**c, "alone": 0}, price, 2, 1.0, handoff=0.2)
+    # the decomposition (1.0) and the single giant step (0.4 + 0.5) each: half, plus 0.2
+    assert apart - shared == pytest.approx((1.0 - 0.7) + (0.9 - (0.45 + 0.2)))
+
+
+def test_a_measured_hand_off_is_a_few_milliseconds_at_most():
+    from he.costmodel import _shared_handoff
+    assert 0.0 <= _shared_handoff(8192) < 0.1
