@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from he.backend import build_context
 from he.container import pack, unpack
-from he.costmodel import CostModel, default_model
+from he.costmodel import SHARED_ROTATION_HANDOFFS, CostModel, default_model
 from he.native import default_threads, native_platform
 from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError,
                        SerializationError, TooDeepError, batch_of)
@@ -190,14 +190,16 @@ def _chosen_threads(threads: int, serial: dict[str, Any], on: Callable[[int], di
                      f"one"), predicted
 
 
-def _makespan(items: Sequence[float], threads: int, efficiency: float) -> float:
+def _makespan(items: Sequence[float], threads: int, efficiency: float,
+              handoff: float = 0.0) -> float:
     """Seconds ``items`` (each its seconds on one thread alone) take on ``threads`` threads,
     each thread taking the next item as it frees, longest first; while several run at once
     each runs ``1/efficiency`` times as long (they share the cores and the memory), while one
-    runs alone it runs at full speed."""
+    runs alone it runs at full speed. Handing several items to the threads and waiting for
+    them costs ``handoff`` seconds once (:meth:`he.costmodel.CostModel.map_handoff`)."""
     left = sorted((float(t) for t in items if t > 0), reverse=True)
     running: list[float] = []           # work left of the items running
-    clock = 0.0
+    clock = handoff if threads > 1 and len(left) > 1 else 0.0
     while left or running:
         while left and len(running) < threads:
             running.append(left.pop(0))
@@ -218,7 +220,9 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
     Where the plan shares rotations (``alone`` in the counts: its folds among the
     rotations), each fold's key switching, a single giant step's work and a single input's
     decomposition are shared among the threads: each takes its share of the work plus
-    ``handoff`` seconds (:meth:`he.costmodel.CostModel.shared_handoff`).
+    ``handoff`` seconds (:meth:`he.costmodel.CostModel.shared_handoff`); each phase spread
+    over the threads costs a hand-off of its own, ``handoff /``
+    :data:`~he.costmodel.SHARED_ROTATION_HANDOFFS`.
     Hoisted baby steps (``rotate_hoisted`` of the ``baby_items``) follow their inputs'
     decompositions (``decompose``, spread too), and their giant steps' extended products
     (``mul_ext``) and divisions (``mod_down``) run with the giant steps. Each phase takes what
@@ -279,8 +283,9 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
         decompose = apart(decompose[0])
     if len(giant) == 1:
         giant = apart(giant[0])
-    return (serial - spread + _makespan(decompose, threads, efficiency) +
-            _makespan(baby, threads, efficiency) + _makespan(giant, threads, efficiency))
+    per_map = handoff / SHARED_ROTATION_HANDOFFS
+    return serial - spread + sum(_makespan(items, threads, efficiency, per_map)
+                                 for items in (decompose, baby, giant))
 
 
 def wire_bytes(params: CKKSParams, level: int, ciphertexts: int, polys: int) -> int:
@@ -321,7 +326,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             seconds += step
         plaintexts.append((c["plaintexts"], lin))
     # the planes steps all at once on the server's threads (he.runtime.run_vector)
-    seconds += _makespan(at_once, threads, costs.parallel_efficiency(ring))
+    seconds += _makespan(at_once, threads, costs.parallel_efficiency(ring),
+                         costs.map_handoff(ring))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)

@@ -282,6 +282,12 @@ class CostModel:
         threads at once: the nearest measured ring's, the rotations' where none was."""
         return _nearest(self.batch_parallel, ring, self.parallel_efficiency(ring))
 
+    def map_handoff(self, ring: int) -> float:
+        """Seconds one hand-off of work to the threads and back takes in ring ``ring``: a
+        shared rotation's (:meth:`shared_handoff`) over the :data:`SHARED_ROTATION_HANDOFFS`
+        it makes; 0 where the table measured none."""
+        return (self.shared_handoff(ring) or 0.0) / SHARED_ROTATION_HANDOFFS
+
     def shared_handoff(self, ring: int) -> float | None:
         """Seconds one rotation (or decomposition, or giant step) shared among several threads
         takes beyond its share of the work in ring ``ring`` (:func:`_shared_handoff`): the
@@ -529,6 +535,12 @@ def _batch_efficiency(ring: int) -> float:
     for buf in into:                # each call's buffer sized by a first rescale
         native.rescale(ct, buf)
     return _speedup_per_thread(lambda i: native.rescale(ct, into[i]), threads)
+
+
+#: hand-offs to the threads and back in one shared rotation (:meth:`he.hoist.Hoister.
+#: rotate_shared`): the decomposition's inverse transforms and its rows, the products with the
+#: key, the division
+SHARED_ROTATION_HANDOFFS = 4
 
 
 def _shared_handoff(ring: int) -> float:

@@ -768,7 +768,7 @@ class VectorPlan:
     hoisted_sources: list[tuple[Any, int]] = field(default_factory=list)
     #: a server shares the work of each rotation or decomposition that runs alone (a fold, a
     #: single giant step) among its threads (:meth:`he.backend.Engine.rotate_alone`): compiled
-    #: where hoisting is and the cost model finds it faster (:func:`he.compiler.shares_work`)
+    #: where hoisting is and the cost model prices the plan faster so than not
     shares_rotations: bool = False
 
     @property

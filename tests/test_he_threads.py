@@ -108,13 +108,16 @@ def test_planes_steps_run_at_once_and_are_priced_by_their_makespan(monkeypatch):
     costs = default_model()
     eff = costs.parallel_efficiency(params.poly_modulus_degree)
     counts = plan.op_counts()
+    ring = params.poly_modulus_degree
     items = [_threaded_seconds(counts[si], lambda cs, lv=plan.runs_at(si): costs.price(
-        cs, params.poly_modulus_degree, params.limbs(lv)), 2, eff) for si in early]
+        cs, ring, params.limbs(lv)), 2, eff, costs.shared_handoff(ring) or 0.0) for si in early]
     at_once = _predict_vector(plan, params, costs, 2)["seconds_per_ciphertext"]
     monkeypatch.setattr(type(plan), "concurrent_planes", lambda self: [])
     in_turn = _predict_vector(plan, params, costs, 2)["seconds_per_ciphertext"]
-    assert in_turn - at_once == pytest.approx(sum(items) - _makespan(items, 2, eff), rel=1e-9)
-    assert _makespan(items, 2, eff) < sum(items)
+    handoff = costs.map_handoff(ring)
+    assert in_turn - at_once == pytest.approx(sum(items) - _makespan(items, 2, eff, handoff),
+                                              rel=1e-9)
+    assert _makespan(items, 2, eff, handoff) < sum(items)
 
 
 @native_only
@@ -600,3 +603,10 @@ def test_client_threads_are_checked_and_the_round_trip_prices_them():
     bare = CostModel.from_dict(d)
     assert bare.client_seconds(6, ring, limbs, 2) == bare.client_seconds(6, ring, limbs, 1)
     assert costs.client_seconds(1, ring, limbs, 8) == costs.client_seconds(1, ring, limbs, 1)
+
+
+def test_handing_items_to_the_threads_costs_one_hand_off_per_map():
+    from he.compiler import _makespan
+    assert _makespan([1.0], 2, 0.8, 0.25) == pytest.approx(1.0)           # runs here
+    assert _makespan([1.0, 1.0], 2, 0.8, 0.25) == pytest.approx(0.25 + 1.0 / 0.8)
+    assert _makespan([1.0, 1.0], 1, 0.8, 0.25) == pytest.approx(2.0)      # one thread
