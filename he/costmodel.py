@@ -352,13 +352,15 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                           ("batch rescales", batch)):
             print(f"  {what} on every core at once, speed-up per thread: " + ", ".join(
                 f"N={ring} {e:.2f}" for ring, e in eff.items()))
-        print("  a rotation shared among every core, seconds beyond its share of the work: "
-              + ", ".join(f"N={ring} {t * 1e3:.2f} ms" for ring, t in shared.items()))
+        if all(np.isfinite(t) for t in shared.values()):
+            print("  a rotation shared among every core, seconds beyond its share of the work: "
+                  + ", ".join(f"N={ring} {t * 1e3:.2f} ms" for ring, t in shared.items()))
         print(f"  fused maps' word loops: {words:.2f}x the shipped word costs")
     return CostModel(table, f"measured on {platform.node()} ({platform.machine()}, "
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
                      parallel=parallel, client_parallel={r: e for r, e in client.items() if e},
-                     batch_parallel=batch, word_speed=words, shared=shared)
+                     batch_parallel=batch, word_speed=words,
+                     shared={r: t for r, t in shared.items() if np.isfinite(t)})
 
 
 #: (inputs, outputs) of the dense fused maps :func:`_word_speed` times: one whose work is
@@ -549,8 +551,8 @@ def _shared_handoff(ring: int) -> float:
     (:meth:`he.hoist.Hoister.rotate_shared`) takes beyond its share of the work, on a
     ciphertext of one data prime (the least work, so the hand-offs show): the median over
     :data:`SPEEDUP_ROUNDS` paired rounds of the shared rotation's seconds less those of the
-    same rotation on one thread divided by the threads; 0 where there is one core or no
-    hoister here. Each stage is a hand-off to the threads and back: on a 2-core x86-64 machine
+    same rotation on one thread divided by the threads; NaN where there is one core or no
+    hoister here (nothing to measure: :func:`measure` then keeps none, and nothing is shared). Each stage is a hand-off to the threads and back: on a 2-core x86-64 machine
     about a millisecond per rotation at N=8192-16384, where one rotation of one prime takes
     1-3 ms on one thread."""
     import tenseal.sealapi as seal
@@ -559,11 +561,11 @@ def _shared_handoff(ring: int) -> float:
 
     threads = default_threads()
     if threads < 2 or not hoist.expected():
-        return 0.0
+        return float("nan")
     _, tools = _tools(ring, 1)
     hoister, (encoder, _, encryptor) = tools_hoister(tools), tools[:3]
     if hoister is None:
-        return 0.0
+        return float("nan")
     pt, ct = seal.Plaintext(), seal.Ciphertext()
     encoder.encode(np.linspace(-1.0, 1.0, ring // 2).tolist(), 2.0 ** 20, pt)
     encryptor.encrypt(pt, ct)

@@ -418,6 +418,14 @@ def test_a_shared_item_costs_its_share_of_the_work_and_the_hand_off():
     assert apart - shared == pytest.approx((1.0 - 0.7) + (0.9 - (0.45 + 0.2)))
 
 
+@pytest.mark.skipif(default_threads() < 2, reason="no threads to hand work to")
 def test_a_measured_hand_off_is_a_few_milliseconds_at_most():
     from he.costmodel import _shared_handoff
     assert 0.0 <= _shared_handoff(8192) < 0.1
+
+
+def test_one_core_measures_no_hand_off(monkeypatch):
+    import he.native
+    from he.costmodel import _shared_handoff
+    monkeypatch.setattr(he.native, "default_threads", lambda: 1)
+    assert np.isnan(_shared_handoff(8192))
