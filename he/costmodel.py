@@ -469,15 +469,25 @@ def _speedup_per_thread(task: Any, threads: int, rounds: int = SPEEDUP_ROUNDS,
             then(out)
         return time.perf_counter() - t0
 
-    timed(one), timed(many)         # first calls: allocations, caches, the pool's threads
-    ratios = []
+    ratios = [serial / (threads * parallel) for serial, parallel in
+              _paired_rounds(lambda: timed(one), lambda: timed(many), rounds)]
+    return float(min(1.0, max(0.1, np.median(ratios))))
+
+
+def _paired_rounds(serial: Callable[[], float], parallel: Callable[[], float],
+                   rounds: int) -> list[tuple[float, float]]:
+    """``(serial(), parallel())`` (each a timing) in each of ``rounds`` rounds, the two run back
+    to back in alternating order, after one untimed call of each (the first calls allocate,
+    fill caches and start the pool's threads)."""
+    serial(), parallel()
+    out = []
     for r in range(max(1, int(rounds))):
         if r % 2:
-            parallel, serial = timed(many), timed(one)
+            b, a = parallel(), serial()
         else:
-            serial, parallel = timed(one), timed(many)
-        ratios.append(serial / (threads * parallel))
-    return float(min(1.0, max(0.1, np.median(ratios))))
+            a, b = serial(), parallel()
+        out.append((a, b))
+    return out
 
 
 def _parallel_efficiency(ring: int) -> float:
@@ -552,7 +562,8 @@ def _shared_handoff(ring: int) -> float:
     ciphertext of one data prime (the least work, so the hand-offs show): the median over
     :data:`SPEEDUP_ROUNDS` paired rounds of the shared rotation's seconds less those of the
     same rotation on one thread divided by the threads; NaN where there is one core or no
-    hoister here (nothing to measure: :func:`measure` then keeps none, and nothing is shared). Each stage is a hand-off to the threads and back: on a 2-core x86-64 machine
+    hoister here (nothing to measure: :func:`measure` then keeps none, and nothing is
+    shared). Each stage is a hand-off to the threads and back: on a 2-core x86-64 machine
     about a millisecond per rotation at N=8192-16384, where one rotation of one prime takes
     1-3 ms on one thread."""
     import tenseal.sealapi as seal
@@ -577,16 +588,8 @@ def _shared_handoff(ring: int) -> float:
             hoister.rotate_shared(ct, 1, on)
         return (time.perf_counter() - t0) / n
 
-    timed(None), timed(pool)
-    extra = []
-    for r in range(SPEEDUP_ROUNDS):
-        if r % 2:
-            shared = timed(pool)
-            one = timed(None)
-        else:
-            one = timed(None)
-            shared = timed(pool)
-        extra.append(max(0.0, shared - one / threads))
+    extra = [max(0.0, shared - one / threads) for one, shared in
+             _paired_rounds(lambda: timed(None), lambda: timed(pool), SPEEDUP_ROUNDS)]
     return float(np.median(extra))
 
 
