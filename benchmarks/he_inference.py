@@ -344,7 +344,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     gc.collect()
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
                                             **compile_kwargs)) \
-        if prog.plan.shares_rotations else {}
+        if prog.plan.uses_hoister else {}
     pred = prog.plan.predicted
     err = float(np.max(np.abs(np.array(outs) - prog.simulate(x[:n].numpy()))))
     return {"logits": np.array(outs), "median_s": statistics.median(times),

@@ -520,8 +520,7 @@ class Server:
         #: why the plan's hoisted baby steps rotate with SEAL one by one ("" where they are
         #: hoisted, or the plan hoists none)
         self.hoist_note = ""
-        if program.packing == "vector" and gk is not None and (
-                program.plan.hoisted_sources or program.plan.shares_rotations):
+        if program.packing == "vector" and gk is not None and program.plan.uses_hoister:
             self.hoist_note = self.engine.use_hoisting(self._encrypt_constant(1.0),
                                                        program.plan.galois_steps()[0])
             self.engine.share_rotations = program.plan.shares_rotations

@@ -844,6 +844,12 @@ class VectorPlan:
         """Key switchings one rotation by ``step`` (virtual slots) takes with this key set."""
         return len(rotation_path(step * self.interleave, self.slots, self.key_steps))
 
+    @property
+    def uses_hoister(self) -> bool:
+        """Whether a server of this plan rotates with a hoister (:mod:`he.hoist`): it hoists
+        baby steps, or shares the work that runs alone among its threads."""
+        return bool(self.hoisted_sources) or self.shares_rotations
+
     def hoists(self, key: tuple[Any, int, int]) -> bool:
         """Whether the baby step ``key`` = ``(input, level, step)`` (``step`` in virtual slots)
         is hoisted: its input is among :attr:`hoisted_sources`, and its rotation is one key
