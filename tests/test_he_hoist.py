@@ -258,6 +258,42 @@ def test_a_measured_level_times_the_hoisted_primitives():
     assert all(got[op] > 0 for op in HOISTED_PRIMITIVES)
 
 
+def test_extended_products_are_timed_on_distinct_terms_as_servers_sum_them(monkeypatch):
+    """A giant step's products read distinct plaintexts and rotations, more than the caches
+    hold: the calibration sums as many distinct arrays, not one term over and over."""
+    import tenseal.sealapi as seal_api
+
+    from he import costmodel as cm
+    ctx, tools = cm._tools(8192, 2)
+    hoister = cm.tools_hoister(tools)
+    seen: list[list[int]] = []
+    real = type(hoister).product_sum
+
+    def recorded(self, terms, pool=None):
+        seen.append([a.ctypes.data for pt, ext in terms for a in (pt, ext.words)])
+        return real(self, terms, pool)
+
+    monkeypatch.setattr(type(hoister), "product_sum", recorded)
+    values = np.linspace(-1, 1, 4096).tolist()
+    cm._time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, 2)
+    assert seen and all(len(s) == 2 * cm.product_terms(8192, 2) for s in seen)
+    assert all(len(set(s)) == len(s) for s in seen)
+
+
+def test_the_timed_product_terms_outgrow_the_cache_within_bounds():
+    from he.costmodel import PRODUCT_TERMS, last_level_cache, product_terms
+    cache = 32 * 2 ** 20
+    for ring, limbs in ((8192, 1), (8192, 4), (16384, 6), (32768, 12)):
+        n = product_terms(ring, limbs, cache)
+        term = 3 * ring * (limbs + 1) * 8
+        assert PRODUCT_TERMS[0] <= n <= PRODUCT_TERMS[1]
+        assert n * term >= 2 * cache or n == PRODUCT_TERMS[1]
+        assert (n - 1) * term < 2 * cache or n == PRODUCT_TERMS[0]
+    assert product_terms(32768, 24, cache) == PRODUCT_TERMS[0]
+    assert product_terms(4096, 1, 2 ** 40) == PRODUCT_TERMS[1]
+    assert last_level_cache() > 0
+
+
 def test_a_decomposition_shared_among_threads_is_the_same(ckks):
     from he.native import Pool
     h = _hoister(ckks)
