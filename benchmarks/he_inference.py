@@ -710,11 +710,14 @@ def main(argv: list[str] | None = None) -> dict:
         "models": {}}
     orion = None
     if args.orion:
+        # Orion runs in processes of its own: its runtime keeps what it allocated (23.5 GB
+        # after the 2-Mu-Layer token model), which ran the next model out of memory here
         import orion_baseline as orion
-        if not orion.available():
+        if not isolated(orion.available):
             raise SystemExit(orion.INSTALL_HINT)
-        lola = orion.run_lola((xtr, ytr), (xte, yte), epochs=1 if args.quick else 20,
-                              n_latency=n, n_accuracy=args.orion_accuracy)
+        lola = isolated(lambda: orion.run_lola((xtr, ytr), (xte, yte),
+                                               epochs=1 if args.quick else 20, n_latency=n,
+                                               n_accuracy=args.orion_accuracy))
         res["baseline_orion_lola"] = lola
     for name in args.models.split(","):
         epochs, lr = RECIPES[name] if name in RECIPES else (10, 2e-3)
@@ -761,9 +764,11 @@ def main(argv: list[str] | None = None) -> dict:
             entry["batch"]["max_abs_error"] = float(np.max(np.abs(bat["logits"] - plain)))
         if orion is not None and name in args.orion_models.split(","):
             try:
-                o = orion.run_network(model, (xtr, ytr), (xte, yte), n_latency=n,
-                                      n_accuracy=args.orion_accuracy)
+                o = isolated(lambda: orion.run_network(model, (xtr, ytr), (xte, yte),
+                                                       n_latency=n,
+                                                       n_accuracy=args.orion_accuracy))
             except Exception as exc:            # a network Orion cannot express is reported
+                # (or one that ran out of memory: ProcessDied)
                 o = {"error": f"{type(exc).__name__}: {exc}"}
             entry["orion_same_network"] = o
             if "latency" in o and vec is not None:
