@@ -223,6 +223,12 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostModel":
+        """The model a table's JSON holds; ValueError (or KeyError, TypeError) where it is not
+        one."""
+        if not isinstance(d, dict) or not isinstance(d.get("table"), dict) or not all(
+                isinstance(ops, dict) for ops in d["table"].values()):
+            raise ValueError("cost table: expected an object whose 'table' maps ring degrees "
+                             "to primitives")
         table = {int(r): {str(op): [(int(p[0]), float(p[1])) for p in pts]
                           for op, pts in ops.items()} for r, ops in d["table"].items()}
         polys = d.get("rescale_polys", _OLD_RESCALE_POLYS)

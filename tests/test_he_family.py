@@ -121,3 +121,25 @@ def test_compile_cost_benchmark_compiles_here_and_in_a_baseline_checkout(tmp_pat
         bench.main(["--models", "token1", "--baseline", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown models"):
         bench.main(["--models", "nope"])
+
+
+def test_pricing_benchmark_sets_two_tables_side_by_side(tmp_path):
+    """The same table on both sides: the same plan, the same prediction, each server timed."""
+    _mnist_files(tmp_path, 2)
+    bench = _benchmark("he_pricing")
+    table = Path(bench.costmodel.__file__).with_name("cost_table.json")
+    out = tmp_path / "pricing.json"
+    res = bench.main(["--data-dir", str(tmp_path), "--against", str(table), "--models",
+                      "p7_d32", "--rounds", "2", "--output", str(out)])
+    row = res["models"]["p7_d32"]
+    assert row["same_plan"]
+    assert row["shipped"]["predicted_s"] == pytest.approx(row["against"]["predicted_s"])
+    assert row["shipped"]["measured_s"] > 0 and row["against"]["measured_s"] > 0
+    assert json.loads(out.read_text())["against_errors"]["models"] == 1
+
+
+def test_pricing_benchmark_refuses_a_file_that_is_not_a_cost_table(tmp_path):
+    bad = tmp_path / "table.json"
+    bad.write_text('{"table": 3}')
+    with pytest.raises(SystemExit, match="not a cost table"):
+        _benchmark("he_pricing").main(["--against", str(bad)])

@@ -477,6 +477,12 @@ def test_cost_model_round_trips_and_interpolates():
         CostModel.from_dict({"table": {"8192": {"rotate": [[1, 0.001]]}}})
 
 
+@pytest.mark.parametrize("bad", [[], {"table": 3}, {"table": {"8192": [1, 2]}}, {"x": 1}])
+def test_a_file_that_is_not_a_cost_table_is_a_value_error(bad):
+    with pytest.raises((ValueError, KeyError), match="cost table|table"):
+        CostModel.from_dict(bad)
+
+
 def test_measured_costs_grow_with_the_limbs():
     model = measure(rings=(8192,))
     rot = dict(model.table[8192]["rotate"])
