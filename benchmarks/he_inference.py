@@ -603,12 +603,13 @@ class Drift:
     def now(self) -> float:
         return self._probe() / self.start
 
-    def annotate(self, entry: dict, before: float) -> None:
+    def annotate(self, entry: dict, before: float, after: float | None = None) -> None:
         """Add ``machine_drift`` and ``prediction_error_drift_corrected`` to a result whose
-        ``prediction_error`` is predicted over measured seconds, less one."""
+        ``prediction_error`` is predicted over measured seconds, less one (``after``: the
+        drift read after the measurement, if already read)."""
         if "prediction_error" not in entry:
             return
-        drift = float(np.sqrt(before * self.now()))
+        drift = float(np.sqrt(before * (self.now() if after is None else after)))
         entry["machine_drift"] = drift
         entry["prediction_error_drift_corrected"] = (1 + entry["prediction_error"]) * drift - 1
 
@@ -813,7 +814,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{t['server_images_per_s']:.1f}; predicted {t['predicted_images_per_s']:.1f},"
                   f" error {100 * t['prediction_error']:+.0f}%, "
                   f"{100 * t.get('prediction_error_drift_corrected', float('nan')):+.0f}% at the"
-                  f" machine's speed then); tiles {tiles}: server memory added {t['server_peak_rss_added_mib']:.0f} MiB"
+                  f" machine's speed then); tiles {tiles}: server memory added "
+                  f"{t['server_peak_rss_added_mib']:.0f} MiB"
                   f" (predicted {t['predicted_working_memory_gib'] * 1024:.0f} MiB, untiled "
                   f"{t['predicted_untiled_memory_gib'] * 1024:.0f} MiB)"
                   + (f"; {t['server_spilled_rows']} rows spilled to disk and read back"

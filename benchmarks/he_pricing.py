@@ -5,8 +5,9 @@ with the package and once under another (``--against``, a JSON table as ``polyne
 writes one, or the shipped table of an earlier commit), both scaled to this machine by the same
 probe factor. The two servers then run the same requests alternately, so that a shared
 machine's drifting speed falls on both alike, and each server's median time is set against its
-table's prediction (the plan and thread count each table chose are reported: where they are the
-same, the two timings differ by noise alone).
+table's prediction, as compiled and at the machine's speed while the servers ran (two probes
+bracket their runs, as in ``he_inference.py``). The plan and thread count each table chose are
+reported: where they are the same, the two timings differ by noise alone.
 
     python benchmarks/he_pricing.py --against old_table.json \\
         [--models token1:8,token2:8,handnet:8,p2_d32,...] [--output he_pricing.json]
@@ -57,8 +58,10 @@ def make(name: str, x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) ->
 
 
 def compare(model: torch.nn.Module, x: torch.Tensor, xte: torch.Tensor, bits: int,
-            tables: dict[str, costmodel.CostModel], rounds: int) -> dict[str, Any]:
-    """Each table's program and server; their medians over ``rounds`` alternating runs."""
+            tables: dict[str, costmodel.CostModel], rounds: int,
+            drift: he_inference.Drift) -> dict[str, Any]:
+    """Each table's program and server; their medians over ``rounds`` alternating runs, the
+    runs bracketed by two probes of the machine's speed (``drift``)."""
     servers = {}
     for tag, costs in tables.items():
         prog = he.compile(model, x[:1], calibration=x[:512], packing="vector",
@@ -69,6 +72,7 @@ def compare(model: torch.nn.Module, x: torch.Tensor, xte: torch.Tensor, bits: in
         server.run(requests[0])                 # first run: pools and caches
         servers[tag] = (prog, server, requests)
     times: dict[str, list[float]] = {tag: [] for tag in servers}
+    before = drift.now()
     for r in range(rounds):
         for tag in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
             _, server, requests = servers[tag]
@@ -85,6 +89,9 @@ def compare(model: torch.nn.Module, x: torch.Tensor, xte: torch.Tensor, bits: in
                     "server_threads": server.engine.pool.threads,
                     "plan": next(line.strip() for line in prog.summary().splitlines()
                                  if line.strip().startswith("vector plan"))}
+    now = drift.now()
+    for entry in out.values():
+        drift.annotate(entry, before, now)
     a, b = out.values()
     out["same_plan"] = (a["plan"], a["server_threads"]) == (b["plan"], b["server_threads"])
     return out
@@ -105,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--against {args.against}: not a cost table ({exc})") from None
     shipped = costmodel.shipped_model()
-    factor, _ = costmodel.probe_speed(shipped)
+    drift = he_inference.Drift(shipped)
+    factor = drift.start
     why = f"scaled x{factor:.2f} by one probe of this run"
     tables = {"shipped": shipped.scaled(factor, why), "against": other.scaled(factor, why)}
     xtr, ytr, xte, _ = he_inference.load_mnist(args.data_dir)
@@ -114,23 +122,26 @@ def main(argv: list[str] | None = None) -> dict:
     for spec in (s for s in args.models.split(",") if s):
         name, _, bits = spec.partition(":")
         model = make(name, xtr, ytr, args.epochs, args.seed)
-        r = compare(model, xtr, xte, int(bits) if bits else 16, tables, args.rounds)
+        r = compare(model, xtr, xte, int(bits) if bits else 16, tables, args.rounds, drift)
         res["models"][spec] = r
         s, o = r["shipped"], r["against"]
         print(f"{spec:14s} shipped {s['measured_s'] * 1e3:7.1f} ms, predicted "
               f"{s['prediction_error']:+.0%} | against {o['measured_s'] * 1e3:7.1f} ms, "
-              f"predicted {o['prediction_error']:+.0%} | same plan: {r['same_plan']}", flush=True)
+              f"predicted {o['prediction_error']:+.0%} | same plan: {r['same_plan']} | the "
+              f"machine {s['machine_drift']:.2f}x as slow as at the start", flush=True)
         if args.output:
             atomic_write_bytes(args.output, json.dumps(res, indent=2).encode())
     for tag in ("shipped", "against"):
-        errs = [m[tag]["prediction_error"] for m in res["models"].values()]
-        res[f"{tag}_errors"] = {"min": min(errs), "median": float(np.median(errs)),
-                                "max": max(errs),
-                                "within_30pct": sum(abs(e) <= 0.3 for e in errs),
-                                "models": len(errs)}
-        print(f"{tag}: prediction errors {min(errs):+.0%} to {max(errs):+.0%} (median "
-              f"{np.median(errs):+.0%}), {res[f'{tag}_errors']['within_30pct']} of "
-              f"{len(errs)} within +-30%")
+        for key, what in (("prediction_error", ""),
+                          ("prediction_error_drift_corrected", " at the machine's speed then")):
+            errs = [m[tag][key] for m in res["models"].values()]
+            res[f"{tag}_{key}s"] = {"min": min(errs), "median": float(np.median(errs)),
+                                    "max": max(errs),
+                                    "within_30pct": sum(abs(e) <= 0.3 for e in errs),
+                                    "models": len(errs)}
+            print(f"{tag}: prediction errors{what} {min(errs):+.0%} to {max(errs):+.0%} "
+                  f"(median {np.median(errs):+.0%}), "
+                  f"{res[f'{tag}_{key}s']['within_30pct']} of {len(errs)} within +-30%")
     if args.output:
         atomic_write_bytes(args.output, json.dumps(res, indent=2).encode())
     return res

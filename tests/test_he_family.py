@@ -135,7 +135,8 @@ def test_pricing_benchmark_sets_two_tables_side_by_side(tmp_path):
     assert row["same_plan"]
     assert row["shipped"]["predicted_s"] == pytest.approx(row["against"]["predicted_s"])
     assert row["shipped"]["measured_s"] > 0 and row["against"]["measured_s"] > 0
-    assert json.loads(out.read_text())["against_errors"]["models"] == 1
+    assert row["shipped"]["machine_drift"] == row["against"]["machine_drift"] > 0
+    assert json.loads(out.read_text())["against_prediction_errors"]["models"] == 1
 
 
 def test_pricing_benchmark_refuses_a_file_that_is_not_a_cost_table(tmp_path):
