@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -117,8 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
     why = f"scaled x{factor:.2f} by one probe of this run"
     tables = {"shipped": shipped.scaled(factor, why), "against": other.scaled(factor, why)}
     xtr, ytr, xte, _ = he_inference.load_mnist(args.data_dir)
-    res: dict[str, Any] = {"benchmark": "he_pricing", "against": str(args.against),
-                           "probe_factor": factor, "rounds": args.rounds, "models": {}}
+    res: dict[str, Any] = {"benchmark": "he_pricing",
+                           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                       "load_average_at_start": os.getloadavg()},
+                           "against": str(args.against), "probe_factor": factor,
+                           "rounds": args.rounds, "models": {}}
     for spec in (s for s in args.models.split(",") if s):
         name, _, bits = spec.partition(":")
         model = make(name, xtr, ytr, args.epochs, args.seed)
