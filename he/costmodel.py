@@ -71,6 +71,10 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
                  #: cache (the median of N=8192-32768 at 1-24 primes)
                  "decompose": ("rotate", 0.5), "rotate_hoisted": ("rotate", 0.25),
                  "mod_down": ("rotate", 0.3), "mul_ext": ("mul_plain", 1.65)}
+#: how a table's ``mul_ext`` was timed, as its JSON says: over distinct terms larger than the
+#: caches (:func:`product_terms`). Tables that do not say timed one term summed over and over,
+#: from the caches, and are read with ``mul_ext`` priced as a part of ``mul_plain``
+MUL_EXT_TIMED = "distinct terms"
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out")
 #: polynomials of the ciphertext a table's ``rescale`` was timed on: two, as servers rescale
 #: (after a plaintext product, a relinearisation or a fused map). Tables that do not say timed
@@ -211,6 +215,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "word_speed": self.word_speed, "rescale_polys": RESCALE_POLYS,
+                "mul_ext_timed": MUL_EXT_TIMED,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
@@ -238,6 +243,10 @@ class CostModel:
             if "rescale" in ops and polys != RESCALE_POLYS:
                 ops["rescale"] = [(limbs, t * RESCALE_POLYS / polys)
                                   for limbs, t in ops["rescale"]]
+            if d.get("mul_ext_timed") != MUL_EXT_TIMED:
+                # timed from the caches, at a third to a half of a server's: priced as a part
+                # of a plaintext product instead (_DERIVED_PART)
+                ops.pop("mul_ext", None)
         derived: dict[int, frozenset[str]] = {}
         for r, ops in table.items():
             made = set()

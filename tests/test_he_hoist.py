@@ -247,6 +247,24 @@ def test_cost_tables_without_hoisted_primitives_price_them_as_parts_of_others():
     assert model.seconds("rotate_hoisted", 8192, 3) < model.seconds("rotate", 8192, 3)
 
 
+def test_tables_that_timed_extended_products_in_cache_price_them_as_parts_of_products():
+    """A table that does not say its extended products were timed over distinct terms timed
+    them from the caches: its own figure is set aside for a part of a plaintext product."""
+    from he.costmodel import _DERIVED_PART, MUL_EXT_TIMED, CostModel, shipped_model
+    shipped = shipped_model()
+    d = shipped.to_dict()
+    assert d["mul_ext_timed"] == MUL_EXT_TIMED and "mul_ext" not in shipped.derived[8192]
+    del d["mul_ext_timed"]
+    old = CostModel.from_dict(d)
+    like, part = _DERIVED_PART["mul_ext"]
+    assert "mul_ext" in old.derived[8192]
+    assert old.seconds("mul_ext", 8192, 3) == pytest.approx(part * old.seconds(like, 8192, 3))
+    assert old.seconds("rotate", 8192, 3) == pytest.approx(shipped.seconds("rotate", 8192, 3))
+    # saved again, it says how its extended products are priced, and keeps pricing them so
+    again = CostModel.from_dict(old.to_dict())
+    assert again.seconds("mul_ext", 8192, 3) == pytest.approx(old.seconds("mul_ext", 8192, 3))
+
+
 def test_a_measured_level_times_the_hoisted_primitives():
     import tenseal.sealapi as seal_api
 
