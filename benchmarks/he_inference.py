@@ -307,6 +307,13 @@ def _compiled(model: nn.Module, xcal: torch.Tensor, packing: str, precision_bits
             compile_rss.peak_mib - rss0)
 
 
+def plan_line(prog: Any) -> str:
+    """The vector plan's line of ``prog.summary()`` (rotations, hoisted baby steps, keys,
+    products)."""
+    return next(line.strip() for line in prog.summary().splitlines()
+                if line.strip().startswith("vector plan"))
+
+
 def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
                 precision_bits: int, costs: he.costmodel.CostModel | None = None,
                 **compile_kwargs: Any) -> dict:
@@ -369,8 +376,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "rss_after_keys_and_server_mib": rss, "predicted_memory_mib":
             pred["server_memory_bytes"] / 2 ** 20, "params": str(prog.params),
             "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
-            "plan": next(line.strip() for line in prog.summary().splitlines()
-                         if line.strip().startswith("vector plan")),
+            "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
             "layouts": prog.plan.orders, **unhoisted,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /

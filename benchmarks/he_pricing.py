@@ -89,8 +89,7 @@ def compare(model: torch.nn.Module, x: torch.Tensor, xte: torch.Tensor, bits: in
                     "prediction_error": predicted / measured - 1,
                     "ring": prog.params.poly_modulus_degree,
                     "server_threads": server.engine.pool.threads,
-                    "plan": next(line.strip() for line in prog.summary().splitlines()
-                                 if line.strip().startswith("vector plan"))}
+                    "plan": he_inference.plan_line(prog)}
     now = drift.now()
     for entry in out.values():
         drift.annotate(entry, before, now)

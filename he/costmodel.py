@@ -29,6 +29,7 @@ compiled program, so client and server agree whatever their own tables say.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -726,9 +727,10 @@ PRODUCT_TERMS = (4, 256)
 DEFAULT_CACHE_BYTES = 32 * 2 ** 20
 
 
+@functools.lru_cache(maxsize=1)
 def last_level_cache() -> int:
     """Bytes of this machine's largest cache (Linux says, in ``/sys``; elsewhere
-    :data:`DEFAULT_CACHE_BYTES`)."""
+    :data:`DEFAULT_CACHE_BYTES`), read once per process."""
     sizes = []
     for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
