@@ -2,12 +2,13 @@
 
 Each model is compiled twice with ``he.compile`` (vector packing): once under the table shipped
 with the package and once under another (``--against``, a JSON table as ``polynets he-costs``
-writes one, or the shipped table of an earlier commit), both scaled to this machine by the same
-probe factor. The two servers then run the same requests alternately, so that a shared
-machine's drifting speed falls on both alike, and each server's median time is set against its
-table's prediction, as compiled and at the machine's speed while the servers ran (two probes
-bracket their runs, as in ``he_inference.py``). The plan and thread count each table chose are
-reported: where they are the same, the two timings differ by noise alone.
+writes one, or the shipped table of an earlier commit), each scaled to this machine by its own
+factor from the same probe's rounds (:func:`he.costmodel.speed_factor`). The two servers then
+run the same requests alternately, so that a shared machine's drifting speed falls on both
+alike, and each server's median time is set against its table's prediction, as compiled and at
+the machine's speed while the servers ran (two probes bracket their runs, as in
+``he_inference.py``). The plan and thread count each table chose are reported: where they are
+the same, the two timings differ by noise alone.
 
     python benchmarks/he_pricing.py --against old_table.json \\
         [--models token1:8,token2:8,handnet:8,p2_d32,...] [--output he_pricing.json]
@@ -114,14 +115,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--against {args.against}: not a cost table ({exc})") from None
     shipped = costmodel.shipped_model()
     drift = he_inference.Drift(shipped)
-    factor = drift.start
-    why = f"scaled x{factor:.2f} by one probe of this run"
-    tables = {"shipped": shipped.scaled(factor, why), "against": other.scaled(factor, why)}
+    # one probe's rounds, each table's factor from them: against its own probe seconds where
+    # it kept them, else its seconds at the probe's ring (a table measured elsewhere, or
+    # timed otherwise, reads another factor from the same rounds)
+    rounds = costmodel.probe_rounds(None)
+    factors = {tag: costmodel.speed_factor(t, rounds)[0]
+               for tag, t in (("shipped", shipped), ("against", other))}
+    factor = factors["shipped"]
+    tables = {tag: t.scaled(factors[tag], f"scaled x{factors[tag]:.2f} by one probe of this run")
+              for tag, t in (("shipped", shipped), ("against", other))}
     xtr, ytr, xte, _ = he_inference.load_mnist(args.data_dir)
     res: dict[str, Any] = {"benchmark": "he_pricing",
                            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                        "load_average_at_start": os.getloadavg()},
                            "against": str(args.against), "probe_factor": factor,
+                           "probe_factors": factors,
                            "rounds": args.rounds, "models": {}}
     for spec in (s for s in args.models.split(",") if s):
         name, _, bits = spec.partition(":")

@@ -20,10 +20,13 @@ Their outputs are written into ciphertexts recycled from earlier rows, which a s
 (and the kernel zero-fills) once, as it starts (:meth:`he.Server.warm`): what a request costs
 holds no fresh memory.
 
-:func:`measure` times the primitives on this machine (about half a minute);
-:func:`default_model` returns the table cached by :func:`calibrate` on this machine
-(``$XDG_CACHE_HOME/polynets/he-costs.json``) when there is one, else the table shipped with the
-package (measured on a 2-core x86-64 machine). Plans chosen from a model are stored in the
+:func:`measure` times the primitives on this machine (about two minutes), each on operands of
+its own per call that together outgrow the last-level cache, as a server's plaintexts,
+ciphertexts and Galois keys do (:func:`distinct_calls`); :func:`default_model` returns the table
+cached by :func:`calibrate` on this machine (``$XDG_CACHE_HOME/polynets/he-costs.json``) when
+there is one, else the table shipped with the package (measured on a 2-core x86-64 machine),
+scaled to this machine by a probe of a second or two (:func:`probe_speed`) against the probe's
+seconds the table kept. Plans chosen from a model are stored in the
 compiled program, so client and server agree whatever their own tables say.
 """
 
@@ -37,7 +40,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -147,6 +150,11 @@ class CostModel:
     #: takes beyond its share of the work (:func:`_shared_handoff`); none measured: sharing is
     #: not priced, so never chosen (:meth:`shared_handoff`)
     shared: dict[int, float] = field(default_factory=dict)
+    #: seconds of each primitive :func:`probe_rounds` timed on the machine the table was
+    #: measured on, as it measured the table (each primitive's median round): what
+    #: :func:`speed_factor` compares a probe with; none (older tables): the table's own seconds
+    #: at the probe's ring and primes
+    probe: dict[str, float] = field(default_factory=dict)
     #: answers of :meth:`seconds` (a layout search asks the same few hundred thousands of times)
     _memo: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False,
                                                      repr=False, compare=False)
@@ -223,6 +231,7 @@ class CostModel:
                 "batch_parallel_efficiency": {str(r): e
                                               for r, e in self.batch_parallel.items()},
                 "shared_handoff_seconds": {str(r): t for r, t in self.shared.items()},
+                "probe_seconds": dict(self.probe),
                 "table": {str(r): {op: [list(p) for p in pts] for op, pts in ops.items()
                                    if op not in self.derived.get(r, ())}
                           for r, ops in self.table.items()}}
@@ -281,13 +290,16 @@ class CostModel:
                           ("batch parallel", batch)):
             if not all(0.0 < e <= 1.0 for e in eff.values()):
                 raise ValueError(f"cost table: {what} efficiencies {eff} not all in (0, 1]")
+        probe = {str(op): _number(t) for op, t in dict(d.get("probe_seconds", {})).items()}
+        if not all(_is_speed(t) for t in probe.values()):
+            raise ValueError(f"cost table: probe seconds {probe} not all positive numbers")
         speed, word_speed = (_number(d.get(key, 1.0)) for key in ("speed", "word_speed"))
         if not _is_speed(speed):
             raise ValueError(f"cost table: bad speed factor {d.get('speed')!r}")
         if not _is_speed(word_speed):
             raise ValueError(f"cost table: bad word speed factor {d.get('word_speed')!r}")
         return cls(table, str(d.get("source", "")), words, parallel, client, speed, derived,
-                   batch, word_speed, shared)
+                   batch, word_speed, shared, probe)
 
     def parallel_efficiency(self, ring: int) -> float:
         """Speed-up per thread of rotations in ring ``ring`` run on several threads at once
@@ -360,6 +372,8 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
     for ring in rings:
         read_speed_ups()
         table[ring] = _measure_ring(ring, progress)
+    # the probe's own timings on this machine, what a probe elsewhere compares with
+    probe = _typical(probe_rounds())
     for _ in range(max(1, SPEEDUP_READINGS - len(rings))):
         read_speed_ups()
     parallel, client, batch, shared = (
@@ -378,7 +392,7 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
                             f"{os.cpu_count()} CPUs) at {time.strftime('%Y-%m-%d %H:%M')}",
                      parallel=parallel, client_parallel={r: e for r, e in client.items() if e},
                      batch_parallel=batch, word_speed=words,
-                     shared={r: t for r, t in shared.items() if np.isfinite(t)})
+                     shared={r: t for r, t in shared.items() if np.isfinite(t)}, probe=probe)
 
 
 #: (inputs, outputs) of the dense fused maps :func:`_word_speed` times: one whose work is
@@ -592,7 +606,7 @@ def _shared_handoff(ring: int) -> float:
     if threads < 2 or not hoist.expected():
         return float("nan")
     _, tools = _tools(ring, 1)
-    hoister, (encoder, _, encryptor) = tools_hoister(tools), tools[:3]
+    hoister, (encoder, _, encryptor) = tools.hoister, tools[:3]
     if hoister is None:
         return float("nan")
     pt, ct = seal.Plaintext(), seal.Ciphertext()
@@ -655,22 +669,20 @@ def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]
     from he.params import MAX_MODULUS_BITS
 
     primes = min(24, (MAX_MODULUS_BITS[ring] - 40) // 28)   # + one 40-bit special prime
-    ctx, tools = _tools(ring, primes)
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
     reps = max(2, 65536 // ring)
     ops: dict[str, list[tuple[int, float]]] = {op: [] for op in PRIMITIVES}
-    sampled = {primes, max(1, primes // 2), max(1, primes // 4), 2, 1}
-    data = ctx.first_context_data()
-    while data is not None:
-        limbs = len(data.parms().coeff_modulus())
-        if limbs in sampled:
-            for op, seconds in _time_level(seal, tools, data.parms_id(), values, reps,
-                                           limbs).items():
-                ops[op].append((limbs, seconds))
-            if progress:
-                print(f"  N={ring} limbs={limbs}: " + ", ".join(
-                    f"{op} {pts[-1][1] * 1e3:.3f} ms" for op, pts in ops.items() if pts))
-        data = data.next_context_data()
+    # each limb count in a context of its own, whose Galois keys are as large as a rotation at
+    # that level reads (SEAL's keys are made at the top level)
+    for limbs in sorted({primes, max(1, primes // 2), max(1, primes // 4), 2, 1}):
+        ctx, tools = _tools(ring, limbs, rotation_keys(ring, limbs))
+        for op, seconds in _time_level(seal, tools, ctx.first_parms_id(), values, reps,
+                                       limbs).items():
+            ops[op].append((limbs, seconds))
+        del ctx, tools
+        if progress:
+            print(f"  N={ring} limbs={limbs}: " + ", ".join(
+                f"{op} {pts[-1][1] * 1e3:.3f} ms" for op, pts in ops.items() if pts))
     for op in ops:
         ops[op].sort()
     # hoisted baby steps where this machine has none: priced as parts of others (from_dict)
@@ -680,11 +692,27 @@ def _measure_ring(ring: int, progress: bool) -> dict[str, list[tuple[int, float]
     return ops
 
 
-def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
+class _Tools(NamedTuple):
+    """What :func:`_time_level` times with (:func:`_tools`)."""
+
+    encoder: Any
+    evaluator: Any
+    encryptor: Any
+    #: the client's native encryptor (:class:`he.native.NativeEncryptor`, maybe not usable)
+    native: Any
+    relin_keys: Any
+    galois_keys: Any
+    context: Any
+    #: the validated :class:`he.hoist.Hoister` of the context (None: not here)
+    hoister: Any
+    #: the rotation steps ``galois_keys`` holds, one key each
+    steps: tuple[int, ...]
+
+
+def _tools(ring: int, primes: int, rotations: int = 1) -> tuple[Any, _Tools]:
     """A context of ``primes`` 28-bit data primes and a 40-bit special one, and what
-    :func:`_time_level` times with: encoder, evaluator, encryptor, the client's native
-    encryptor (:class:`he.native.NativeEncryptor`, maybe not usable here), relinearisation
-    keys, the Galois key of one rotation, the context."""
+    :func:`_time_level` times with, the Galois keys of ``rotations`` distinct steps (1, 2,
+    ...) among them."""
     import tenseal.sealapi as seal
 
     from he.native import NativeEncryptor, galois_element
@@ -698,8 +726,9 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
     keygen.create_public_key(pk)
     rk = seal.RelinKeys()
     keygen.create_relin_keys(rk)
+    steps = tuple(range(1, max(1, int(rotations)) + 1))
     gk = seal.GaloisKeys()
-    keygen.create_galois_keys([galois_element(1, ring)], gk)
+    keygen.create_galois_keys([galois_element(s, ring) for s in steps], gk)
     encoder = seal.CKKSEncoder(ctx)
     encryptor = seal.Encryptor(ctx, pk, keygen.secret_key())
     probe = seal.Plaintext()
@@ -712,17 +741,19 @@ def _tools(ring: int, primes: int) -> tuple[Any, tuple[Any, ...]]:
         ct = seal.Ciphertext()
         encryptor.encrypt(probe, ct)
         hoister, _ = hoist.Hoister.validated(ctx, gk, ev, encoder, ct, 1)
-    return ctx, (encoder, ev, encryptor, native, rk, gk, ctx, hoister)
+    return ctx, _Tools(encoder, ev, encryptor, native, rk, gk, ctx, hoister, steps)
 
 
-def tools_hoister(tools: tuple[Any, ...]) -> Any:
-    """The validated :class:`he.hoist.Hoister` of :func:`_tools`' context (None: not here)."""
-    return tools[7] if len(tools) > 7 else None
-
-
-#: the fewest and most distinct terms :func:`_time_level` sums to time ``mul_ext`` (a giant
-#: step's products; :meth:`he.hoist.Hoister.product_sum` takes at most 256)
-PRODUCT_TERMS = (4, 256)
+#: the fewest and most distinct operands (ciphertexts, plaintexts, keys, a giant step's terms)
+#: :func:`_time_level` cycles through to time a primitive (:meth:`he.hoist.Hoister.product_sum`
+#: takes at most 256 terms)
+OPERAND_SETS = (4, 256)
+#: the terms per sum :func:`_time_level` times extended products in: a few, and as many as a
+#: giant step of the benchmarks' plans sums (15-28 on average); the two give a sum's own work
+#: (its output and reduction) and the work per term. Per term, long sums run faster: on a
+#: 2-core x86-64 machine at N=8192 and three primes, 0.29 ms in sums of 4 distinct terms,
+#: 0.28 in sums of 16, 0.20 in sums of 86, where servers' giant steps took 0.28-0.36
+SUM_TERMS = (4, 16)
 #: a last-level cache's bytes where the system does not say
 DEFAULT_CACHE_BYTES = 32 * 2 ** 20
 
@@ -744,18 +775,48 @@ def last_level_cache() -> int:
     return max(sizes, default=DEFAULT_CACHE_BYTES)
 
 
+def distinct_calls(call_bytes: float, cache: int | None = None) -> int:
+    """Calls, each on operands of its own that ``call_bytes`` bytes hold together, that read
+    twice the last-level cache (``cache`` bytes; this machine's by default), within
+    :data:`OPERAND_SETS`: how many :func:`_time_level` cycles through to time a primitive as a
+    server runs it, on operands the caches do not hold (its plaintexts, rotations, keys are
+    distinct, and together larger than the caches). On a 2-core x86-64 machine (32 MiB
+    last-level cache) one operand set used over and over, from the caches, put servers'
+    primitives at 0.6-0.9x what they took in them (rotations, plaintext products, additions,
+    hoisted steps at N=8192 and 16384, three to five primes), an extended product summed 8
+    times over one term at a third to a half."""
+    need = -(-2 * (last_level_cache() if cache is None else int(cache)) // max(1, int(call_bytes)))
+    return max(OPERAND_SETS[0], min(OPERAND_SETS[1], need))
+
+
+def _poly_bytes(ring: int, limbs: int) -> int:
+    """Bytes of one polynomial of ``limbs`` primes in ring ``ring``."""
+    return 8 * int(ring) * int(limbs)
+
+
 def product_terms(ring: int, limbs: int, cache: int | None = None) -> int:
     """Distinct terms of ``limbs`` primes (and the special one) at ring ``ring`` summed to time
-    an extended product: enough to take twice the last-level cache (``cache`` bytes; this
-    machine's by default), as a server's plaintexts and rotations do, within
-    :data:`PRODUCT_TERMS` (a plaintext and a two-polynomial rotation each). On a 2-core x86-64
-    machine (32 MiB last-level cache) one term summed 8 times, in cache, took 1.2-2.8x less per
-    product than 16 distinct ones (N=8192-32768, 3-12 primes), and at N=8192 and five primes
-    a server's giant steps (60 distinct terms) took 1.4-1.8x longer than 16 distinct ones,
-    which the cache held."""
-    term = 3 * int(ring) * (int(limbs) + 1) * 8
-    need = -(-2 * (last_level_cache() if cache is None else int(cache)) // term)
-    return max(PRODUCT_TERMS[0], min(PRODUCT_TERMS[1], need))
+    an extended product (:func:`distinct_calls`: a plaintext and a two-polynomial rotation
+    each). On a 2-core x86-64 machine, at N=8192 and five primes, a server's giant steps (60
+    distinct terms) took 1.4-1.8x longer per product than 16 distinct ones, which the cache
+    held."""
+    return distinct_calls(3 * _poly_bytes(ring, limbs + 1), cache)
+
+
+def key_bytes(ring: int, limbs: int) -> int:
+    """Bytes of the Galois key a rotation of a ciphertext of ``limbs`` primes reads: a
+    two-polynomial ciphertext of ``limbs`` primes and the special one per prime."""
+    return int(limbs) * 2 * _poly_bytes(ring, limbs + 1)
+
+
+def rotation_keys(ring: int, limbs: int, cache: int | None = None) -> int:
+    """Distinct Galois keys :func:`_time_level` rotates by at ``limbs`` primes: those whose
+    words take twice the last-level cache, one at least, and no more than the rotations it
+    times (:func:`distinct_calls` of a rotation's input, output and key)."""
+    c = last_level_cache() if cache is None else int(cache)
+    k = key_bytes(ring, limbs)
+    calls = distinct_calls(4 * _poly_bytes(ring, limbs) + k, c)
+    return max(1, min(calls, -(-2 * c // k)))
 
 
 def load_set(ring: int) -> int:
@@ -764,24 +825,59 @@ def load_set(ring: int) -> int:
     return max(4, 32 * 8192 // int(ring))
 
 
-def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float], reps: int,
-                limbs: int) -> dict[str, float]:
-    """Seconds of each primitive on a ciphertext at the level ``pid`` (``limbs`` primes)."""
+def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: int,
+                limbs: int, cache: int | None = None) -> dict[str, float]:
+    """Seconds of each primitive on a ciphertext at the level ``pid`` (``limbs`` primes).
+
+    A server's operands are distinct and together larger than the caches: its plaintexts, the
+    ciphertexts it adds and rotates, its Galois keys. Each of its primitives is timed so, as
+    the seconds per call of one pass through :func:`distinct_calls` calls on operands of their
+    own (the best of three passes), its rotations by the keys of :func:`rotation_keys` distinct
+    steps (``tools.steps``, as many as the keys :func:`_tools` made). A client's ``encode`` and
+    ``encrypt`` and a ``spill`` are timed on one operand, ``reps`` times. ``cache``: the
+    last-level cache's bytes the operands outgrow (this machine's by default; 0: the fewest
+    operands, which the caches hold, as :func:`probe_rounds` times)."""
     from he.container import digest
     from he.runtime import SpillFile
     from he.wire import encrypt_bytes, loads
 
     encoder, ev, encryptor, native, rk, gk, ctx = tools[:7]
+    ring = int(ctx.key_context_data().parms().poly_modulus_degree())
+    poly = _poly_bytes(ring, limbs)
     pt = seal.Plaintext()
     encoder.encode(values, pid, 2.0 ** 12, pt)
     ct = seal.Ciphertext()
     encryptor.encrypt(pt, ct)
-    out = seal.Ciphertext()
+    # calls per pass of each primitive, by the bytes one call reads and writes
+    calls = {op: distinct_calls(n * poly, cache) for op, n in
+             (("add", 6), ("mul_plain", 5), ("rescale", 5), ("mul_ct", 7))}
+    calls["rotate"] = distinct_calls(4 * poly + key_bytes(ring, limbs), cache)
+    n = max(calls.values()) + 1
+    cts, pts, outs = [], [], []
+    for _ in range(n):
+        c, p, o = seal.Ciphertext(), seal.Plaintext(), seal.Ciphertext()
+        ev.negate(ct, c)
+        encoder.encode(values, pid, 2.0 ** 12, p)
+        ev.multiply_plain(c, p, o)          # allocated and written before it is timed
+        cts.append(c), pts.append(p), outs.append(o)
+    steps = tools.steps
+    # primitive -> its calls per pass (the primitives timed once per call: none)
+    per_pass: dict[str, int] = {}
+
+    def passes(op: str, call: Callable[[int], Any], n: int | None = None) -> Callable[[], None]:
+        per_pass[op] = calls[op] if n is None else n
+
+        def one_pass() -> None:
+            for i in range(per_pass[op]):
+                call(i)
+        return one_pass
+
     timings = {
         "encode": lambda: encoder.encode(values, pid, 2.0 ** 12, seal.Plaintext()),
-        "add": lambda: ev.add(ct, ct, out),
-        "mul_plain": lambda: ev.multiply_plain(ct, pt, out),
-        "rotate": lambda: ev.rotate_vector(ct, 1, gk, out),
+        "add": passes("add", lambda i: ev.add(cts[i], cts[i + 1], outs[i])),
+        "mul_plain": passes("mul_plain", lambda i: ev.multiply_plain(cts[i], pts[i], outs[i])),
+        "rotate": passes("rotate", lambda i: ev.rotate_vector(
+            cts[i], steps[i % len(steps)], gk, outs[i])),
         # what a client does per input ciphertext, encoding aside (he.Client), the digest
         # its request's container keeps of it included
         "encrypt": lambda: digest(encrypt_bytes(pt, encryptor, native)),
@@ -789,7 +885,6 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
     # a batch server loads each of a request's ciphertexts and copies it into a free buffer of
     # its group (he.runtime.run_batch), the loaded one's storage going back to SEAL's pool for
     # the next load: timed so, into buffers written before
-    ring = int(ctx.key_context_data().parms().poly_modulus_degree())
     blobs = [encrypt_bytes(pt, encryptor, native) for _ in range(load_set(ring))]
     buffers = []
     for _ in blobs:
@@ -811,44 +906,65 @@ def _time_level(seal: Any, tools: tuple[Any, ...], pid: Any, values: list[float]
         spill.read(0, back, ctx)
 
     timings["spill"] = spilled
-    hoister = tools_hoister(tools)
+    hoister = tools.hoister
     if hoister is not None:
+        # one decomposition rotated by every step (a server's baby steps), each rotation's
+        # division by the special prime, decompositions of distinct ciphertexts
         dec = hoister.decompose(ct)
-        ext = hoister.rotate_ext(dec, 1)
+        exts = [hoister.rotate_ext(dec, s) for s in steps]
         plain = hoister.extend_plain(encoder, values, 2.0 ** 12, ct.coeff_modulus_size())
-        # a giant step's products read distinct plaintexts and rotations, which the caches
-        # do not hold: timed so (copies; one term summed 8 times ran from the caches)
-        n_terms = product_terms(ring, limbs)
-        terms = [(plain.copy(), hoist.Extended(ext.source, ext.words.copy()))
-                 for _ in range(n_terms)]
-        timings["decompose"] = lambda: hoister.decompose(ct)
-        timings["rotate_hoisted"] = lambda: hoister.rotate_ext(dec, 1)
-        timings["mod_down"] = lambda: hoister.mod_down(ext, ct.scale)
-        timings["mul_ext"] = lambda: hoister.product_sum(terms)
-    # a load loads a set of ciphertexts, an extended product sums a set of terms: once each
-    result = {op: _time(fn, 1 if op in ("load", "mul_ext") else reps)
+        k = len(steps)
+        n_terms = product_terms(ring, limbs, cache)
+        terms = [(plain.copy(), hoist.Extended(exts[i % k].source, exts[i % k].words.copy()))
+                 for i in range(n_terms)]
+        timings["decompose"] = passes("decompose", lambda i: hoister.decompose(cts[i]), k)
+        timings["rotate_hoisted"] = passes("rotate_hoisted",
+                                           lambda i: hoister.rotate_ext(dec, steps[i]), k)
+        timings["mod_down"] = passes("mod_down", lambda i: hoister.mod_down(exts[i], ct.scale),
+                                     k)
+        # a giant step's products: sums of a few and of many distinct terms, each pass through
+        # all of them (a sum's own work, its output and reduction, is then a giant step's
+        # share, priced with its division below)
+        few, many = SUM_TERMS[0], min(SUM_TERMS[1], n_terms)
+        for size in sorted({few, many}):
+            timings[f"sums of {size}"] = passes(f"sums of {size}", lambda i, size=size:
+                                                hoister.product_sum(terms[i * size:][:size]),
+                                                max(1, n_terms // size))
+    if limbs > 1:
+        def mul_ct(i: int) -> None:
+            ev.multiply(cts[i], cts[i + 1], outs[i])
+            ev.relinearize_inplace(outs[i], rk)
+
+        def product_rescale(i: int) -> None:
+            ev.multiply_plain(cts[i], pts[i], outs[i])
+            ev.rescale_to_next_inplace(outs[i])
+
+        timings["mul_ct"] = passes("mul_ct", mul_ct)
+        timings["mul_lazy"] = passes("mul_lazy",
+                                     lambda i: ev.multiply(cts[i], cts[i + 1], outs[i]),
+                                     calls["mul_ct"])
+        timings["rescale"] = passes("rescale", product_rescale)
+    # a pass, a load of a set of ciphertexts: once each (the best of three)
+    per_pass["load"] = len(blobs)
+    result = {op: _time(fn, 1 if op in per_pass else reps) / per_pass.get(op, 1)
               for op, fn in timings.items()}
-    if "mul_ext" in result:
-        result["mul_ext"] /= n_terms
-    result["load"] /= len(blobs)
+    if hoister is not None:
+        # seconds per sum of ``few`` and of ``many`` terms: per term, and per sum on top
+        t_few = result.pop(f"sums of {few}")
+        t_many = result.pop(f"sums of {many}") if many > few else t_few
+        per_term = (t_many - t_few) / (many - few) if many > few else 0.0
+        if per_term <= 0:                   # no slope to read: the many terms' mean
+            per_term = t_many / many
+        result["mul_ext"] = per_term
+        result["mod_down"] += max(0.0, t_few - few * per_term)
     buffers.clear()
     spill.close()
     if limbs > 1:
-        def mul_ct() -> None:
-            ev.multiply(ct, ct, out)
-            ev.relinearize_inplace(out, rk)
-
-        def product_rescale() -> None:
-            ev.multiply_plain(ct, pt, out)
-            ev.rescale_to_next_inplace(out)
-
-        result["mul_ct"] = _time(mul_ct, reps)
-        result["mul_lazy"] = _time(lambda: ev.multiply(ct, ct, out), reps)
         result["relin"] = max(result["mul_ct"] - result["mul_lazy"], 1e-7)
         # of two polynomials, as servers rescale (after a plaintext product, a relinearisation
         # or a fused map); a product left unrelinearised has three, and rescaling it took
         # 1.41-1.67x as long (N=8192 and 16384, three and four primes)
-        result["rescale"] = max(_time(product_rescale, reps) - result["mul_plain"], 1e-7)
+        result["rescale"] = max(result["rescale"] - result["mul_plain"], 1e-7)
     return result
 
 
@@ -864,8 +980,8 @@ def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) 
     return model
 
 
-#: the ring and limb count :func:`probe_speed` times every primitive at (about 0.8 s on a
-#: quiet 2-core x86-64 machine, keys included)
+#: the ring and limb count :func:`probe_speed` times every primitive at (about a second on a
+#: 2-core x86-64 machine, keys included)
 PROBE_RING, PROBE_LIMBS = 8192, 3
 #: rounds of timings the probe takes (each primitive's typical round is their median: odd)
 PROBE_ROUNDS = 5
@@ -874,29 +990,38 @@ PROBE_ROUNDS = 5
 SPEED_ENV = "POLYNETS_HE_SPEED"
 
 
-def probe_rounds(reference: CostModel, rounds: int = PROBE_ROUNDS) -> list[dict[str, float]]:
+def probe_rounds(reference: CostModel | None = None,
+                 rounds: int = PROBE_ROUNDS) -> list[dict[str, float]]:
     """Seconds of every primitive :func:`measure` times, at N=:data:`PROBE_RING` and
-    :data:`PROBE_LIMBS` primes, timed as :func:`measure` times them (each the best of three
-    loops), in ``rounds`` rounds one after another; none where ``reference`` does not hold that
-    ring (nothing to compare them with)."""
+    :data:`PROBE_LIMBS` primes, in ``rounds`` rounds one after another, each the best of three
+    loops on the fewest operands (one key; the caches hold them: seconds, where the table's
+    timings on operands larger than the caches take a minute); none where ``reference`` has
+    nothing to compare them with (no probe of its own, nor that ring)."""
     import tenseal.sealapi as seal
 
     ring, limbs = PROBE_RING, PROBE_LIMBS
-    if ring not in reference.table:
+    if reference is not None and not reference.probe and ring not in reference.table:
         return []
     ctx, tools = _tools(ring, limbs)
     values = np.random.default_rng(0).uniform(-1, 1, ring // 2).tolist()
-    return [_time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs)
+    return [_time_level(seal, tools, ctx.first_parms_id(), values, 4, limbs, cache=0)
             for _ in range(rounds)]
+
+
+def _typical(rounds: Sequence[dict[str, float]],
+             statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """``statistic`` of each primitive's seconds over ``rounds``."""
+    return {op: float(statistic([r[op] for r in rounds])) for op in rounds[0]} if rounds else {}
 
 
 def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
                  statistic: Callable[[list[float]], float] = statistics.median
                  ) -> tuple[float, dict[str, float]]:
-    """The geometric mean, over the primitives ``reference`` measured at the probe's ring, of
-    ``statistic`` of each one's seconds over ``rounds`` (:func:`probe_rounds`) over the table's
-    own seconds (without the factor it may already carry). Returns the factor and each ratio;
-    ``(1.0, {})`` where there is nothing to compare.
+    """The geometric mean, over the primitives the probe timed, of ``statistic`` of each one's
+    seconds over ``rounds`` (:func:`probe_rounds`) over the probe's seconds on the table's
+    machine (:attr:`CostModel.probe`; a table without them: over its own seconds at the
+    probe's ring and primes, without the factor it may already carry). Returns the factor and
+    each ratio; ``(1.0, {})`` where there is nothing to compare.
 
     The median round is the table's statistic: each of its seconds is the best of three loops
     timed once, and so is each round's. The least of the rounds (the best of their loops
@@ -906,17 +1031,17 @@ def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
     round 22 within 30%, from -35% to +12%). A primitive the table
     derives from another's timing (a spill from a load) is priced by that one's ratio already;
     its own would compare a timing with a rule of thumb."""
-    ring, limbs = PROBE_RING, PROBE_LIMBS
-    if not rounds or ring not in reference.table:
+    if not rounds or (not reference.probe and PROBE_RING not in reference.table):
         return 1.0, {}
-    derived = reference.derived.get(ring, frozenset())
-    ratios = {}
-    for op in sorted(rounds[0]):
-        if op not in reference.table[ring] or op in derived:
-            continue
-        t = float(statistic([r[op] for r in rounds]))
-        if t > 0:
-            ratios[op] = t * reference.speed / reference.seconds(op, ring, limbs)
+    ring, limbs = PROBE_RING, PROBE_LIMBS
+    if reference.probe:
+        base = dict(reference.probe)
+    else:
+        derived = reference.derived.get(ring, frozenset())
+        base = {op: reference.seconds(op, ring, limbs) / reference.speed
+                for op in reference.table[ring] if op not in derived}
+    ratios = {op: t / base[op] for op, t in sorted(_typical(rounds, statistic).items())
+              if op in base and t > 0}
     if not ratios:
         return 1.0, {}
     return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios

@@ -234,7 +234,7 @@ def test_bad_hoisting_prices_in_a_program_are_refused(bad):
 def test_cost_tables_without_hoisted_primitives_price_them_as_parts_of_others():
     from he.costmodel import _DERIVED_PART, HOISTED_PRIMITIVES, CostModel, shipped_model
     shipped = shipped_model()
-    assert not any(op in shipped.derived[8192] for op in HOISTED_PRIMITIVES)
+    assert not shipped.derived.get(8192, frozenset()) & set(HOISTED_PRIMITIVES)
     old = shipped.to_dict()
     for ops in old["table"].values():
         for op in HOISTED_PRIMITIVES:
@@ -253,7 +253,8 @@ def test_tables_that_timed_extended_products_in_cache_price_them_as_parts_of_pro
     from he.costmodel import _DERIVED_PART, MUL_EXT_TIMED, CostModel, shipped_model
     shipped = shipped_model()
     d = shipped.to_dict()
-    assert d["mul_ext_timed"] == MUL_EXT_TIMED and "mul_ext" not in shipped.derived[8192]
+    assert d["mul_ext_timed"] == MUL_EXT_TIMED
+    assert "mul_ext" not in shipped.derived.get(8192, frozenset())
     del d["mul_ext_timed"]
     old = CostModel.from_dict(d)
     like, part = _DERIVED_PART["mul_ext"]
@@ -268,47 +269,91 @@ def test_tables_that_timed_extended_products_in_cache_price_them_as_parts_of_pro
 def test_a_measured_level_times_the_hoisted_primitives():
     import tenseal.sealapi as seal_api
 
-    from he.costmodel import HOISTED_PRIMITIVES, _time_level, _tools, tools_hoister
+    from he.costmodel import HOISTED_PRIMITIVES, _time_level, _tools
     ctx, tools = _tools(8192, 2)
-    assert tools_hoister(tools) is not None
+    assert tools.hoister is not None
     values = np.linspace(-1, 1, 4096).tolist()
     got = _time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, 2)
     assert all(got[op] > 0 for op in HOISTED_PRIMITIVES)
 
 
-def test_extended_products_are_timed_on_distinct_terms_as_servers_sum_them(monkeypatch):
-    """A giant step's products read distinct plaintexts and rotations, more than the caches
-    hold: the calibration sums as many distinct arrays, not one term over and over."""
+class _Recorded:
+    """An evaluator whose calls of ``names`` record the addresses of their operands."""
+
+    def __init__(self, inner, names):
+        self._inner, self.calls = inner, {n: [] for n in names}
+
+    def __getattr__(self, name):
+        fn = getattr(self._inner, name)
+        if name not in self.calls:
+            return fn
+
+        def recorded(*args):
+            self.calls[name].append(tuple(a if isinstance(a, int) else id(a) for a in args))
+            return fn(*args)
+        return recorded
+
+
+def test_primitives_are_timed_on_distinct_operands_larger_than_the_cache(monkeypatch):
+    """A server's plaintexts, ciphertexts and Galois keys are distinct and together larger than
+    the caches: each pass of a timed primitive reads operands of its own per call, its
+    rotations by every key made, a giant step's products in sums of distinct terms."""
     import tenseal.sealapi as seal_api
 
     from he import costmodel as cm
-    ctx, tools = cm._tools(8192, 2)
-    hoister = cm.tools_hoister(tools)
-    seen: list[list[int]] = []
-    real = type(hoister).product_sum
+    ring, limbs = 8192, 2
+    ctx, tools = cm._tools(ring, limbs, cm.rotation_keys(ring, limbs))
+    assert len(tools.steps) == cm.rotation_keys(ring, limbs) > 1
+    ev = _Recorded(tools.evaluator, ("rotate_vector", "multiply_plain", "add"))
+    tools = tools._replace(evaluator=ev)
+    sums: list[list[int]] = []
+    real = type(tools.hoister).product_sum
 
     def recorded(self, terms, pool=None):
-        seen.append([a.ctypes.data for pt, ext in terms for a in (pt, ext.words)])
+        sums.append([a.ctypes.data for pt, ext in terms for a in (pt, ext.words)])
         return real(self, terms, pool)
 
-    monkeypatch.setattr(type(hoister), "product_sum", recorded)
-    values = np.linspace(-1, 1, 4096).tolist()
-    cm._time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, 2)
-    assert seen and all(len(s) == 2 * cm.product_terms(8192, 2) for s in seen)
-    assert all(len(set(s)) == len(s) for s in seen)
+    monkeypatch.setattr(type(tools.hoister), "product_sum", recorded)
+    values = np.linspace(-1, 1, ring // 2).tolist()
+    cm._time_level(seal_api, tools, ctx.first_context_data().parms_id(), values, 2, limbs)
+    poly = 8 * ring * limbs
+    rotations = ev.calls["rotate_vector"]
+    n = cm.distinct_calls(4 * poly + cm.key_bytes(ring, limbs))
+    # the first pass (untimed) and three timed ones, each through n inputs and every key
+    assert len(rotations) == 4 * n
+    assert len({r[0] for r in rotations[:n]}) == n
+    assert {r[1] for r in rotations} == set(tools.steps)
+    products = ev.calls["multiply_plain"]
+    assert len({(p[0], p[1]) for p in products}) >= cm.distinct_calls(5 * poly)
+    adds = ev.calls["add"][:cm.distinct_calls(6 * poly)]
+    assert len({a[0] for a in adds}) == len(adds) == cm.distinct_calls(6 * poly)
+    terms = cm.product_terms(ring, limbs)
+    sizes = {len(s) // 2 for s in sums}
+    assert sizes == {cm.SUM_TERMS[0], min(cm.SUM_TERMS[1], terms)}
+    assert all(len(set(s)) == len(s) for s in sums)
+    few = [s for s in sums if len(s) == 2 * cm.SUM_TERMS[0]][:terms // cm.SUM_TERMS[0]]
+    assert len({a for s in few for a in s}) == 2 * cm.SUM_TERMS[0] * len(few)
 
 
-def test_the_timed_product_terms_outgrow_the_cache_within_bounds():
-    from he.costmodel import PRODUCT_TERMS, last_level_cache, product_terms
+def test_the_timed_operands_outgrow_the_cache_within_bounds():
+    from he.costmodel import (OPERAND_SETS, distinct_calls, key_bytes, last_level_cache,
+                              product_terms, rotation_keys)
     cache = 32 * 2 ** 20
     for ring, limbs in ((8192, 1), (8192, 4), (16384, 6), (32768, 12)):
         n = product_terms(ring, limbs, cache)
         term = 3 * ring * (limbs + 1) * 8
-        assert PRODUCT_TERMS[0] <= n <= PRODUCT_TERMS[1]
-        assert n * term >= 2 * cache or n == PRODUCT_TERMS[1]
-        assert (n - 1) * term < 2 * cache or n == PRODUCT_TERMS[0]
-    assert product_terms(32768, 24, cache) == PRODUCT_TERMS[0]
-    assert product_terms(4096, 1, 2 ** 40) == PRODUCT_TERMS[1]
+        assert OPERAND_SETS[0] <= n <= OPERAND_SETS[1]
+        assert n * term >= 2 * cache or n == OPERAND_SETS[1]
+        assert (n - 1) * term < 2 * cache or n == OPERAND_SETS[0]
+        keys = rotation_keys(ring, limbs, cache)
+        calls = distinct_calls(4 * 8 * ring * limbs + key_bytes(ring, limbs), cache)
+        assert 1 <= keys <= calls
+        assert keys * key_bytes(ring, limbs) >= 2 * cache or keys == calls
+    assert product_terms(32768, 24, cache) == OPERAND_SETS[0]
+    assert product_terms(4096, 1, 2 ** 40) == OPERAND_SETS[1]
+    assert rotation_keys(32768, 24, cache) == 1
+    # no cache to outgrow: the fewest operands (what the probe times)
+    assert distinct_calls(1, 0) == OPERAND_SETS[0]
     assert last_level_cache() > 0
 
 

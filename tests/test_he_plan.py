@@ -526,17 +526,17 @@ def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed():
     from he import costmodel
 
     shipped = costmodel.shipped_model()
-    assert shipped.word_speed == 1.0
+    assert shipped.word_speed > 0
     d = shipped.to_dict()
-    d["word_speed"] = 2.0
+    d["word_speed"] = 2.0 * shipped.word_speed
     slow = CostModel.from_dict(d)
-    assert slow.word_speed == 2.0 and CostModel.from_dict(slow.to_dict()).word_speed == 2.0
+    assert CostModel.from_dict(slow.to_dict()).word_speed == slow.word_speed
     for op in costmodel.WORD_PRIMITIVES:
         assert slow.seconds(op, 8192, 3) == pytest.approx(2 * shipped.seconds(op, 8192, 3))
     # the primitives keep their own prices; the probe's factor scales both
     assert slow.seconds("rotate", 8192, 3) == shipped.seconds("rotate", 8192, 3)
     both = slow.scaled(3.0, "")
-    assert both.word_speed == 2.0
+    assert both.word_speed == slow.word_speed
     assert both.seconds("fused_mac", 8192, 3) == pytest.approx(6 * shipped.seconds("fused_mac",
                                                                                    8192, 3))
     for bad in (0, -1, "fast", float("inf")):
@@ -548,12 +548,14 @@ def test_a_measured_table_prices_the_word_loops_at_this_machine_s_own_speed():
 
 
 def test_rescales_are_priced_on_two_polynomials_whatever_the_table_timed():
-    """Servers rescale ciphertexts of two polynomials; a table that does not say what it timed
-    (the shipped one) timed three, and is read with its rescales scaled by 2/3."""
+    """Servers rescale ciphertexts of two polynomials, as the shipped table timed them; a table
+    that does not say what it timed (older ones) timed three, and is read with its rescales
+    scaled by 2/3."""
     from he import costmodel
 
     d = json.loads(costmodel._SHIPPED.read_text())
-    assert "rescale_polys" not in d
+    assert d["rescale_polys"] == 2
+    del d["rescale_polys"]
     old = CostModel.from_dict(d)
     said = CostModel.from_dict({**d, "rescale_polys": 2})
     for ring in (8192, 16384):
@@ -568,32 +570,64 @@ def test_rescales_are_priced_on_two_polynomials_whatever_the_table_timed():
         CostModel.from_dict({**d, "rescale_polys": 4})
 
 
+def _older_table(model: CostModel) -> CostModel:
+    """``model`` as a table saved before tables kept their probe's seconds, and before they
+    timed spills and the two parts of a ciphertext product (priced from others' timings)."""
+    d = model.to_dict()
+    del d["probe_seconds"]
+    for ops in d["table"].values():
+        for op in ("spill", "relin", "mul_lazy"):
+            ops.pop(op, None)
+    return CostModel.from_dict(d)
+
+
 def test_the_probe_reads_each_primitive_s_median_round_against_the_table():
-    """The table's seconds are each the best of three loops timed once, and so is each probe
-    round's: the factor takes the median round, not the least (the best of every round's
-    loops together), which read a shared machine fast."""
+    """The table keeps the probe's own seconds on the machine it was measured on (each the
+    median round, as a probe now reads them): the factor compares like with like. The median
+    round, not the least (the best of every round's loops together), which read a shared
+    machine fast."""
     from he import costmodel
 
     shipped = costmodel.shipped_model()
-    ring, limbs = costmodel.PROBE_RING, costmodel.PROBE_LIMBS
     ops = ("rotate", "mul_plain", "add")
-    table = {op: shipped.seconds(op, ring, limbs) for op in ops}
-    # rounds at 1x, 2x and 3x the table, one primitive's rounds out of order
-    rounds = [{op: table[op] * k for op in ops} for k in (2.0, 1.0, 3.0)]
-    rounds[0]["spill"] = rounds[1]["spill"] = rounds[2]["spill"] = 1.0   # derived: not compared
-    factor, ratios = costmodel.speed_factor(shipped, rounds)
-    assert ratios == pytest.approx({op: 2.0 for op in ops}) and factor == pytest.approx(2.0)
-    least, _ = costmodel.speed_factor(shipped, rounds, min)
-    assert least == pytest.approx(1.0)
-    # per primitive, then the geometric mean over primitives
-    mixed = [{"rotate": table["rotate"] * 4, "add": table["add"]}] * 3
-    assert costmodel.speed_factor(shipped, mixed)[0] == pytest.approx(2.0)
-    # a table already carrying a factor is compared without it
-    assert costmodel.speed_factor(shipped.scaled(5.0, ""), rounds)[0] == pytest.approx(2.0)
-    assert costmodel.speed_factor(shipped, []) == (1.0, {})
+    assert set(shipped.probe) >= set(ops)
+    for table, base in ((shipped, shipped.probe),
+                        (_older_table(shipped), {op: shipped.seconds(op, costmodel.PROBE_RING,
+                                                                     costmodel.PROBE_LIMBS)
+                                                 for op in ops})):
+        # rounds at 1x, 2x and 3x the reference, one primitive's rounds out of order
+        rounds = [{op: base[op] * k for op in ops} for k in (2.0, 1.0, 3.0)]
+        factor, ratios = costmodel.speed_factor(table, rounds)
+        assert ratios == pytest.approx({op: 2.0 for op in ops}) and factor == pytest.approx(2.0)
+        least, _ = costmodel.speed_factor(table, rounds, min)
+        assert least == pytest.approx(1.0)
+        # per primitive, then the geometric mean over primitives
+        mixed = [{"rotate": base["rotate"] * 4, "add": base["add"]}] * 3
+        assert costmodel.speed_factor(table, mixed)[0] == pytest.approx(2.0)
+        # a table already carrying a factor is compared without it
+        assert costmodel.speed_factor(table.scaled(5.0, ""), rounds)[0] == pytest.approx(2.0)
+        assert costmodel.speed_factor(table, []) == (1.0, {})
+    # an older table derives some primitives from others' timings: those are not compared
+    older = _older_table(shipped)
+    rounds = [{"spill": 1.0, "rotate": shipped.seconds("rotate", 8192, 3) * 2}] * 3
+    assert set(costmodel.speed_factor(older, rounds)[1]) == {"rotate"}
     assert costmodel.PROBE_ROUNDS % 2 == 1         # a median that is one of the rounds
     got = costmodel.probe_rounds(shipped, 2)
     assert len(got) == 2 and set(got[0]) >= set(ops) and all(t > 0 for t in got[0].values())
+    assert set(got[0]) >= set(shipped.probe)
+
+
+def test_a_table_keeps_its_probe_seconds_and_refuses_bad_ones():
+    from he import costmodel
+
+    shipped = costmodel.shipped_model()
+    again = CostModel.from_dict(shipped.to_dict())
+    assert again.probe == shipped.probe and again.probe
+    for bad in (-1.0, 0.0, "fast", float("inf")):
+        d = shipped.to_dict()
+        d["probe_seconds"] = {**d["probe_seconds"], "rotate": bad}
+        with pytest.raises(ValueError, match="probe seconds"):
+            CostModel.from_dict(d)
 
 
 def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
@@ -602,14 +636,16 @@ def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     shipped = costmodel.shipped_model()
     factor, ratios = costmodel.probe_speed(shipped)
     assert set(ratios) >= {"rotate", "mul_plain", "mul_ct", "rescale", "add"}
-    # the primitives the table derives from another's timing are not compared (a spill priced
-    # at half a load read 0.56x against 1.31-1.63x for every measured one)
-    assert shipped.derived[costmodel.PROBE_RING] >= {"spill", "relin", "mul_lazy"}
-    assert not set(ratios) & shipped.derived[costmodel.PROBE_RING]
-    assert CostModel.from_dict(shipped.to_dict()).derived == shipped.derived
-    assert shipped.scaled(2.0, "").derived == shipped.derived
     assert all(r > 0 for r in ratios.values())
     assert min(ratios.values()) <= factor <= max(ratios.values())
+    # an older table: the primitives it derives from another's timing are not compared (a
+    # spill priced at half a load read 0.56x against 1.31-1.63x for every measured one)
+    older = _older_table(shipped)
+    assert older.derived[costmodel.PROBE_RING] >= {"spill", "relin", "mul_lazy"}
+    _, old_ratios = costmodel.probe_speed(older)
+    assert old_ratios and not set(old_ratios) & older.derived[costmodel.PROBE_RING]
+    assert CostModel.from_dict(older.to_dict()).derived == older.derived
+    assert older.scaled(2.0, "").derived == older.derived
     # no cached table: the shipped one, scaled by the probe or by the environment's factor
     monkeypatch.setenv("XDG_CACHE_HOME", "/nonexistent-polynets-cache")
     monkeypatch.setattr(costmodel, "_CACHE", {})
@@ -623,7 +659,8 @@ def test_the_shipped_table_is_scaled_to_this_machine_by_a_probe(monkeypatch):
     monkeypatch.setattr(costmodel, "_CACHE", {})
     monkeypatch.setenv(costmodel.SPEED_ENV, "2.5")
     assert costmodel.default_model().speed == pytest.approx(2.5)
-    # a table that does not hold the probe's ring has nothing to compare: its factor is 1
+    # a table that neither holds the probe's ring nor kept probe seconds has nothing to
+    # compare: its factor is 1
     only_big = CostModel({r: t for r, t in shipped.table.items() if r != costmodel.PROBE_RING},
                          "no N=8192")
     assert costmodel.probe_speed(only_big) == (1.0, {})
