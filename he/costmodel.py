@@ -859,9 +859,11 @@ def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: i
         ev.negate(ct, c)
         encoder.encode(values, pid, 2.0 ** 12, p)
         ev.multiply_plain(c, p, o)          # allocated and written before it is timed
-        cts.append(c), pts.append(p), outs.append(o)
+        cts.append(c)
+        pts.append(p)
+        outs.append(o)
     steps = tools.steps
-    # primitive -> its calls per pass (the primitives timed once per call: none)
+    # primitive -> its calls per pass (one absent is timed call by call, ``reps`` times)
     per_pass: dict[str, int] = {}
 
     def passes(op: str, call: Callable[[int], Any], n: int | None = None) -> Callable[[], None]:
