@@ -355,7 +355,10 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
     """Time SEAL's primitives on this machine at several limb counts per ring, and how much
     faster rotations, batch packing's rescales and a client's encryptions run on all its cores
     at once, and what sharing one rotation's stages among them adds: the median of readings
-    spread through the timings (:data:`SPEEDUP_READINGS`)."""
+    spread through the timings (:data:`SPEEDUP_READINGS`). The probe (:func:`probe_rounds`)
+    runs before and after each ring's timings and the word loops': the table keeps each
+    primitive's median over them (``probe_seconds``) and every timing taken to that speed by
+    the probes around it."""
     rings = list(rings)
     readings: dict[int, tuple[list[float], ...]] = {ring: ([], [], [], []) for ring in rings}
 
@@ -367,18 +370,29 @@ def measure(rings: Iterable[int] = (8192, 16384, 32768), *, progress: bool = Fal
             readings[ring][3].append(_shared_handoff(ring))
 
     # the speed-ups per thread are read before each ring's table and after the last one (at
-    # least SPEEDUP_READINGS times), and their median kept
-    table = {}
+    # least SPEEDUP_READINGS times), and their median kept; the probe before and after each
+    # ring's table and the word loops
+    table, probes = {}, []
     for ring in rings:
         read_speed_ups()
+        probes.append(_typical(probe_rounds()))
         table[ring] = _measure_ring(ring, progress)
-    # the probe's own timings on this machine, what a probe elsewhere compares with
-    probe = _typical(probe_rounds())
+    probes.append(_typical(probe_rounds()))
     for _ in range(max(1, SPEEDUP_READINGS - len(rings))):
         read_speed_ups()
     parallel, client, batch, shared = (
         {ring: float(np.median(r[k])) for ring, r in readings.items()} for k in range(4))
     words = _word_speed()
+    probes.append(_typical(probe_rounds()))
+    # the probe's seconds the table keeps, what a probe elsewhere compares with: each
+    # primitive's median over the probes. A shared machine's speed drifts over a calibration
+    # (by 1.4x within two minutes on a 2-core virtual machine): each ring's timings, and the
+    # word loops', are taken to that speed by the probes around them
+    probe = {op: float(np.median([p[op] for p in probes])) for op in probes[0]}
+    for i, ring in enumerate(rings):
+        f = _between(probes[i], probes[i + 1], probe)
+        table[ring] = {op: [(limbs, t / f) for limbs, t in pts] for op, pts in table[ring].items()}
+    words /= _between(probes[-2], probes[-1], probe)
     if progress:
         for what, eff in (("rotations", parallel), ("a client's encryptions", client),
                           ("batch rescales", batch)):
@@ -1010,6 +1024,22 @@ def probe_rounds(reference: CostModel | None = None,
             for _ in range(rounds)]
 
 
+def _ratio(seconds: dict[str, float], base: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """The geometric mean over the primitives both time of ``seconds`` over ``base``, and each
+    ratio; ``(1.0, {})`` where they share none."""
+    ratios = {op: t / base[op] for op, t in sorted(seconds.items()) if op in base and t > 0}
+    if not ratios:
+        return 1.0, {}
+    return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
+
+
+def _between(before: dict[str, float], after: dict[str, float],
+             reference: dict[str, float]) -> float:
+    """How many times as slow as ``reference`` the machine ran between two probes' seconds
+    (the geometric mean of the two)."""
+    return float(np.sqrt(_ratio(before, reference)[0] * _ratio(after, reference)[0]))
+
+
 def _typical(rounds: Sequence[dict[str, float]],
              statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
     """``statistic`` of each primitive's seconds over ``rounds``."""
@@ -1042,11 +1072,7 @@ def speed_factor(reference: CostModel, rounds: Sequence[dict[str, float]],
         derived = reference.derived.get(ring, frozenset())
         base = {op: reference.seconds(op, ring, limbs) / reference.speed
                 for op in reference.table[ring] if op not in derived}
-    ratios = {op: t / base[op] for op, t in sorted(_typical(rounds, statistic).items())
-              if op in base and t > 0}
-    if not ratios:
-        return 1.0, {}
-    return float(np.exp(np.mean(np.log(list(ratios.values()))))), ratios
+    return _ratio(_typical(rounds, statistic), base)
 
 
 def probe_speed(reference: CostModel) -> tuple[float, dict[str, float]]:

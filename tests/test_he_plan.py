@@ -878,3 +878,33 @@ def test_a_stacked_pair_whose_half_comes_first_runs_after_its_map():
         ref = net(x[:2]).double().numpy()
     assert np.max(np.abs(y - prog.simulate(x[:2]))) <= prog.params.expected_error
     assert np.max(np.abs(y - ref)) <= prog.params.expected_error + 1e-5
+
+
+def test_a_calibration_takes_every_ring_to_the_speed_its_probes_read(monkeypatch):
+    """A shared machine's speed drifts over a calibration: each ring's timings are scaled by
+    the probes taken before and after them to the speed of the probe's seconds the table
+    keeps (each primitive's median over the probes), and so are the word loops'."""
+    from he import costmodel
+
+    # probes before each ring, after the last, after the word loops: the machine slows to 2x
+    # over the second ring's timings, and is back at 1x after the word loops
+    speeds = iter([1.0, 1.0, 2.0, 1.0])
+    base = {"rotate": 2e-3, "mul_plain": 2e-4, "add": 1e-4}
+    monkeypatch.setattr(costmodel, "probe_rounds", lambda *a, **k: [
+        {op: t * s for op, t in base.items()} for s in [next(speeds)] * 3])
+    ring_speed = {8192: 1.0, 16384: 2.0}
+    monkeypatch.setattr(costmodel, "_measure_ring", lambda ring, progress: {
+        op: [(1, 1e-3 * ring_speed[ring]), (4, 4e-3 * ring_speed[ring])]
+        for op in costmodel.PRIMITIVES})
+    for name in ("_parallel_efficiency", "_client_efficiency", "_batch_efficiency"):
+        monkeypatch.setattr(costmodel, name, lambda ring: 0.8)
+    monkeypatch.setattr(costmodel, "_shared_handoff", lambda ring: 1e-3)
+    monkeypatch.setattr(costmodel, "_word_speed", lambda: 1.5)
+    model = costmodel.measure((8192, 16384))
+    assert model.probe == pytest.approx(base)
+    # ring 8192 between two probes at 1x: as timed
+    assert model.seconds("rotate", 8192, 1) == pytest.approx(1e-3)
+    # ring 16384 timed at 2x between probes at 1x and 2x: read at 1.41x, taken down by that
+    assert model.seconds("rotate", 16384, 4) == pytest.approx(8e-3 / np.sqrt(2))
+    assert model.word_speed == pytest.approx(1.5 / np.sqrt(2))
+    assert model.parallel == {8192: 0.8, 16384: 0.8}
