@@ -368,7 +368,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_decrypt)
 
     p = subparsers.add_parser("he-costs", help="measure SEAL's primitive costs on this machine "
-                                               "for the compiler's cost model (about 30 s)")
+                                               "for the compiler's cost model (about two minutes)")
     p.add_argument("-o", "--output", default=None,
                    help="where to write the table (default: the per-user cache he.compile reads)")
     p.set_defaults(func=cmd_costs)
