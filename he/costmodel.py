@@ -38,6 +38,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -79,6 +80,11 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
 #: caches (:func:`product_terms`). Tables that do not say timed one term summed over and over,
 #: from the caches, and are read with ``mul_ext`` priced as a part of ``mul_plain``
 MUL_EXT_TIMED = "distinct terms"
+#: how a table's primitives were timed, as its JSON says: each on operands of its own per call,
+#: together larger than the caches (:func:`distinct_calls`). A cached table that does not say
+#: timed one operand set from the caches and prices servers' primitives 1.1-1.7x low: it is
+#: used, with a warning to measure it again
+OPERANDS_TIMED = "distinct operands"
 WORD_PRIMITIVES = ("fused_mac", "fused_in", "fused_out")
 #: polynomials of the ciphertext a table's ``rescale`` was timed on: two, as servers rescale
 #: (after a plaintext product, a relinearisation or a fused map). Tables that do not say timed
@@ -224,7 +230,7 @@ class CostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "words": dict(self.words), "speed": self.speed,
                 "word_speed": self.word_speed, "rescale_polys": RESCALE_POLYS,
-                "mul_ext_timed": MUL_EXT_TIMED,
+                "mul_ext_timed": MUL_EXT_TIMED, "operands_timed": OPERANDS_TIMED,
                 "parallel_efficiency": {str(r): e for r, e in self.parallel.items()},
                 "client_parallel_efficiency": {str(r): e
                                                for r, e in self.client_parallel.items()},
@@ -1107,11 +1113,17 @@ def default_model() -> CostModel:
         if key in _CACHE:
             return _CACHE[key]
         try:
-            model = CostModel.from_dict(json.loads(Path(candidate).read_text()))
+            d = json.loads(Path(candidate).read_text())
+            model = CostModel.from_dict(d)
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if candidate == _SHIPPED:
             model = _to_this_machine(model)
+        elif d.get("operands_timed") != OPERANDS_TIMED:
+            warnings.warn(f"{candidate}: a cost table whose primitives were timed from the "
+                          f"caches, on one operand set (an earlier version's calibration), "
+                          f"which prices servers' primitives 1.1-1.7x below what they take; "
+                          f"'polynets he-costs' measures them again", stacklevel=2)
         _CACHE[key] = model
         return model
     raise FileNotFoundError(f"no CKKS cost table: the package's {_SHIPPED} is missing")

@@ -5,6 +5,7 @@ SEAL ciphertexts where it changes what runs."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import scipy.sparse as sp
@@ -908,3 +909,28 @@ def test_a_calibration_takes_every_ring_to_the_speed_its_probes_read(monkeypatch
     assert model.seconds("rotate", 16384, 4) == pytest.approx(8e-3 / np.sqrt(2))
     assert model.word_speed == pytest.approx(1.5 / np.sqrt(2))
     assert model.parallel == {8192: 0.8, 16384: 0.8}
+
+
+def test_a_cached_table_timed_from_the_caches_is_used_with_a_warning(monkeypatch, tmp_path):
+    """A table an earlier version cached timed one operand set from the caches: it is still
+    this machine's, but prices servers low, and the compile says to measure it again."""
+    from he import costmodel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(costmodel.SPEED_ENV, "1")
+    d = costmodel.shipped_model().to_dict()
+    assert d["operands_timed"] == costmodel.OPERANDS_TIMED
+    path = costmodel.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(d))
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert costmodel.default_model().seconds("rotate", 8192, 3) == pytest.approx(
+            costmodel.shipped_model().seconds("rotate", 8192, 3))
+    del d["operands_timed"]
+    path.write_text(json.dumps(d))
+    monkeypatch.setattr(costmodel, "_CACHE", {})
+    with pytest.warns(UserWarning, match="timed from the caches.*polynets he-costs"):
+        model = costmodel.default_model()
+    assert model.source == d["source"]
