@@ -280,13 +280,14 @@ def _build() -> dict[str, Callable[..., Any]]:
                 h1[:] = 0
                 l1[:] = 0
                 for t in range(terms):
-                    pt = numba.carray(word_pointer(plains[t]), (rows * n,))
-                    ct = numba.carray(word_pointer(cts[t]), (2 * rows * n,))
-                    po, c0o, c1o = i * n + start, i * n + start, (rows + i) * n + start
+                    pt = numba.carray(word_pointer(plains[t] + 8 * (i * n + start)), (size,))
+                    c0 = numba.carray(word_pointer(cts[t] + 8 * (i * n + start)), (size,))
+                    c1 = numba.carray(word_pointer(cts[t] + 8 * ((rows + i) * n + start)),
+                                      (size,))
                     for w in range(size):
-                        a = pt[po + w]
-                        h0[w], l0[w] = mac128(h0[w], l0[w], a, ct[c0o + w])
-                        h1[w], l1[w] = mac128(h1[w], l1[w], a, ct[c1o + w])
+                        a = pt[w]
+                        h0[w], l0[w] = mac128(h0[w], l0[w], a, c0[w])
+                        h1[w], l1[w] = mac128(h1[w], l1[w], a, c1[w])
                 for w in range(size):
                     d0[start + w] = barrett128(h0[w], l0[w], q, r0, r1)
                     d1[start + w] = barrett128(h1[w], l1[w], q, r0, r1)
