@@ -255,7 +255,7 @@ class Engine:
         target = self.params.chain_index(level)
         res = seal.Ciphertext() if out is None else out
         out = ct
-        if target == self.chain(ct):
+        if not self.params.lift_rescales(cur, level):
             # a wide chain's canonical level to its pending one: a product with 1, no rescale
             one = self.encode_scalar(1.0, level, self.scales[level] / self.scales[cur])
             self.evaluator.multiply_plain(out, one, res)

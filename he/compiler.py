@@ -329,6 +329,11 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     seconds += _makespan(at_once, threads, costs.parallel_efficiency(ring),
                          costs.map_handoff(ring))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
+    # values lifted to a higher level, on the server's main thread before their steps
+    lifts = [move for moves in plan.lifts() for move in moves]
+    seconds += sum(costs.seconds(op, ring, limbs) for a, b in lifts
+                   for op, limbs in params.lift_primitives(a, b))
+    total["lift"] = len(lifts)
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
     seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))

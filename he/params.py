@@ -150,6 +150,23 @@ class CKKSParams:
         """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime)."""
         return level_drops(level, self.pending)
 
+    def lift_rescales(self, level: int, target: int) -> bool:
+        """Whether lifting a value from ``level`` to ``target`` (:meth:`he.backend.Engine.lift`)
+        rescales: it does where the target lies on another chain (a product with an encoded 1
+        and a rescale by the last prime above the target), not on the same one (the product
+        alone)."""
+        return self.chain_index(target) != self.chain_index(level)
+
+    def lift_primitives(self, level: int, target: int) -> list[tuple[str, int]]:
+        """The primitives a lift from ``level`` to ``target`` takes, each with the primes it
+        runs on (none where ``target`` is not above ``level``)."""
+        if target <= level:
+            return []
+        if not self.lift_rescales(level, target):
+            return [("mul_plain", self.limbs(level))]
+        above = self.limbs(target) + 1
+        return [("mul_plain", above), ("rescale", above)]
+
     def is_pending(self, level: int) -> bool:
         """Whether ``level`` is pending (:func:`level_pending`)."""
         return level_pending(level, self.pending)

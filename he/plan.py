@@ -964,6 +964,29 @@ class VectorPlan:
             out.append(c)
         return out
 
+    def lifts(self) -> list[list[tuple[int, int]]]:
+        """Per step, the lifts (from level, to level) :func:`he.runtime.run_vector` takes
+        values through (:meth:`he.backend.Engine.lift`): an affine step's inputs to the highest
+        of their levels, its identity terms to its products' level, the lower input of a
+        ciphertext product to the other's level."""
+        out = []
+        for s in self.steps:
+            moves: list[tuple[int, int]] = []
+            levels = [self.steps[j].level for j in s.inputs]
+            if s.kind == "affine":
+                lin = max(levels)
+                moves += [(lv, lin) for lv in levels if lv < lin]
+                # the maps' sum rescaled a level up, where the identity terms join it
+                here = lin + 1 if any(mv is not None for mv in s.matvecs) else lin
+                moves += [(lin, here) for mv, src in zip(s.matvecs, s.sources())
+                          if mv is None and src is not None and here > lin]
+                if s.bias is not None and s.level > here:
+                    moves.append((here, s.level))
+            elif s.kind == "mul" and min(levels) < max(levels):
+                moves.append((min(levels), max(levels)))
+            out.append(moves)
+        return out
+
     def cost(self) -> dict[str, int]:
         counts = self.op_counts()
         return {"rotations": sum(c["rotate"] for c in counts),

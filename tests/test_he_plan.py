@@ -331,6 +331,47 @@ class GridTokens(nn.Module):
         return self.head(t.flatten(1))
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_plan_prices_every_lift_the_server_takes(monkeypatch, bits):
+    """Values brought up to a higher level (an affine step's inputs of different levels, the
+    residual stream joining the Mu-Layer's output, a product's lower input) cost a product
+    with an encoded 1, and a rescale where the level lies on another chain: ``plan.lifts()``
+    lists exactly the lifts the server takes, and the prediction counts them."""
+    from collections import Counter
+
+    from he import backend
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 8, 8)
+    net = _bn_eval(GridTokens(), x)
+    prog = he.compile(net, x, calibration=x, packing="vector", precision_bits=bits)
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    request = client.encrypt(x[:1].numpy()).to_bytes()
+    taken = []
+    lift = backend.Engine.lift
+
+    def recording(self, ct, level, out=None):
+        if self.level(ct) != level:
+            taken.append((self.level(ct), level))
+        return lift(self, ct, level, out)
+
+    monkeypatch.setattr(backend.Engine, "lift", recording)
+    reply = server.run(request).to_bytes()
+    monkeypatch.undo()
+    planned = [move for moves in prog.plan.lifts() for move in moves]
+    assert taken and Counter(taken) == Counter(planned)
+    assert prog.plan.predicted["counts"]["lift"] == len(taken)
+    params = prog.params
+    for a, b in planned:
+        ops = params.lift_primitives(a, b)
+        assert [op for op, _ in ops] == (["mul_plain", "rescale"] if params.lift_rescales(a, b)
+                                         else ["mul_plain"])
+        assert all(1 <= limbs <= params.limbs(a) for _, limbs in ops)
+    assert params.lift_primitives(2, 2) == [] and params.lift_primitives(3, 1) == []
+    y = client.decrypt(reply)
+    assert np.max(np.abs(y - prog.simulate(x[:1]))) <= prog.params.expected_error
+
+
 def test_token_grid_and_its_flat_tokens_share_one_layout():
     """The flat (16, 8) tokens and the (4, 4, 8) grid are one row-major order: the flat value
     is laid out by the grid's shape, so one channel-major layout serves both and the maps that
