@@ -771,8 +771,9 @@ OPERAND_SETS = (4, 256)
 #: the terms per sum :func:`_time_level` times extended products in: a few, and as many as a
 #: giant step of the benchmarks' plans sums (15-28 on average); the two give a sum's own work
 #: (its output and reduction) and the work per term. Per term, long sums run faster: on a
-#: 2-core x86-64 machine at N=8192 and three primes, 0.29 ms in sums of 4 distinct terms,
-#: 0.28 in sums of 16, 0.20 in sums of 86, where servers' giant steps took 0.28-0.36
+#: 2-core x86-64 machine at N=8192 and three primes, 0.14 ms in sums of 4 distinct terms,
+#: 0.11 in sums of 16, 0.10 in sums of 86, where servers' giant steps took 0.14-0.16 (two and
+#: three primes)
 SUM_TERMS = (4, 16)
 #: a last-level cache's bytes where the system does not say
 DEFAULT_CACHE_BYTES = 32 * 2 ** 20
