@@ -465,6 +465,29 @@ def _load_public(ctx: Any, blobs: dict[str, list[bytes]]) -> tuple[Any, Any, Any
     return pk, rk, gk
 
 
+#: the most seconds the cost model may predict a vector server's first run, and its timing of
+#: its threads against one, to take as it starts (:meth:`Server.warm`)
+THREAD_TRIAL_SECONDS = 2.0
+#: runs on each number of threads that timing takes at most (alternating)
+THREAD_TRIAL_ROUNDS = 3
+
+
+def _seconds_option(value: Any) -> float | None:
+    """A program's predicted seconds (``value``, read from a file: anything) as a positive
+    finite float, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def _predicted(options: dict[str, Any]) -> float | None:
+    """The compiler's predicted seconds per ciphertext (group) on the threads it chose."""
+    pred = options.get("predicted")
+    return _seconds_option(pred.get("seconds_per_ciphertext")) if isinstance(pred, dict) \
+        else None
+
+
 class Server:
     """Runs a compiled program on ciphertexts with public keys only.
 
@@ -484,8 +507,9 @@ class Server:
     :meth:`run`'s ``workers``); default: those the compiler chose,
     ``program.options["server_threads"]`` and why in ``["threads_why"]``, on no more cores
     than this process may use; SEAL is then called without Python's GIL, see
-    :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. Results are
-    the same whatever the number. A vector program compiled with hoisting (the default where
+    :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. A vector
+    server on the compiler's threads times them against one as it starts and keeps the faster
+    (:meth:`warm`, :attr:`threads_why`). Results are the same whatever the number. A vector program compiled with hoisting (the default where
     numba is installed) rotates its baby steps from one decomposition per input
     (:mod:`he.hoist`, validated against SEAL as the server starts); ``hoist_note`` says why not
     where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what
@@ -547,8 +571,16 @@ class Server:
         self.warm_bytes, self.warm_seconds = 0, 0.0
         #: tokens packing: a group has run, so its weights and masks are encoded and kept
         self._tokens_ready = False
+        #: vector packing: the median seconds of a run on each number of threads timed as the
+        #: server started (:meth:`warm`; empty where it timed none), and why it runs on the
+        #: threads it does
+        self.threads_trial: dict[int, float] = {}
+        self.threads_why = str(program.options.get("threads_why", ""))
+        #: the threads may be timed against one (the compiler chose them, the caller did not)
+        self._may_trial = threads is None and program.server_threads > 1
         if threads is not None:
             check_int(threads, "Server threads", error=ParameterError)
+            self.threads_why = f"{threads} server thread(s), as asked"
         if threads is None:
             # the compiler's choice, on no more cores than this process may use
             threads = min(program.server_threads, default_threads())
@@ -571,7 +603,19 @@ class Server:
     def warm(self) -> float:
         """Prepare for the first request what the next ones reuse, so that it runs as the cost
         model predicts; returns the seconds it took (``warm_seconds``; 0 where there is nothing
-        to prepare). Vector packing encodes its plaintexts as the server starts anyway.
+        to prepare).
+
+        * Vector packing encodes its plaintexts as the server starts anyway; an encryption of
+          zero runs through the program once (a first request runs about twice as long as the
+          next ones: the first touches of the server's memory). Where it runs on the several
+          threads the compiler chose (not on threads the caller asked for), it then runs on
+          one thread and on those threads in turn, and the server keeps the faster
+          (:attr:`threads_trial`, :attr:`threads_why`; the results are the same words either
+          way): the cost model prices the threads' share of the work, not how the machine
+          serves them (other processes on its cores, the Python work between SEAL calls).
+          Nothing runs where the cost model predicts a run to take over
+          :data:`THREAD_TRIAL_SECONDS`, and the threads are not timed where that would
+          (:data:`THREAD_TRIAL_ROUNDS` runs on each).
 
         * Batch packing: allocate and write the ciphertexts one group writes its results
           into, in NTT form (each a copy of an encryption of zero, the server's own with the
@@ -610,10 +654,56 @@ class Server:
             zeros = [self._encrypt_constant(0.0) for _ in self.program.plan.input_layout]
             self._run_group(zeros)
             self._tokens_ready = True
-        else:
+        elif not self._warm_vector():
             return 0.0
         self.warm_seconds = time.perf_counter() - t0
         return self.warm_seconds
+
+    def _warm_vector(self) -> bool:
+        """Vector packing (:meth:`warm`): one untimed run, then where the threads may be timed,
+        runs on one thread and on the engine's threads in turn, keeping the faster; False
+        where nothing ran."""
+        eng, prog = self.engine, self.program
+        threads = eng.pool.threads
+        many = _predicted(prog.options)
+        if self.kernels is None or many is None or many > THREAD_TRIAL_SECONDS:
+            return False            # a long run (or a program saved without predictions)
+        zeros = [self._encrypt_constant(0.0) for _ in prog.plan.input_layout]
+        self._run_group(zeros)          # first touches of the server's memory
+        one = _seconds_option(prog.options.get("predicted_one_thread_s"))
+        if not self._may_trial or threads < 2 or one is None:
+            return True
+        rounds = min(THREAD_TRIAL_ROUNDS, int((THREAD_TRIAL_SECONDS - many) // (one + many)))
+        if rounds < 2:
+            self.threads_why += (f"; not timed against one thread as the server started "
+                                 f"(predicted {2 * (one + many):.1f} s)")
+            return True
+        many_pool, one_pool = eng.pool, Pool(1)
+        times: dict[int, list[float]] = {1: [], threads: []}
+        for r in range(rounds):
+            for pool in (one_pool, many_pool) if r % 2 == 0 else (many_pool, one_pool):
+                eng.pool = pool
+                t0 = time.perf_counter()
+                self._run_group(zeros)
+                times[pool.threads].append(time.perf_counter() - t0)
+        self.threads_trial = {n: float(np.median(t)) for n, t in times.items()}
+        t1, tn = self.threads_trial[1], self.threads_trial[threads]
+        eng.pool = many_pool if tn <= t1 else one_pool
+        self.threads_why = (
+            f"{eng.pool.threads} server thread(s): timed as the server started, {threads} "
+            f"threads ran a request in {tn * 1e3:.1f} ms, one in {t1 * 1e3:.1f} ms (median of "
+            f"{rounds}; predicted {many * 1e3:.1f} and {one * 1e3:.1f} ms)")
+        return True
+
+    @property
+    def predicted_seconds(self) -> float | None:
+        """The cost model's seconds for one request on the threads this server runs on (vector
+        packing; a batch or tokens group; None where the program does not say)."""
+        opts = self.program.options
+        if self.program.packing == "vector" and self.engine.pool.threads == 1 \
+                and self.program.server_threads > 1:
+            return _seconds_option(opts.get("predicted_one_thread_s"))
+        return _predicted(opts)
 
     def _free_memory(self, pool: bool = True) -> float:
         """Bytes a batch group of this process may hold: the memory available and, with

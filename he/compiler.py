@@ -546,6 +546,11 @@ class CompiledProgram:
         threads = self.options.get("server_threads", 1)
         if type(threads) is not int or threads < 1:
             raise ValueError(f"server_threads must be a positive int, got {threads!r}")
+        one = self.options.get("predicted_one_thread_s")
+        if one is not None and (type(one) not in (int, float) or not math.isfinite(one)
+                                or one <= 0):
+            raise ValueError(f"predicted_one_thread_s must be a positive number of seconds, got "
+                             f"{one!r}")
         budget = self.options.get("memory_budget")
         if budget is not None and (type(budget) is not int or budget < 0):
             raise ValueError(f"memory_budget must be a non-negative int, got {budget!r}")
@@ -951,6 +956,10 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                     f"per ciphertext; {plan.interleave} chosen for {objective} "
                     f"({_OBJECTIVE_WORDS[objective]} {score:.3g} s, client encryption "
                     f"included){planes_why}; {threads_why}{shared_why}")}
+    if threads > 1:
+        # what a server that finds one thread faster as it starts (he.Server.warm) predicts
+        opts["predicted_one_thread_s"] = _predict_vector(plan, params, costs, 1)[
+            "seconds_per_ciphertext"]
     if max_planes != MAX_PLANES:
         opts["max_planes"] = max_planes
     if weights is not None:

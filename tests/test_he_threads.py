@@ -135,8 +135,9 @@ def test_threads_are_kept_only_where_the_cost_model_predicts_them_faster(setup):
     assert kept == (2 if one / two >= MIN_THREAD_GAIN else 1)
     assert prog.plan.predicted["server_threads"] == kept
     assert prog.options["threads_why"] in prog.plan.why
-    # the server runs on the compiler's choice unless told otherwise
-    assert he.Server(prog, ctx).engine.pool.threads == kept
+    # the server runs on the compiler's choice unless told otherwise (or it times one thread
+    # faster as it starts: test_a_vector_server_keeps_the_faster_of_its_threads_and_one)
+    assert he.Server(prog, ctx, warm=False).engine.pool.threads == kept
     assert he.Server(prog, ctx, threads=2).engine.pool.threads == 2
     if kept == 2:
         assert "on 2 server threads" in str(prog)
@@ -365,6 +366,57 @@ def test_the_makespan_of_items_on_threads():
     # longest first: 4 and 1 start, 1 ends, 2 joins 4, then 4 finishes alone
     assert _makespan([1.0, 2.0, 4.0], 2, 0.5) == pytest.approx(1 / 0.5 + 2 / 0.5 + 1.0)
     assert _makespan([1.0] * 4, 4, 1.0) == pytest.approx(1.0)
+
+
+def _scaling_model() -> CostModel:
+    """The shipped table with threads that share the work perfectly: the compiler keeps two."""
+    from dataclasses import replace
+
+    from he.costmodel import shipped_model
+    return replace(shipped_model(), parallel={r: 1.0 for r in (8192, 16384, 32768)})
+
+
+@native_only
+@pytest.mark.skipif(default_threads() < 2, reason="times two threads against one")
+def test_a_vector_server_keeps_the_faster_of_its_threads_and_one():
+    """As it starts, a server on the compiler's two threads times a request on them and on one
+    thread and keeps the faster; its outputs are those of a one-thread server, its prediction
+    is the cost model's for the threads it kept, and threads the caller asks for are kept."""
+    from he.client import THREAD_TRIAL_ROUNDS
+
+    model, x = _token_model()
+    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2,
+                      cost_model=_scaling_model())
+    assert prog.server_threads == 2
+    one_s = prog.options["predicted_one_thread_s"]
+    assert one_s > prog.plan.predicted["seconds_per_ciphertext"]
+    client = he.Client(prog)
+    ctx = client.public_context()
+    server = he.Server(prog, ctx)
+    assert set(server.threads_trial) == {1, 2} and server.warm_seconds > 0
+    faster = min(server.threads_trial, key=lambda n: (server.threads_trial[n], -n))
+    assert server.engine.pool.threads == faster
+    assert f"median of {THREAD_TRIAL_ROUNDS}" in server.threads_why
+    assert server.predicted_seconds == (
+        one_s if faster == 1 else prog.plan.predicted["seconds_per_ciphertext"])
+    ct = client.encrypt(x[:2])
+    one = he.Server(prog, ctx, threads=1)
+    assert server.run(ct).to_bytes() == one.run(ct).to_bytes()
+    # asked for, or not warmed: nothing timed, the threads as given
+    for asked in (he.Server(prog, ctx, threads=2), he.Server(prog, ctx, warm=False)):
+        assert asked.threads_trial == {} and asked.engine.pool.threads == 2
+        assert asked.predicted_seconds == prog.plan.predicted["seconds_per_ciphertext"]
+    assert one.threads_trial == {} and "as asked" in one.threads_why
+    assert one.predicted_seconds == one_s
+
+
+@pytest.mark.parametrize("bad", ["fast", -1.0, 0, True, [1.0]])
+def test_a_program_file_with_a_bad_one_thread_prediction_is_refused(setup, bad):
+    _, _, prog, _, _ = setup
+    other = he.CompiledProgram.from_bytes(prog.to_bytes())
+    other.options["predicted_one_thread_s"] = bad
+    with pytest.raises(he.SerializationError, match="predicted_one_thread_s"):
+        he.CompiledProgram.from_bytes(other.to_bytes())
 
 
 @pytest.mark.parametrize("bad", [0, -3, "many", 1.5, True, None])
