@@ -450,7 +450,8 @@ def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     pred = prog.plan.predicted
     return {"unhoisted_server_median_s": statistics.median(times),
             "unhoisted_predicted_server_s": server.predicted_seconds
-            or pred["seconds_per_ciphertext"], "unhoisted_server_threads": server.engine.pool.threads,
+            or pred["seconds_per_ciphertext"],
+            "unhoisted_server_threads": server.engine.pool.threads,
             "unhoisted_counts": pred["counts"]}
 
 

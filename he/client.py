@@ -509,8 +509,8 @@ class Server:
     than this process may use; SEAL is then called without Python's GIL, see
     :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. A vector
     server on the compiler's threads times them against one as it starts and keeps the faster
-    (:meth:`warm`, :attr:`threads_why`). Results are the same whatever the number. A vector program compiled with hoisting (the default where
-    numba is installed) rotates its baby steps from one decomposition per input
+    (:meth:`warm`, :attr:`threads_why`). Results are the same whatever the number. A vector
+    program compiled with hoisting (the default where numba is installed) rotates its baby steps from one decomposition per input
     (:mod:`he.hoist`, validated against SEAL as the server starts); ``hoist_note`` says why not
     where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what
     the first request would (batch packing allocates a group's ciphertext memory, tokens
