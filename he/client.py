@@ -510,9 +510,9 @@ class Server:
     :mod:`he.native`, and ``threads_note`` says why not where that is unavailable. A vector
     server on the compiler's threads times them against one as it starts and keeps the faster
     (:meth:`warm`, :attr:`threads_why`). Results are the same whatever the number. A vector
-    program compiled with hoisting (the default where numba is installed) rotates its baby steps from one decomposition per input
-    (:mod:`he.hoist`, validated against SEAL as the server starts); ``hoist_note`` says why not
-    where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what
+    program compiled with hoisting (the default where numba is installed) rotates its baby
+    steps from one decomposition per input (:mod:`he.hoist`, validated against SEAL as the
+    server starts); ``hoist_note`` says why not where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what
     the first request would (batch packing allocates a group's ciphertext memory, tokens
     packing builds its fused maps and encodes its weights, :meth:`warm`), so that it runs at
     the speed of the next ones.
