@@ -512,10 +512,11 @@ class Server:
     (:meth:`warm`, :attr:`threads_why`). Results are the same whatever the number. A vector
     program compiled with hoisting (the default where numba is installed) rotates its baby
     steps from one decomposition per input (:mod:`he.hoist`, validated against SEAL as the
-    server starts); ``hoist_note`` says why not where that is unavailable, and SEAL then rotates them one by one. ``warm``: prepare now what
-    the first request would (batch packing allocates a group's ciphertext memory, tokens
-    packing builds its fused maps and encodes its weights, :meth:`warm`), so that it runs at
-    the speed of the next ones.
+    server starts); ``hoist_note`` says why not where that is unavailable, and SEAL then
+    rotates them one by one. ``warm``: prepare now what the first request would (vector
+    packing runs one and times its threads, batch packing allocates a group's ciphertext
+    memory, tokens packing builds its fused maps and encodes its weights, :meth:`warm`), so
+    that it runs at the speed of the next ones.
     """
 
     def __init__(self, program: CompiledProgram, public_context: bytes, *,
