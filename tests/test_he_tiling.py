@@ -507,7 +507,7 @@ def test_the_simulated_buffers_are_those_a_group_allocates(compiled, monkeypatch
         assert short <= 0.1 * total
 
 
-def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothing_to_warm(
+def test_a_warm_batch_server_answers_as_a_cold_one_and_a_vector_one_runs_a_request(
         compiled, monkeypatch):
     """A warm server holds the free ciphertexts its group's simulation allocates (those this
     process held already among them); its first request writes into them and takes little
@@ -546,10 +546,14 @@ def test_a_warm_batch_server_answers_as_a_cold_one_and_vector_packing_has_nothin
         # the group's free ciphertexts are left for the next
         assert buffer_bytes(spare_buffers(warm._pool_key)) >= 0.9 * warm.warm_bytes
         assert again.warm_bytes == warm.warm_bytes
+    # vector packing allocates nothing ahead: it runs an encryption of zero through the program
     model = nn.Sequential(nn.Linear(4, 3))
     vec = he.compile(model, torch.rand(8, 4), packing="vector")
-    server = he.Server(vec, he.Client(vec).public_context())
-    assert server.warm_bytes == 0 and server.warm() == 0 and server.warm_seconds == 0
+    ctx = he.Client(vec).public_context()
+    server = he.Server(vec, ctx)
+    assert server.warm_bytes == 0 and server.warm_seconds > 0
+    cold = he.Server(vec, ctx, warm=False)
+    assert cold.warm_seconds == 0 and cold.warm() > 0 and cold.warm_bytes == 0
 
 
 @pytest.mark.parametrize("tiled", [False, pytest.param(True, marks=pytest.mark.slow)])
