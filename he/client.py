@@ -607,8 +607,9 @@ class Server:
         to prepare).
 
         * Vector packing encodes its plaintexts as the server starts anyway; an encryption of
-          zero runs through the program once (a first request runs about twice as long as the
-          next ones: the first touches of the server's memory). Where it runs on the several
+          zero runs through the program once (a first request ran 2.7x as long as the next ones
+          on the hand-designed network of ``benchmarks/he_inference.py``: the first touches of
+          the server's memory). Where it runs on the several
           threads the compiler chose (not on threads the caller asked for), it then runs on
           one thread and on those threads in turn, and the server keeps the faster
           (:attr:`threads_trial`, :attr:`threads_why`; the results are the same words either
