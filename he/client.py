@@ -607,7 +607,7 @@ class Server:
         to prepare).
 
         * Vector packing encodes its plaintexts as the server starts anyway; an encryption of
-          zero runs through the program once (a first request ran 2.7x as long as the next ones
+          zero runs through the program once (a first request ran 2.4x as long as the next ones
           on the hand-designed network of ``benchmarks/he_inference.py``: the first touches of
           the server's memory). Where it runs on the several
           threads the compiler chose (not on threads the caller asked for), it then runs on
