@@ -672,7 +672,7 @@ class Server:
             return False            # a long run (or a program saved without predictions)
         zeros = [self._encrypt_constant(0.0) for _ in prog.plan.input_layout]
         self._run_group(zeros)          # first touches of the server's memory
-        one = _seconds_option(prog.options.get("predicted_one_thread_s"))
+        one = prog.options.get("predicted_one_thread_s")     # checked as the program loaded
         if not self._may_trial or threads < 2 or one is None:
             return True
         rounds = min(THREAD_TRIAL_ROUNDS, int((THREAD_TRIAL_SECONDS - many) // (one + many)))
@@ -704,7 +704,7 @@ class Server:
         opts = self.program.options
         if self.program.packing == "vector" and self.engine.pool.threads == 1 \
                 and self.program.server_threads > 1:
-            return _seconds_option(opts.get("predicted_one_thread_s"))
+            return opts.get("predicted_one_thread_s")    # checked as the program loaded
         return _predicted(opts)
 
     def _free_memory(self, pool: bool = True) -> float:
