@@ -275,6 +275,8 @@ def _batch_pass(client: he.Client, server: he.Server, images: torch.Tensor,
            # what the server's run added to this process at its peak (one process only)
            "server_peak_rss_added_mib": rss.peak_mib - rss0 if workers == 1 else None,
            "server_tiles": {str(e): k for e, k in server.tiles.items()},
+           # the product steps it left unrelinearised (he.compiler.batch_group_memory)
+           "server_lazy_products": list(server.lazy_products),
            # rows its tiles wrote to disk and read back (none where the tiles fit)
            "server_spilled_rows": server.spilled}
     if warm:
@@ -466,7 +468,28 @@ def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
 
 
 #: predicted seconds of a batch group below which ``--batch-once`` still times a second pass
+#: (and the lazy products' baseline, :func:`_lazy_baseline`)
 BATCH_REPEAT_S = 60.0
+
+
+def _lazy_baseline(client: he.Client, server: he.Server, images: torch.Tensor) -> dict:
+    """The same server, keys and request with every product relinearised and rescaled
+    (:func:`he.runtime.eager_products`), in the same tiles: the baseline of the lazy products,
+    timed between two warm passes with them."""
+    ct = client.encrypt(images).to_bytes()
+    times = {}
+    for name in ("lazy", "eager", "lazy_again"):
+        with contextlib.ExitStack() as stack:
+            if name == "eager":
+                stack.enter_context(eager_products())
+            t0 = time.perf_counter()
+            server.run(ct).to_bytes()
+            times[name] = time.perf_counter() - t0
+    lazy = min(times["lazy"], times["lazy_again"])
+    return {"lazy_products": list(server.lazy_products),
+            "lazy_products_tiles": {str(e): k for e, k in server.tiles.items()},
+            "eager_products_server_s": times["eager"], "lazy_products_server_s": lazy,
+            "lazy_products_speedup": times["eager"] / lazy}
 
 
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
@@ -524,23 +547,11 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
                 single["warm_server_s"] - 1
         res["predicted_working_memory_gib"] = pred.get("working_memory_bytes", 0) / 2 ** 30
         res.update(public_context_bytes=len(public), groups=1)
+        if server.lazy_products and pred["seconds_per_ciphertext"] < BATCH_REPEAT_S:
+            res.update(_lazy_baseline(client, server, x[torch.arange(slots) % len(x)]))
         return res
-    if prog.options.get("lazy_products"):
-        # the same program, keys and request with every product relinearised and rescaled:
-        # the baseline of the lazy products, timed between two warm passes with them
-        ct = client.encrypt(x[torch.arange(slots) % len(x)]).to_bytes()
-        times = {}
-        for name in ("lazy", "eager", "lazy_again"):
-            with contextlib.ExitStack() as stack:
-                if name == "eager":
-                    stack.enter_context(eager_products())
-                t0 = time.perf_counter()
-                server.run(ct).to_bytes()
-                times[name] = time.perf_counter() - t0
-        res["lazy_products"] = prog.options["lazy_products"]
-        res["eager_products_server_s"] = times["eager"]
-        res["lazy_products_server_s"] = min(times["lazy"], times["lazy_again"])
-        res["lazy_products_speedup"] = times["eager"] / res["lazy_products_server_s"]
+    if server.lazy_products:
+        res.update(_lazy_baseline(client, server, x[torch.arange(slots) % len(x)]))
     if he_kernels.expected():
         # the same program and request with the fused maps' NumPy loops: the baseline of the
         # compiled ones (he._kernels), one warm server pass each

@@ -560,7 +560,7 @@ class Server:
         #: rows this server has written to disk and read back (batch packing, in tiles that
         #: would not fit otherwise)
         self.spilled = 0
-        #: product steps the last request left unrelinearised (a group run whole)
+        #: product steps the last request left unrelinearised
         self._lazy: tuple[int, ...] = ()
         #: segments of steps a group can run in tiles, found when a group first needs them
         self._segments: list[Any] | None = None
@@ -752,8 +752,8 @@ class Server:
     @property
     def lazy_products(self) -> tuple[int, ...]:
         """Batch packing: the product steps the last request left unrelinearised and unrescaled
-        for the maps that read them (``program.options["lazy_products"]`` where the group ran
-        whole; empty in tiles)."""
+        for the maps that read them (``program.options["lazy_products"]`` where the group fit
+        with them, whole or in tiles without spilling; else empty)."""
         return tuple(self._lazy)
 
     def _encrypt_constant(self, value: float) -> Any:

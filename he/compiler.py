@@ -383,8 +383,9 @@ _BATCH_THREADED = ("mul_ct", "mul_lazy", "rescale", "fused_mac", "fused_in", "fu
 class GroupMemory(NamedTuple):
     """What one batch group holds (:func:`batch_group_memory`): ``tiles`` per segment end (empty:
     the group runs whole), ``working`` bytes with them (its ``buffers``) and ``untiled`` bytes
-    without (both with the encoded weights' cache), and ``lazy``, the product steps left
-    unrelinearised (those asked for where the group fits whole with them, else none)."""
+    without (every product finished; both with the encoded weights' cache), and ``lazy``, the
+    product steps left unrelinearised (those asked for where the group fits with them, else
+    none)."""
 
     tiles: dict[int, int]
     untiled: float
@@ -411,19 +412,21 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     their peak and the encoded weights' cache) with them and without. ``keep_inputs``: the
     group's input ciphertexts are the caller's and live to the end (a server frees those it
     loaded from bytes once read). ``lazy``: product steps to leave unrelinearised (larger
-    ciphertexts); kept where the group fits whole with them, else every product is finished
-    (a group in tiles finishes every product). Where no number of tiles fits, the tiles also
-    spill the rows they hold for later tiles to disk (:func:`he.tiling.spills`), the fewest
-    tiles that fit so (each spill costs a write and a read). The one rule for the compiler's
-    prediction and a server's choice."""
+    ciphertexts), kept where the group fits with them: whole, else (where it does not fit whole
+    with every product finished either) in tiles that need no spill. Otherwise every product
+    is finished. Where no number of tiles fits, the tiles also spill the rows they hold for
+    later tiles to disk (:func:`he.tiling.spills`), the fewest tiles that fit so (each spill
+    costs a write and a read). The one rule for the compiler's prediction and a server's
+    choice."""
     room = float("inf") if budget is None else float(budget) - PLAIN_CACHE_BYTES
     ring = params.poly_modulus_degree
+    lazy = tuple(int(m) for m in lazy)
+    lazy_bytes = row_bytes_of(lowered, ring, params.limbs, lazy)
     if lazy:
-        made = allocations(lowered, live, row_bytes_of(lowered, ring, params.limbs, lazy),
-                           keep_inputs=keep_inputs)
+        made = allocations(lowered, live, lazy_bytes, keep_inputs=keep_inputs)
         whole = buffer_bytes(made)
         if whole <= room:
-            return GroupMemory({}, whole + PLAIN_CACHE_BYTES, tuple(int(m) for m in lazy), made)
+            return GroupMemory({}, whole + PLAIN_CACHE_BYTES, lazy, made)
     row_bytes = row_bytes_of(lowered, ring, params.limbs)
     made = allocations(lowered, live, row_bytes, keep_inputs=keep_inputs)
     whole = buffer_bytes(made)
@@ -431,7 +434,19 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     if whole <= room:               # whole: no segments to look for
         return GroupMemory({}, untiled, (), made)
     if segments is None:
+        # the cuts by the finished products' sizes: the same segments for either tiling
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
+
+    def loads(tiles: dict[int, int]) -> bool:
+        return not keep_inputs and any(seg.load is not None and tiles.get(seg.end, 1) > 1
+                                       for seg in segments)
+
+    if lazy and segments:
+        tiles = choose_tiles(lowered, live, lazy_bytes, segments, room, keep_inputs)
+        made = allocations(lowered, live, lazy_bytes, segments, tiles, keep_inputs)
+        if buffer_bytes(made) <= room:
+            return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, lazy, made,
+                               loads(tiles))
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
     made = allocations(lowered, live, row_bytes, segments, tiles, keep_inputs)
@@ -446,10 +461,8 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
                     for s, v in spills(lowered, seg, tiles[seg.end]).items():
                         if v[0].size:
                             spilled[s] = spilled.get(s, 0) + int(v[0].size)
-    loads = not keep_inputs and any(seg.load is not None and tiles.get(seg.end, 1) > 1
-                                    for seg in segments)
-    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (), made, loads,
-                       tuple(sorted(spilled.items())))
+    return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, (), made,
+                       loads(tiles), tuple(sorted(spilled.items())))
 
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
@@ -1125,7 +1138,8 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                 f"relinearise and rescale their own outputs instead (cheaper under the cost "
                 f"model)")
         if not predicted["lazy_products"]:
-            why += ", where a group fits whole: not at this memory budget (tiles)"
+            why += (", where a group fits with them (whole, or in tiles that need no spill): "
+                    "not at this memory budget")
     if predicted["tiles"]:
         gib = 2.0 ** 30
         why += (f"; a group would hold {predicted['untiled_memory_bytes'] / gib:.1f} GiB of "

@@ -73,8 +73,8 @@ def _mul_step(eng: Engine, xs: list[Elem], ys: list[Elem], rows: np.ndarray,
         level = max(eng.level(a), eng.level(b))
         scratch = buffers.take(eng, level, 3)
         if lazy:
-            # the product is the result (the buffer of the next level goes back unused)
-            return scratch, level + 1, lambda _: eng.multiply_lazy(a, b, scratch)
+            # the product is the result: no buffer of the next level
+            return scratch, None, lambda _: eng.multiply_lazy(a, b, scratch)
         return scratch, level + 1, lambda into: eng.multiply(a, b, out=scratch, into=into)
 
     for i, res in zip(pairs, _threaded(eng, buffers, pairs, prepare)):
@@ -105,22 +105,25 @@ def _is_lazy(e: Elem) -> bool:
 
 
 def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
-              prepare: Callable[[Any], tuple[Any, int, Callable[[Any], Any]]]) -> list[Any]:
+              prepare: Callable[[Any], tuple[Any, int | None, Callable[[Any], Any]]]
+              ) -> list[Any]:
     """For every item, ``prepare(item)`` gives ``(scratch, level, compute)``; returns each
-    ``compute(into)``, ``into`` a recycled buffer of ``level``, and frees whichever of
-    ``scratch`` and ``into`` the result is not. The computations (SEAL calls that release the
-    GIL, :mod:`he.native`) run on the engine's threads, a few chunks' worth at a time: buffers
+    ``compute(into)``, ``into`` a recycled buffer of ``level`` (None: no buffer, the result
+    is ``scratch``), and frees whichever of ``scratch`` and ``into`` the result is not. The
+    computations (SEAL calls that release the GIL, :mod:`he.native`) run on the engine's threads, a few chunks' worth at a time: buffers
     are taken and returned in this thread, so a chunk's freed buffers serve the next and the
     memory held stays that of a few rows."""
     results: list[Any] = []
     chunk = finish_chunk(eng.pool.threads)
     for k in range(0, len(items), chunk):
         jobs = [prepare(x) for x in items[k:k + chunk]]
-        intos = [buffers.take(eng, level) for _, level, _ in jobs]
+        intos = [None if level is None else buffers.take(eng, level) for _, level, _ in jobs]
         done = eng.pool.map(lambda pair: pair[0](pair[1]),
                             [(compute, into) for (_, _, compute), into in zip(jobs, intos)])
         for (scratch, _, _), into, res in zip(jobs, intos, done):
-            buffers.recycle(scratch if res is into else into)
+            spare = scratch if res is into else into
+            if spare is not None:
+                buffers.recycle(spare)
         results.extend(done)
     return results
 
@@ -421,9 +424,8 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
     """The rows of a weighted step (computed at ``level``) over its lazy inputs only
     (``srcs``: the three-polynomial products of :func:`_mul_step`, ``0.0`` elsewhere): their
     sums at the products' primes (one fused map where it can be, else SEAL's chain), weights at
-    the scale of ``level``, each relinearised and rescaled by the prime the products kept, so
-    that it lands on the step's primes and product scale, as the rest of its sum
-    (:func:`_affine_batch` with ``partial``)."""
+    the scale of ``level``, three polynomials each (by row; summed over a reduction's tiles
+    before :func:`_finish_lazy`)."""
     lo = level - 1
     cts = [np.fromiter((_is_ct(e) for e in x), dtype=bool, count=len(x)) for x in srcs]
     mats = [m.tocsr() for m in st.terms]
@@ -464,6 +466,14 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
                     eng.add_inplace(acc, term)
         if acc is not None:
             sums[int(r)] = acc
+    return sums
+
+
+def _finish_lazy(eng: Engine, sums: dict[int, Any], level: int,
+                 buffers: _Buffers) -> dict[int, Any]:
+    """Sums of :func:`_lazy_rows`, each relinearised and rescaled by the prime the products
+    kept, so that it lands on the primes and product scale of the step's ``level``, as the
+    rest of its sum (:func:`_affine_batch` with ``partial``)."""
     product = eng.scales[level] ** 2
     out: dict[int, Any] = {}
     for r, acc in sums.items():
@@ -478,18 +488,38 @@ def _lazy_rows(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.
 
 def _affine_lazy(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: np.ndarray,
                  plains: dict[tuple[float, int, float], Any], min_fanin: int,
-                 fused_maps: dict[Any, Any], buffers: _Buffers, level: int) -> list[Elem]:
+                 fused_maps: dict[Any, Any], buffers: _Buffers, level: int,
+                 partial: np.ndarray | None = None,
+                 lazy_sums: dict[int, Any] | None = None) -> list[Elem]:
     """A weighted step that reads lazy products (:func:`_mul_step`): its sums over the other
     inputs at the product's scale (:func:`_affine_batch` with ``partial``) plus those over the
-    lazy ones (:func:`_lazy_rows`), each row rescaled once with its bias and clear share added
-    (:func:`_finish_sums`)."""
+    lazy ones (:func:`_lazy_rows`, :func:`_finish_lazy`), each row rescaled once with its bias
+    and clear share added (:func:`_finish_sums`).
+
+    ``partial`` (a reduction's tile, :func:`_affine_batch`): returns the part's sums over the
+    other inputs only, and adds those over the lazy ones to ``lazy_sums`` (three polynomials,
+    by row), to be finished once after the last tile (:func:`_finish_parts`)."""
     normal = [[0.0 if _is_lazy(e) else e for e in x] for x in srcs]
     lazy = [[e if _is_lazy(e) else 0.0 for e in x] for x in srcs]
-    clear = np.zeros(st.n)
+    clear = np.zeros(st.n) if partial is None else partial
     part = _affine_batch(eng, si, st, normal, rows, plains, min_fanin, fused_maps, buffers,
                          level, clear)
+    raw = _lazy_rows(eng, si, st, lazy, rows, level, fused_maps, buffers)
+    if partial is not None:
+        assert lazy_sums is not None
+        _add_sums(eng, lazy_sums, [raw.get(r, 0.0) for r in range(st.n)], buffers)
+        return part
     sums = {r: e for r, e in enumerate(part) if _is_ct(e)}
-    for r, e in _lazy_rows(eng, si, st, lazy, rows, level, fused_maps, buffers).items():
+    return _finish_parts(eng, st, sums, raw, clear, rows, level, buffers)
+
+
+def _finish_parts(eng: Engine, st: Step, sums: dict[int, Any], lazy_sums: dict[int, Any],
+                  clear: np.ndarray, rows: np.ndarray, level: int,
+                  buffers: _Buffers) -> list[Elem]:
+    """A weighted step from its sums over its other inputs (``sums``, at the product's scale)
+    and over its lazy products (``lazy_sums``, :func:`_lazy_rows`): the latter finished
+    (:func:`_finish_lazy`) and added to the former, then :func:`_finish_sums`."""
+    for r, e in _finish_lazy(eng, lazy_sums, level, buffers).items():
         if r in sums:
             eng.add_inplace(sums[r], e)
             buffers.recycle(e)
@@ -615,7 +645,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     ``own_inputs``: the input ciphertexts are handed over (no one else holds them): they are
     dropped from ``inputs`` and reused once every step reading them has run. ``lazy``: product
     steps left unrelinearised and unrescaled for the maps that read them
-    (:func:`he.plan.choose_lazy`; a group run whole only). ``load``: the inputs are handed over
+    (:func:`he.plan.choose_lazy`; a reduction in tiles sums its tiles' parts over them and
+    finishes each row once; not with ``spill``). ``load``: the inputs are handed over
     unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
     that reads every input loads each in the tile that first reads it
     (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
@@ -649,8 +680,8 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     for r in pending:
         inputs[r] = 0.0
     lazy = frozenset() if _EAGER[0] else frozenset(int(m) for m in lazy)
-    if lazy and tiles:
-        raise ValueError("lazy products are for a group run whole, not in tiles")
+    if lazy and spill is not None:
+        raise ValueError("lazy products are for a group whose tiles need no spill")
     end_of = {seg.end: (seg, k) for seg, k in tiles}
     inner = {s for seg, _ in tiles for s in seg.steps if s != seg.end}   # run at the end
     ever_inner = {s for seg, _ in tiles for s in seg.inner}
@@ -672,15 +703,17 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         return max((levels[j] for j in steps[si].inputs if live[j].any()), default=0)
 
     def compute(si: int, ins: list[list[Elem]], rows: np.ndarray, part: bool = False,
-                partial: np.ndarray | None = None) -> list[Elem]:
+                partial: np.ndarray | None = None,
+                lazy_sums: dict[int, Any] | None = None) -> list[Elem]:
         """Step ``si``'s ``rows``; ``part``: ``ins`` hold a tile's rows only (the step's level
         is its own, not that of the rows given); ``partial``: a reduction's part
-        (:func:`_affine_batch`)."""
+        (:func:`_affine_batch`; its sums over lazy products go to ``lazy_sums``,
+        :func:`_affine_lazy`)."""
         st = steps[si]
         if st.kind == "affine" and lazy.intersection(st.inputs):
             return _affine_lazy(eng, si, st, ins, rows, plains,
                                 FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
-                                fused_maps, buffers, in_level(si))
+                                fused_maps, buffers, in_level(si), partial, lazy_sums)
         if st.kind == "affine":
             return _affine_batch(eng, si, st, ins, rows, plains,
                                  FUSED_MIN_FANIN if fanin is None else int(fanin[si]),
@@ -703,6 +736,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                             and not (s == 0 and own_inputs and 0 in seg.last)
                             for e in x if _is_ct(e)}
         sums: dict[int, Any] = {}
+        lazy_sums: dict[int, Any] = {}      # a reduction's sums over lazy products
         clear = np.zeros(end.n)
         points = release_points(lowered, seg)
 
@@ -760,14 +794,15 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                 srcs = [[e if m else 0.0 for e, m in zip(held[j], tile.compute[j])]
                         if j in held else (vals[j] if i == 0 else [0.0] * steps[j].n)
                         for j in end.inputs]
-                part = compute(seg.end, srcs, live[seg.end], part=True, partial=clear)
+                part = compute(seg.end, srcs, live[seg.end], part=True, partial=clear,
+                               lazy_sums=lazy_sums)
                 _add_sums(eng, sums, part, buffers)
                 free(points.get(seg.end, ()), tile)
             if spill is not None:
                 spill_out(tile)
         if seg.reduce:
-            held[seg.end] = _finish_sums(eng, end, sums, clear, live[seg.end], in_level(seg.end),
-                                         buffers)
+            held[seg.end] = _finish_parts(eng, end, sums, lazy_sums, clear, live[seg.end],
+                                          in_level(seg.end), buffers)
         for s in seg.keep:
             vals[s] = held[s]
 

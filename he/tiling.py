@@ -50,8 +50,8 @@ from scipy.sparse.csgraph import reverse_cuthill_mckee
 from polynets.ir.lowering import Lowered, affine_is_free, step_levels
 
 __all__ = ["Segment", "Tile", "find_segments", "tile_plan", "batch_memory", "allocated_memory",
-           "choose_tiles", "row_bytes_of", "MAX_TILES", "weighted", "allocations", "finish_chunk",
-           "buffer_bytes", "spills"]
+           "choose_tiles", "row_bytes_of", "RowBytes", "MAX_TILES", "weighted", "allocations",
+           "finish_chunk", "buffer_bytes", "spills"]
 
 #: Most tiles a segment is cut into (each tile's fused maps are built on their own)
 MAX_TILES = 64
@@ -605,11 +605,25 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
                 n -= k
         return out
 
+    lazy_steps = getattr(row_bytes, "lazy", frozenset())
+
+    def lazy_part(s: int) -> float:
+        """Bytes of a row of step ``s``'s sums over the lazy products it reads (three
+        polynomials at their primes; 0: it reads none)."""
+        return max((row_bytes(j) for j in steps[s].inputs if j in lazy_steps), default=0.0)
+
     def compute(s: int, n: int) -> dict[float, int]:
         if weighted(lowered, s):
             # every row summed at its inputs' level at once (one fused product), then rescaled
             # a few at a time: the first few into new buffers, the rest into the rows' scratch
             scratch = take(row_bytes(-s - 1), n)
+            if lazy_part(s):
+                # its sums over lazy products, each finished into a buffer of the step's
+                # primes (the one before's) and added to the rest of its row's sum
+                raw = take(lazy_part(s), n)
+                done = take(row_bytes(-s - 1), min(n, 1))
+                release(raw)
+                release(done)
             first = take(row_bytes(s), min(n, _CHUNK))
             release(scratch)
             return merge([first, take(row_bytes(s), n - min(n, _CHUNK))])
@@ -649,6 +663,9 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
             held[0] = [] if loads else [vals.get(0, {})]
             n_end = int(live[seg.end].sum())
             sums = take(row_bytes(-seg.end - 1), n_end) if seg.reduce else {}
+            # a reduction's sums over lazy products, held to the end (three polynomials)
+            lazy_sums = take(lazy_part(seg.end), n_end) \
+                if seg.reduce and lazy_part(seg.end) else {}
             points = release_points(lowered, seg)
 
             def free_rows(js: Sequence[int], i: int) -> None:
@@ -684,11 +701,18 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
                         free_rows(points[s], i)
                 if seg.reduce:
                     release(take(row_bytes(-seg.end - 1), n_end))
+                    if lazy_sums:
+                        release(take(lazy_part(seg.end), n_end))
                     free_rows(points.get(seg.end, ()), i)
                 for s, (_, out_at, _) in spilled.items():
                     drop(s, int(np.count_nonzero(out_at == i)))
             for s in seg.keep:
                 vals[s] = merge(held.get(s, []))
+            if lazy_sums:
+                # finished one by one, each into the buffer the one before freed
+                done = take(row_bytes(-seg.end - 1), 1)
+                release(lazy_sums)
+                release(done)
             if seg.reduce:
                 vals[seg.end] = take(row_bytes(seg.end), n_end)
                 release(sums)
@@ -723,21 +747,33 @@ def choose_tiles(lowered: Lowered, live: Sequence[np.ndarray], row_bytes: Callab
     return tiles
 
 
+class RowBytes:
+    """``row_bytes`` of :func:`row_bytes_of`: bytes of one row of step ``s`` (``-s - 1``: of
+    its inputs' level), and ``lazy``, the product steps whose rows are left unrelinearised
+    (which :func:`allocations` also follows into the maps that read them)."""
+
+    def __init__(self, lowered: Lowered, ring: int, limbs: Callable[[int], int],
+                 lazy: Collection[int]) -> None:
+        self._steps = lowered.steps
+        self._levels = step_levels(lowered.steps, "batch")
+        self._word = 2 * ring * 8
+        self._limbs = limbs
+        self.lazy = frozenset(int(m) for m in lazy)
+
+    def __call__(self, s: int) -> float:
+        levels, word = self._levels, self._word
+        if s in self.lazy:
+            return float(1.5 * word * self._limbs(levels[s] - 1))
+        if s >= 0:
+            return float(word * self._limbs(levels[s]))
+        st = self._steps[-s - 1]
+        return float(word * self._limbs(max((levels[j] for j in st.inputs), default=0)))
+
+
 def row_bytes_of(lowered: Lowered, ring: int, limbs: Callable[[int], int],
-                 lazy: Collection[int] = ()) -> Callable[[int], float]:
+                 lazy: Collection[int] = ()) -> RowBytes:
     """``row_bytes`` for :func:`batch_memory`: two polynomials of ``ring`` words per limb of
     the step's level (``-s - 1``: of its inputs' level); a product step in ``lazy`` (left
     unrelinearised and unrescaled, :func:`he.plan.choose_lazy`) holds three polynomials per
     limb of its inputs' level."""
-    levels = step_levels(lowered.steps, "batch")
-    word = 2 * ring * 8
-    lazy = frozenset(int(m) for m in lazy)
-
-    def of(s: int) -> float:
-        if s in lazy:
-            return float(1.5 * word * limbs(levels[s] - 1))
-        if s >= 0:
-            return float(word * limbs(levels[s]))
-        st = lowered.steps[-s - 1]
-        return float(word * limbs(max((levels[j] for j in st.inputs), default=0)))
-    return of
+    return RowBytes(lowered, ring, limbs, lazy)

@@ -255,29 +255,53 @@ def _decrypted(client, outs: list, n: int) -> np.ndarray:
     return np.array(rows)
 
 
-def test_a_server_short_of_memory_runs_in_tiles_with_the_same_answer(compiled):
+def test_a_server_short_of_memory_runs_in_tiles_with_the_same_answer(compiled, monkeypatch):
+    """In tiles, a reduction reading lazy products sums its tiles' parts over them and
+    finishes (relinearises, rescales) each of its rows once, as a group run whole does; with
+    every product finished (:func:`he.runtime.eager_products`) the tiles answer as one pass."""
+    import he.runtime as runtime
     _, x, prog, rb = compiled
     low, live = prog.lowered, prog.plan.live
     segments = find_segments(low, live, rb)
     client = he.Client(prog)
     ct = client.encrypt(x[:5].numpy()).to_bytes()
     roomy = he.Server(prog, client.public_context())
-    # a group in tiles finishes every product (he.runtime.eager_products: the same arithmetic
-    # whole), where a roomy server may leave the last ones lazy
     with eager_products():
         expected = client.decrypt(roomy.run(ct))
     assert roomy.tiles == {}
     lazy = client.decrypt(roomy.run(ct))
+    assert roomy.lazy_products == tuple(prog.options["lazy_products"]) != ()
     assert np.abs(lazy - prog.simulate(x[:5].numpy())).max() <= prog.params.expected_error
-    # just above the most-tiled peak (plus the encoded weights' cache): tiles are needed
+    # just above the most-tiled peak with the lazy products (plus the encoded weights'
+    # cache): tiles are needed
     from he.runtime import PLAIN_CACHE_BYTES
-    budget = int(allocated_memory(low, live, rb, segments,
+    rb_lazy = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs,
+                           prog.options["lazy_products"])
+    budget = int(allocated_memory(low, live, rb_lazy, segments,
                                   {s.end: min(s.components, MAX_TILES) for s in segments},
                                   keep_inputs=False) + PLAIN_CACHE_BYTES) + 1
+    assert budget < allocated_memory(low, live, rb, keep_inputs=False)
     tight = he.Server(prog, client.public_context(), memory_budget=budget)
+    finished: list[int] = []
+    real = runtime._finish_lazy
+
+    def counted(eng, sums, level, buffers):
+        finished.extend(sums)
+        return real(eng, sums, level, buffers)
+
+    monkeypatch.setattr(runtime, "_finish_lazy", counted)
     got = client.decrypt(tight.run(ct))
     assert tight.tiles and all(k > 1 for k in tight.tiles.values())
+    assert tight.lazy_products == roomy.lazy_products
+    readers = [s for s, st in enumerate(low.steps) if set(st.inputs) & set(tight.lazy_products)]
+    assert any(seg.reduce and seg.end in readers and seg.end in tight.tiles
+               for seg in tight._segments)
+    # each row of the maps reading the lazy products finished once, not once per tile
+    assert sorted(finished) == sorted(r for s in readers for r in np.flatnonzero(live[s]))
     # a reduction adds its constants after the rescale: the same values within noise
+    assert np.abs(got - lazy).max() <= 0.05 * prog.params.expected_error
+    with eager_products():
+        got = client.decrypt(tight.run(ct))
     assert np.abs(got - expected).max() <= 0.05 * prog.params.expected_error
 
 
@@ -374,12 +398,15 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
     p = tight.plan.predicted
     assert p["tiles"] and p["working_memory_bytes"] < p["untiled_memory_bytes"]
     assert "run in tiles" in tight.plan.why
-    # the time is priced as one pass that finishes every product, and each input loaded twice
+    # the products left lazy whole stay lazy in these tiles (they fit without spilling)
+    assert p["lazy_products"] == prog.options["lazy_products"] != []
+    # the time is priced as one pass with the same lazy products, and each input loaded twice
     # where tiles load them (validated first, then where first read): tiles change the memory
     from he.compiler import _predict_batch
     costs = he.costmodel.default_model()
     whole = _predict_batch(prog.lowered, prog.plan.live, prog.params, costs,
-                           prog.options["fused_fanin"], prog.server_threads)
+                           prog.options["fused_fanin"], prog.server_threads,
+                           lazy=prog.options["lazy_products"])
     n_in = int(prog.plan.live[0].sum())
     assert whole["counts"]["load"] == n_in and p["counts"]["load"] == 2 * n_in
     again = n_in * costs.seconds("load", prog.params.poly_modulus_degree, prog.params.limbs(0))
