@@ -110,9 +110,9 @@ def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
     """For every item, ``prepare(item)`` gives ``(scratch, level, compute)``; returns each
     ``compute(into)``, ``into`` a recycled buffer of ``level`` (None: no buffer, the result
     is ``scratch``), and frees whichever of ``scratch`` and ``into`` the result is not. The
-    computations (SEAL calls that release the GIL, :mod:`he.native`) run on the engine's threads, a few chunks' worth at a time: buffers
-    are taken and returned in this thread, so a chunk's freed buffers serve the next and the
-    memory held stays that of a few rows."""
+    computations (SEAL calls that release the GIL, :mod:`he.native`) run on the engine's
+    threads, a few chunks' worth at a time: buffers are taken and returned in this thread, so a
+    chunk's freed buffers serve the next and the memory held stays that of a few rows."""
     results: list[Any] = []
     chunk = finish_chunk(eng.pool.threads)
     for k in range(0, len(items), chunk):
