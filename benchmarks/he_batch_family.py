@@ -56,17 +56,20 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
 #: server variants timed: this version (the compiler's threads); the same on one thread; the
 #: same on the compiler's threads with every product finished (where the program leaves some
 #: lazy, :func:`he.runtime.eager_products`); its fused maps' NumPy loops on one thread
-#: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``); in
-#: the most tiles, held in memory and, under a budget those do not fit, spilling to disk
-#: (``--spilled``)
-VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled", "in_tiles", "spilled")
+#: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``), and
+#: the same with every product finished where its tiles leave some lazy; in the most tiles,
+#: held in memory and, under a budget those do not fit, spilling to disk (``--spilled``)
+VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled", "tiled_eager", "in_tiles",
+            "spilled")
 
 
 def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) -> float:
     server = servers["threads" if variant in ("threads", "eager") else
+                     "tiled" if variant == "tiled_eager" else
                      variant if variant in ("tiled", "in_tiles", "spilled") else "one_thread"]
     with _kernels.numpy_loops() if variant == "numpy" else \
-            eager_products() if variant == "eager" else contextlib.nullcontext():
+            eager_products() if variant in ("eager", "tiled_eager") else \
+            contextlib.nullcontext():
         t0 = time.perf_counter()
         server.run(request).to_bytes()
         return time.perf_counter() - t0
@@ -89,17 +92,31 @@ def _spill_servers(prog: he.CompiledProgram, ctx: bytes, row: dict) -> dict[str,
     if not segments or spilling >= floor:
         return {}
     out = {}
+    lazy = prog.options.get("lazy_products", ())
     for name, budget in (("in_tiles", int(floor) + 1), ("spilled", int((spilling + floor) / 2))):
-        mem = batch_group_memory(low, live, prog.params, budget, segments, keep_inputs=False)
+        mem = batch_group_memory(low, live, prog.params, budget, segments, keep_inputs=False,
+                                 lazy=lazy)
         row.update({f"{name}_budget_mib": budget / 2 ** 20,
                     f"{name}_working_mib": mem.working / 2 ** 20, f"{name}_tiles": mem.tiles,
                     f"{name}_spills": sum(n for _, n in mem.spills),
                     f"{name}_predicted_s": _predict_batch(
                         low, live, prog.params, he.costmodel.default_model(),
                         prog.options["fused_fanin"], prog.server_threads,
-                        budget)["seconds_per_ciphertext"]})
+                        budget, lazy=lazy)["seconds_per_ciphertext"]})
         out[name] = he.Server(prog, ctx, memory_budget=budget)
     return out
+
+
+def _tiled_prediction(prog: he.CompiledProgram, budget: float) -> float:
+    """The cost model's prediction for the program's group on its threads, under a server
+    memory budget of ``budget`` bytes (in tiles, lazy products kept where they fit)."""
+    from he.compiler import _predict_batch
+    from he.runtime import live_rows
+
+    lowered = prog.lowered
+    return _predict_batch(lowered, live_rows(lowered), prog.params, he.costmodel.default_model(),
+                          prog.options["fused_fanin"], prog.server_threads, budget,
+                          lazy=prog.options.get("lazy_products", ()))["seconds_per_ciphertext"]
 
 
 def _one_thread_prediction(prog: he.CompiledProgram) -> float:
@@ -274,13 +291,16 @@ def main(argv: list[str] | None = None) -> dict:
                         "tiled_budget_mib": args.tiled * whole / 2 ** 20,
                         "tiled_working_mib": tiled_mem.working / 2 ** 20,
                         "tiled_tiles": tiled_mem.tiles,
+                        "tiled_lazy_products": list(tiled_mem.lazy),
+                        "tiled_predicted_s": _tiled_prediction(prog, args.tiled * whole),
                         "tiled_warm_mib": servers["tiled"].warm_bytes / 2 ** 20})
         if args.spilled and prog.packing == "batch":
             servers.update(_spill_servers(prog, ctx, row))
         variants = [v for v in VARIANTS if v in ("threads", "one_thread")
                     or (v == "numpy" and args.numpy)
                     or (v == "eager" and prog.options.get("lazy_products"))
-                    or (v in ("tiled", "in_tiles", "spilled") and v in servers)]
+                    or (v in ("tiled", "in_tiles", "spilled") and v in servers)
+                    or (v == "tiled_eager" and row.get("tiled_lazy_products"))]
         times: dict[str, list[float]] = {v: [] for v in variants}
         # the machine's speed right before the passes, read by the probe's rule and the one
         # it replaced from the same rounds (benchmarks/he_probe.py)
@@ -325,14 +345,22 @@ def main(argv: list[str] | None = None) -> dict:
             tiled_s = min(times["tiled"])
             tiled_got = client.decrypt(servers["tiled"].run(request).to_bytes())
             row.update({"server_s_tiled": tiled_s, "tiled_time_ratio": tiled_s / fast,
-                        "tiled_prediction_error": pred / tiled_s - 1,
-                        "tiled_prediction_error_first": pred / times["tiled"][0] - 1,
+                        "tiled_prediction_error": row["tiled_predicted_s"] / tiled_s - 1,
+                        "tiled_prediction_error_first":
+                        row["tiled_predicted_s"] / times["tiled"][0] - 1,
                         "tiled_memory_ratio": row["tiled_working_mib"] / row["whole_working_mib"],
                         "tiled_max_abs_error_vs_simulation": float(np.max(np.abs(
                             tiled_got[:64] - want)))})
             numpy_note += (f", in tiles {row['tiled_tiles']} {tiled_s:.1f} s "
                            f"({row['tiled_time_ratio']:.2f}x the time, "
                            f"{row['tiled_memory_ratio']:.2f}x the memory)")
+            if "tiled_eager" in times:
+                tiled_eager_s = min(times["tiled_eager"])
+                row.update({"server_s_tiled_eager_products": tiled_eager_s,
+                            "tiled_speedup_vs_eager_products": tiled_eager_s / tiled_s})
+                numpy_note += (f", lazy products {row['tiled_lazy_products']} in them against "
+                               f"every product finished {tiled_eager_s:.1f} s -> "
+                               f"{row['tiled_speedup_vs_eager_products']:.2f}x")
         if "spilled" in times:
             in_tiles_s, spilled_s = min(times["in_tiles"]), min(times["spilled"])
             spilled_got = client.decrypt(servers["spilled"].run(request).to_bytes())
