@@ -404,6 +404,20 @@ class ProcessDied(RuntimeError):
     """A model's process ended before it answered (killed for memory, or a crash in SEAL)."""
 
 
+def _own_progress_locks() -> None:
+    """A forked process's own progress-bar locks: tqdm's lock is shared with the parent (a
+    multiprocessing lock made before the fork), so a child killed for memory while it held it
+    would leave the parent waiting at its next progress bar for ever."""
+    import threading
+
+    from tqdm.std import TqdmDefaultWriteLock
+    from tqdm.std import tqdm as std_tqdm
+
+    TqdmDefaultWriteLock.th_lock = threading.RLock()
+    TqdmDefaultWriteLock.mp_lock = multiprocessing.RLock()
+    std_tqdm.set_lock(TqdmDefaultWriteLock())
+
+
 def isolated(fn: Callable[[], dict]) -> dict:
     """``fn()`` in a forked process of its own, so that each model's keys, ciphertexts and SEAL's
     memory pool (which keeps what it once allocated) go back to the system when it ends, and a
@@ -415,6 +429,7 @@ def isolated(fn: Callable[[], dict]) -> dict:
     receive, send = ctx.Pipe(duplex=False)
 
     def child() -> None:
+        _own_progress_locks()
         try:
             send.send(("ok", fn()))
         except BaseException as exc:             # noqa: BLE001 - reported to the parent

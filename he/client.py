@@ -741,12 +741,15 @@ class Server:
         prog = self.program
         args = (prog.lowered, prog.plan.live, prog.params, free)
         lazy = tuple(prog.options.get("lazy_products", ()))
-        mem = batch_group_memory(*args, self._segments or [], keep_inputs=keep, lazy=lazy)
-        if mem.working > free and self._segments is None:
+        first = bool(prog.options.get("lazy_in_tiles", False))
+        mem = batch_group_memory(*args, self._segments or [], keep_inputs=keep, lazy=lazy,
+                                 lazy_in_tiles=first)
+        if self._segments is None and (mem.working > free or (lazy and first and not mem.lazy)):
             self._segments = find_segments(prog.lowered, prog.plan.live, row_bytes_of(
                 prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs),
                 keep_inputs=False)
-            mem = batch_group_memory(*args, self._segments, keep_inputs=keep, lazy=lazy)
+            mem = batch_group_memory(*args, self._segments, keep_inputs=keep, lazy=lazy,
+                                     lazy_in_tiles=first)
         return mem
 
     @property

@@ -406,15 +406,18 @@ class GroupMemory(NamedTuple):
 
 def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                        budget: float | None, segments: list[Segment] | None = None,
-                       keep_inputs: bool = False, lazy: Sequence[int] = ()) -> GroupMemory:
+                       keep_inputs: bool = False, lazy: Sequence[int] = (),
+                       lazy_in_tiles: bool = False) -> GroupMemory:
     """Tiles per segment (:mod:`he.tiling`) that keep one batch group within ``budget`` bytes
     of free memory (None: no limit, no tiles), and the group's working memory (ciphertexts at
     their peak and the encoded weights' cache) with them and without. ``keep_inputs``: the
     group's input ciphertexts are the caller's and live to the end (a server frees those it
     loaded from bytes once read). ``lazy``: product steps to leave unrelinearised (larger
-    ciphertexts), kept where the group fits with them: whole, else (where it does not fit whole
-    with every product finished either) in tiles that need no spill. Otherwise every product
-    is finished. Where no number of tiles fits, the tiles also spill the rows they hold for
+    ciphertexts), kept where the group fits with them: whole, else in tiles that need no spill
+    where it does not fit whole with every product finished either, or where
+    ``lazy_in_tiles`` (the compiler's choice, ``program.options["lazy_in_tiles"]``: the cost
+    model prices lazy products in tiles below finished ones in a whole group). Otherwise every
+    product is finished. Where no number of tiles fits, the tiles also spill the rows they hold for
     later tiles to disk (:func:`he.tiling.spills`), the fewest tiles that fit so (each spill
     costs a write and a read). The one rule for the compiler's prediction and a server's
     choice."""
@@ -431,8 +434,9 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
     made = allocations(lowered, live, row_bytes, keep_inputs=keep_inputs)
     whole = buffer_bytes(made)
     untiled = whole + PLAIN_CACHE_BYTES
-    if whole <= room:               # whole: no segments to look for
+    if whole <= room and not (lazy and lazy_in_tiles):    # whole: no segments to look for
         return GroupMemory({}, untiled, (), made)
+    whole_made = made
     if segments is None:
         # the cuts by the finished products' sizes: the same segments for either tiling
         segments = find_segments(lowered, live, row_bytes, keep_inputs)
@@ -447,6 +451,8 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
         if buffer_bytes(made) <= room:
             return GroupMemory({e: k for e, k in tiles.items() if k > 1}, untiled, lazy, made,
                                loads(tiles))
+    if whole <= room:
+        return GroupMemory({}, untiled, (), whole_made)
     tiles = choose_tiles(lowered, live, row_bytes, segments, room, keep_inputs) \
         if segments else {}
     made = allocations(lowered, live, row_bytes, segments, tiles, keep_inputs)
@@ -467,11 +473,14 @@ def batch_group_memory(lowered: Lowered, live: list[np.ndarray], params: CKKSPar
 
 def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
                    costs: CostModel, fanin: list[int], threads: int = 1,
-                   budget: float | None = None, lazy: Sequence[int] = ()) -> dict[str, Any]:
+                   budget: float | None = None, lazy: Sequence[int] = (),
+                   lazy_in_tiles: bool = False) -> dict[str, Any]:
     """Predicted time, work and memory of one batch group; ``lazy`` products are left
-    unrelinearised only where the group fits ``budget`` whole with them (as a server does)."""
+    unrelinearised only where the group fits ``budget`` with them (as a server does,
+    :func:`batch_group_memory`)."""
     # ciphertexts held at once, in tiles where the whole group would not fit the budget
-    mem = batch_group_memory(lowered, live, params, budget, lazy=lazy)
+    mem = batch_group_memory(lowered, live, params, budget, lazy=lazy,
+                             lazy_in_tiles=lazy_in_tiles)
     counts = batch_counts(lowered, live, _level_moduli(params), params.scale, fanin, mem.lazy)
     levels = step_levels(lowered.steps, "batch")
     ring = params.poly_modulus_degree
@@ -619,6 +628,8 @@ class CompiledProgram:
                     or not set(lazy) <= set(lazy_candidates(self.lowered)):
                 raise ValueError("lazy_products must list product steps read only by "
                                  "weighted maps")
+            if type(self.options.get("lazy_in_tiles", False)) is not bool:
+                raise ValueError("lazy_in_tiles must be true or false")
         self.plan.predicted = dict(self.options.get("predicted", {}))
         self.plan.why = str(self.options.get("why", ""))
         meta = json.dumps({"params": params.to_dict(), "packing": packing,
@@ -1123,10 +1134,20 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
     room = budget - _server_memory(params, [], 0)
     lazy = _batch_lazy(lowered, live, params, costs, fanin)
     serial = _predict_batch(lowered, live, params, costs, fanin, budget=room, lazy=lazy)
+    # where the group fits whole only with every product finished: the lazy products in tiles
+    # instead, if the cost model prices them lower
+    in_tiles = _predict_batch(lowered, live, params, costs, fanin, budget=room, lazy=lazy,
+                              lazy_in_tiles=True) if lazy and not serial["lazy_products"] \
+        and not serial["tiles"] else None
+    first = in_tiles is not None and bool(in_tiles["lazy_products"]) \
+        and in_tiles["seconds_per_ciphertext"] < serial["seconds_per_ciphertext"]
+    finished = serial
+    if first:
+        serial = in_tiles
     threads, threads_why, predicted = _chosen_threads(
         _threads(options), serial,
         lambda n: _predict_batch(lowered, live, params, costs, fanin, n, budget=room,
-                                 lazy=lazy),
+                                 lazy=lazy, lazy_in_tiles=first),
         "a group's products, rescales and fused maps")
     why = (f"one sample per slot; dead inputs and outputs skipped; {fused} weighted steps as "
            f"fused integer matrix products (rows from the fan-in the cost model chose); "
@@ -1137,14 +1158,20 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
                 f"and unrescaled, read at their primes by the maps that read them, which "
                 f"relinearise and rescale their own outputs instead (cheaper under the cost "
                 f"model)")
-        if not predicted["lazy_products"]:
+        if first:
+            why += (f"; the group does not fit whole with them at this memory budget: in tiles "
+                    f"with them, predicted {in_tiles['seconds_per_ciphertext']:.3g} s on one "
+                    f"thread against {finished['seconds_per_ciphertext']:.3g} s whole with every "
+                    f"product finished")
+        elif not predicted["lazy_products"]:
             why += (", where a group fits with them (whole, or in tiles that need no spill): "
                     "not at this memory budget")
     if predicted["tiles"]:
         gib = 2.0 ** 30
-        why += (f"; a group would hold {predicted['untiled_memory_bytes'] / gib:.1f} GiB of "
-                f"ciphertexts > {room / gib:.1f} GiB free: {len(predicted['tiles'])} "
-                f"segment(s) of steps run in tiles "
+        why += "; " if first else (
+            f"; a group would hold {predicted['untiled_memory_bytes'] / gib:.1f} GiB of "
+            f"ciphertexts > {room / gib:.1f} GiB free: ")
+        why += (f"{len(predicted['tiles'])} segment(s) of steps run in tiles "
                 f"({', '.join(f'{k} at step {e}' for e, k in predicted['tiles'].items())}), "
                 f"{predicted['working_memory_bytes'] / gib:.1f} GiB")
         if predicted.get("spills"):
@@ -1154,6 +1181,8 @@ def _batch_choice(lowered: Lowered, params: CKKSParams, costs: CostModel,
            "threads_why": threads_why, "predicted": predicted, "why": why}
     if lazy:
         out["lazy_products"] = [int(m) for m in lazy]
+    if first:
+        out["lazy_in_tiles"] = True
     return out
 
 

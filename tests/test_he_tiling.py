@@ -413,6 +413,56 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
     assert p["seconds_per_ciphertext"] == pytest.approx(whole["seconds_per_ciphertext"] + again)
 
 
+def test_lazy_products_run_in_tiles_where_the_cost_model_prices_them_below_a_whole_group(
+        compiled):
+    """Under a budget that holds the group whole only with every product finished, the
+    compiler prices the lazy products in tiles against finished ones whole and keeps the
+    cheaper (``lazy_in_tiles``); a server under that budget does what the compiler chose, and
+    answers within the promised error. A program file whose choice is not a bool is refused."""
+    model, x, prog, rb = compiled
+    from he.compiler import CompiledProgram, _predict_batch, _server_memory
+    from he.runtime import PLAIN_CACHE_BYTES
+    low, live, params = prog.lowered, prog.plan.live, prog.params
+    lazy = prog.options["lazy_products"]
+    eager = allocated_memory(low, live, rb, keep_inputs=False)
+    lazy_whole = allocated_memory(low, live, row_bytes_of(
+        low, params.poly_modulus_degree, params.limbs, lazy), keep_inputs=False)
+    keys = _server_memory(params, [], 0)
+    budget = int(keys + PLAIN_CACHE_BYTES + (eager + lazy_whole) / 2)
+    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
+    costs = he.costmodel.default_model()
+    room = budget - keys
+    whole, in_tiles = (_predict_batch(low, live, params, costs, tight.options["fused_fanin"],
+                                      budget=room, lazy=lazy, lazy_in_tiles=first)
+                       for first in (False, True))
+    assert whole["tiles"] == {} and whole["lazy_products"] == []
+    assert in_tiles["tiles"] and in_tiles["lazy_products"] == lazy
+    cheaper = in_tiles["seconds_per_ciphertext"] < whole["seconds_per_ciphertext"]
+    assert tight.options.get("lazy_in_tiles", False) == cheaper
+    assert cheaper, "this model's head makes the lazy products pay for the tiles"
+    p = tight.plan.predicted
+    assert p["tiles"] == in_tiles["tiles"] and p["lazy_products"] == lazy
+    assert "in tiles with them" in tight.plan.why
+    client = he.Client(tight)
+    server = he.Server(tight, client.public_context())
+    xs = x[:4].numpy()
+    got = client.decrypt(server.run(client.encrypt(xs).to_bytes()))
+    assert server.lazy_products == tuple(lazy)
+    assert {str(e): k for e, k in server.tiles.items()} == p["tiles"]
+    assert np.abs(got - tight.simulate(xs)).max() <= tight.params.expected_error
+    # without the choice, the same budget runs the group whole with every product finished
+    unchosen = CompiledProgram(tight.program, tight.params, "batch", tight.calibration,
+                               {**tight.options, "lazy_in_tiles": False}, tight.certificate)
+    other = he.Client(unchosen)
+    plain = he.Server(unchosen, other.public_context(), memory_budget=tight.server_room())
+    plain.run(other.encrypt(xs).to_bytes())
+    assert plain.lazy_products == () and plain.tiles == {}
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="lazy_in_tiles"):
+            CompiledProgram(tight.program, tight.params, "batch", tight.calibration,
+                            {**tight.options, "lazy_in_tiles": bad}, tight.certificate)
+
+
 def test_a_server_plans_its_tiles_for_the_budget_the_program_was_compiled_for(compiled):
     """A server given no budget of its own takes what the compile-time budget leaves beside the
     keys (``server_room``), so it runs the tiles the compiler predicted, not a group sized for
