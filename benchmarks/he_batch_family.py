@@ -79,7 +79,7 @@ def _spill_servers(prog: he.CompiledProgram, ctx: bytes, row: dict) -> dict[str,
     """A server in the program's most tiles (the memory they allocate, just), and one under a
     budget halfway to what they allocate spilling (so they do not fit: it spills); none where
     the program has no segment or nothing to spill. Their memory joins ``row``."""
-    from he.compiler import _predict_batch, batch_group_memory
+    from he.compiler import batch_group_memory
     from he.runtime import PLAIN_CACHE_BYTES
     from he.tiling import MAX_TILES, allocated_memory, find_segments, row_bytes_of
 
@@ -95,42 +95,41 @@ def _spill_servers(prog: he.CompiledProgram, ctx: bytes, row: dict) -> dict[str,
     lazy = prog.options.get("lazy_products", ())
     for name, budget in (("in_tiles", int(floor) + 1), ("spilled", int((spilling + floor) / 2))):
         mem = batch_group_memory(low, live, prog.params, budget, segments, keep_inputs=False,
-                                 lazy=lazy)
+                                 lazy=lazy,
+                                 lazy_in_tiles=prog.options.get("lazy_in_tiles", False))
         row.update({f"{name}_budget_mib": budget / 2 ** 20,
                     f"{name}_working_mib": mem.working / 2 ** 20, f"{name}_tiles": mem.tiles,
                     f"{name}_spills": sum(n for _, n in mem.spills),
-                    f"{name}_predicted_s": _predict_batch(
-                        low, live, prog.params, he.costmodel.default_model(),
-                        prog.options["fused_fanin"], prog.server_threads,
-                        budget, lazy=lazy)["seconds_per_ciphertext"]})
+                    f"{name}_predicted_s": _batch_prediction(prog, prog.server_threads,
+                                                             budget)})
         out[name] = he.Server(prog, ctx, memory_budget=budget)
     return out
 
 
-def _tiled_prediction(prog: he.CompiledProgram, budget: float) -> float:
-    """The cost model's prediction for the program's group on its threads, under a server
-    memory budget of ``budget`` bytes (in tiles, lazy products kept where they fit)."""
+def _batch_prediction(prog: he.CompiledProgram, threads: int,
+                      budget: float | None = None) -> float:
+    """The cost model's prediction for the program's batch group on ``threads`` server
+    threads, under a server memory budget of ``budget`` bytes (None: none; in tiles, lazy
+    products kept where they fit)."""
     from he.compiler import _predict_batch
     from he.runtime import live_rows
 
     lowered = prog.lowered
     return _predict_batch(lowered, live_rows(lowered), prog.params, he.costmodel.default_model(),
-                          prog.options["fused_fanin"], prog.server_threads, budget,
-                          lazy=prog.options.get("lazy_products", ()))["seconds_per_ciphertext"]
+                          prog.options["fused_fanin"], threads, budget,
+                          lazy=prog.options.get("lazy_products", ()),
+                          lazy_in_tiles=prog.options.get("lazy_in_tiles", False)
+                          )["seconds_per_ciphertext"]
 
 
 def _one_thread_prediction(prog: he.CompiledProgram) -> float:
     """The cost model's prediction for the program's group on one server thread."""
-    from he.compiler import _predict_batch, _predict_tokens
-    from he.runtime import live_rows
+    from he.compiler import _predict_tokens
 
     if prog.packing == "tokens":
         return _predict_tokens(prog.plan, prog.params, he.costmodel.default_model(),
                                1)["seconds_per_ciphertext"]
-    lowered = prog.lowered
-    return _predict_batch(lowered, live_rows(lowered), prog.params, he.costmodel.default_model(),
-                          prog.options["fused_fanin"], 1,
-                          lazy=prog.options.get("lazy_products", ()))["seconds_per_ciphertext"]
+    return _batch_prediction(prog, 1)
 
 
 def _each_in_a_process(args: argparse.Namespace, names: list[str],
@@ -292,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "tiled_working_mib": tiled_mem.working / 2 ** 20,
                         "tiled_tiles": tiled_mem.tiles,
                         "tiled_lazy_products": list(tiled_mem.lazy),
-                        "tiled_predicted_s": _tiled_prediction(prog, args.tiled * whole),
+                        "tiled_predicted_s": _batch_prediction(prog, prog.server_threads,
+                                                                args.tiled * whole),
                         "tiled_warm_mib": servers["tiled"].warm_bytes / 2 ** 20})
         if args.spilled and prog.packing == "batch":
             servers.update(_spill_servers(prog, ctx, row))

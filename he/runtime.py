@@ -519,12 +519,8 @@ def _finish_parts(eng: Engine, st: Step, sums: dict[int, Any], lazy_sums: dict[i
     """A weighted step from its sums over its other inputs (``sums``, at the product's scale)
     and over its lazy products (``lazy_sums``, :func:`_lazy_rows`): the latter finished
     (:func:`_finish_lazy`) and added to the former, then :func:`_finish_sums`."""
-    for r, e in _finish_lazy(eng, lazy_sums, level, buffers).items():
-        if r in sums:
-            eng.add_inplace(sums[r], e)
-            buffers.recycle(e)
-        else:
-            sums[r] = e
+    finished = _finish_lazy(eng, lazy_sums, level, buffers)
+    _add_sums(eng, sums, [finished.get(r, 0.0) for r in range(st.n)], buffers)
     return _finish_sums(eng, st, sums, clear, rows, level, buffers)
 
 
