@@ -65,7 +65,7 @@ class Ciphertext:
     def to_bytes(self) -> bytes:
         """Serialise (each SEAL ciphertext in :mod:`he.wire`'s form, inside a polynets
         container)."""
-        blobs = {f"g{i}": [b if isinstance(b, bytes) else wire.dumps(b) for b in g]
+        blobs = {f"g{i}": [b if _unloaded(b) else wire.dumps(b) for b in g]
                  for i, g in enumerate(self._groups)}
         header = {"packing": self.packing, "fingerprint": self.fingerprint,
                   "key_id": self.key_id, "role": self.role, "n_samples": self.n_samples,
@@ -78,7 +78,9 @@ class Ciphertext:
 
         Raises :class:`~he.errors.SerializationError` for garbage or truncated bytes.
         """
-        head, blobs = unpack(data, "ciphertext", "ciphertext")
+        # views of ``data`` where it is bytes (immutable), not copies: a batch request is
+        # hundreds of MB, whose copy in fresh memory cost its first request seconds
+        head, blobs = unpack(data, "ciphertext", "ciphertext", views=True)
         try:
             n_groups = int(head["groups"])
             groups = [list(blobs[f"g{i}"]) for i in range(n_groups)]
@@ -101,10 +103,16 @@ class Ciphertext:
         return len(self.to_bytes())
 
 
+def _unloaded(b: Any) -> bool:
+    """Whether a part of a :class:`Ciphertext` is still serialised (bytes, or a view of the
+    request it was read from) rather than a SEAL ciphertext."""
+    return isinstance(b, (bytes, memoryview))
+
+
 def _load_group(context: Any, ct: Ciphertext, gi: int) -> list[Any]:
     """SEAL ciphertexts of group ``gi`` of ``ct`` (bytes are loaded and validated)."""
     return [wire.loads(context, b, f"ciphertext part {gi}.{k}")
-            if isinstance(b, bytes) else b for k, b in enumerate(ct._groups[gi])]
+            if _unloaded(b) else b for k, b in enumerate(ct._groups[gi])]
 
 
 def _as_ciphertext(ct: Any) -> Ciphertext:
@@ -785,7 +793,7 @@ class Server:
 
             def load(k: int, b: Any) -> Any:
                 return wire.loads(ctx, b, f"ciphertext part {gi}.{k}") \
-                    if isinstance(b, bytes) else b
+                    if _unloaded(b) else b
 
             # bytes handed over are loaded by the evaluation into its free buffers: all first,
             # or each in the tile that first reads it (every part validated here first)
@@ -871,7 +879,7 @@ class Server:
             # what SEAL's pool kept from this process's earlier groups serves this one too
             free = self._free_memory()
             # inputs given as SEAL objects are the caller's; those loaded here are freed
-            keep = not all(isinstance(b, bytes) for grp in ct._groups for b in grp)
+            keep = not all(_unloaded(b) for grp in ct._groups for b in grp)
             mem = self._group_memory(free, keep)
             self._tiles, working, self._lazy = mem.tiles, mem.working, mem.lazy
             self._spill = bool(mem.spills)
@@ -903,7 +911,7 @@ class Server:
             # each group loaded when its turn comes, and handed over where loaded from bytes
             out_groups = fork_map(
                 lambda i: self._run_group(self._group_of(ct, i), owned=all(
-                    isinstance(b, bytes) for b in ct._groups[i]), gi=i),
+                    _unloaded(b) for b in ct._groups[i]), gi=i),
                 len(ct._groups), 1, desc="server", progress=progress)
             if self.program.packing == "batch":
                 note_pool(self._pool_key, working)
@@ -918,7 +926,7 @@ class Server:
                 out_groups = fork_map(
                     lambda i: [wire.dumps(c) for c in self._run_group(
                         self._group_of(ct, i),
-                        owned=all(isinstance(b, bytes) for b in ct._groups[i]), gi=i)],
+                        owned=all(_unloaded(b) for b in ct._groups[i]), gi=i)],
                     len(ct._groups), n_workers, desc="server", progress=progress)
             finally:
                 eng.pool = pool

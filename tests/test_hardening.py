@@ -120,6 +120,25 @@ def test_every_truncation_and_bit_flip_of_ciphertexts_is_a_serialization_error(s
     assert n > 1500
 
 
+def test_a_request_is_read_in_place_from_bytes_and_copied_from_mutable_buffers(setup):
+    """Immutable bytes are parsed without a copy of their ciphertexts (a batch request is
+    hundreds of MB); a bytearray is copied as it is verified, so that editing it afterwards
+    changes nothing the server reads."""
+    data = setup["ct"]
+    parts = he.Ciphertext.from_bytes(data)._groups[0]
+    assert all(isinstance(b, memoryview) and b.obj is data for b in parts)
+    buf = bytearray(data)
+    ct = he.Ciphertext.from_bytes(buf)
+    assert all(isinstance(b, bytes) for b in ct._groups[0])
+    buf[len(buf) // 2:] = bytes(len(buf) - len(buf) // 2)      # the caller reuses its buffer
+    client = setup["client"]
+    np.testing.assert_allclose(client.decrypt(setup["server"].run(ct)), setup["expected"],
+                               atol=1e-3)
+    np.testing.assert_allclose(client.decrypt(setup["server"].run(data)), setup["expected"],
+                               atol=1e-3)
+    assert he.Ciphertext.from_bytes(data).to_bytes() == data
+
+
 def test_every_truncation_and_bit_flip_of_contexts_is_a_serialization_error(setup):
     prog = setup["prog"]
     n = _all_refused(setup["public"], lambda b: he.Server(prog, b), he.SerializationError,
