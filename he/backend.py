@@ -135,6 +135,8 @@ class Engine:
             primes.append(data.parms().coeff_modulus()[-1].value())
             data = data.next_context_data()
         self.top_chain = self.context.first_context_data().chain_index()
+        #: the encoded ones a lift multiplies by, per (from, to) level (:meth:`lift`)
+        self._ones: dict[tuple[int, int], Any] = {}
         self._chain_ids = chain_ids
         #: parms id of every level (a wide chain has two levels per prime)
         self.parms_ids = [chain_ids[params.chain_index(lv)] for lv in range(params.levels + 1)]
@@ -205,7 +207,10 @@ class Engine:
         if n == 1 or (self.galois_keys is None and self.relin_keys is None):
             self.native, self.pool = None, Pool(1)
             return ""
-        plain = self.encode_vector(np.linspace(-1.0, 1.0, self.slots), 0, self.plain_scales[0])
+        # a plaintext at the scale products take at the top level (a program without levels
+        # multiplies by none: the canonical one)
+        scale = self.plain_scales[0] if self.plain_scales else self.scales[0]
+        plain = self.encode_vector(np.linspace(-1.0, 1.0, self.slots), 0, scale)
         native = NativeEvaluator(self.context, self.evaluator, self.galois_keys, probe,
                                  probe_step, plain, self.relin_keys)
         if not native.ok:
@@ -255,20 +260,24 @@ class Engine:
         target = self.params.chain_index(level)
         res = seal.Ciphertext() if out is None else out
         out = ct
+        one = self._ones.get((cur, level))
         if not self.params.lift_rescales(cur, level):
             # a wide chain's canonical level to its pending one: a product with 1, no rescale
-            one = self.encode_scalar(1.0, level, self.scales[level] / self.scales[cur])
+            if one is None:
+                one = self._ones[(cur, level)] = self.encode_scalar(
+                    1.0, level, self.scales[level] / self.scales[cur])
             self.evaluator.multiply_plain(out, one, res)
             return self._canon(res, level)
         # down to the chain just above the target, then a product with 1 at scale p and a
-        # rescale by that chain's last prime q: p = S[level] * q / S[cur]
+        # rescale by that chain's last prime q: p = S[level] * q / S[cur] (encoded once)
         prev = self._chain_ids[target - 1]
         if self.chain(ct) < target - 1:
             out = seal.Ciphertext()
             self.evaluator.mod_switch_to(ct, prev, out)
-        q = float(self.context.get_context_data(prev).parms().coeff_modulus()[-1].value())
-        one = seal.Plaintext()
-        self.encoder.encode(1.0, prev, self.scales[level] * q / self.scales[cur], one)
+        if one is None:
+            q = float(self.context.get_context_data(prev).parms().coeff_modulus()[-1].value())
+            one = self._ones[(cur, level)] = seal.Plaintext()
+            self.encoder.encode(1.0, prev, self.scales[level] * q / self.scales[cur], one)
         self.evaluator.multiply_plain(out, one, res)
         self.rescale_into(res, res)
         return self._canon(res, level)

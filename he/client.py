@@ -791,15 +791,16 @@ class Server:
             tiles = [(by_end[e], k) for e, k in self._tiles.items()]
             part = {id(b): k for k, b in enumerate(g)}
 
-            def load(k: int, b: Any) -> Any:
-                return wire.loads(ctx, b, f"ciphertext part {gi}.{k}") \
+            def load(k: int, b: Any, into: Any = None) -> Any:
+                return wire.loads(ctx, b, f"ciphertext part {gi}.{k}", into) \
                     if _unloaded(b) else b
 
             # bytes handed over are loaded by the evaluation into its free buffers: all first,
             # or each in the tile that first reads it (every part validated here first)
             if owned and any(seg.load is not None for seg, k in tiles if k > 1):
-                for k, b in enumerate(g):
-                    load(k, b)
+                self.engine.pool.map(
+                    lambda kb: wire.check(ctx, kb[1], f"ciphertext part {gi}.{kb[0]}"),
+                    [(k, b) for k, b in enumerate(g) if _unloaded(b)])
             elif not owned:
                 g = [load(k, b) for k, b in enumerate(g)]
             full: list[Any] = [0.0] * int(np.prod(prog.input_shape, dtype=np.int64))
@@ -814,7 +815,7 @@ class Server:
                 res = _seal_call(lambda: run_batch(
                     self.engine, prog.lowered, prog.plan.live, full, fanin=fanin, tiles=tiles,
                     own_inputs=owned, lazy=self._lazy,
-                    load=(lambda b: load(part.get(id(b), -1), b)) if owned else None,
+                    load=(lambda b, into: load(part.get(id(b), -1), b, into)) if owned else None,
                     spare=spare,
                     spill=spill), "evaluation")
             finally:

@@ -30,10 +30,10 @@ from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, ROTATION_BITS, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels, wide_variant)
 from he.hoist import expected as hoist_expected
-from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, build_vector_plan,
-                     choose_fanin, choose_lazy, choose_plane_packing, key_basis, lazy_candidates,
-                     next_pow2, padded_layouts_fit, planes_readers, rotation_path, search_layouts,
-                     widest_period)
+from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, batch_lifts,
+                     build_vector_plan, choose_fanin, choose_lazy, choose_plane_packing, key_basis,
+                     lazy_candidates, next_pow2, padded_layouts_fit, planes_readers, rotation_path,
+                     search_layouts, widest_period)
 from he.split import MAX_BLOCKS, SPLIT_AXES, Split, split_lowered
 from he.tokens import (TokenPlan, TokensNotApplicable, build_token_plan, chosen_giants,
                        peak_ciphertexts, plaintexts_held, token_grid, token_paddings,
@@ -493,12 +493,22 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
         rest = {k: v for k, v in c.items() if k not in _BATCH_THREADED}
         seconds += costs.price(rest, ring, params.limbs(lin)) + \
             costs.price(par, ring, params.limbs(lin)) / speedup
+    # the inputs of steps of sums lifted to the step's level first, on the server's threads
+    # (he.runtime._affine_batch)
+    for si, lifts in enumerate(batch_lifts(lowered, live, mem.lazy)):
+        level = max((levels[j] for j in lowered.steps[si].inputs), default=0)
+        for lv, n in lifts.items():
+            for op, limbs in params.lift_primitives(lv, level):
+                counts[si][op] = counts[si].get(op, 0) + n
+                seconds += n * costs.seconds(op, ring, limbs) / speedup
     tiles, working, untiled = mem.tiles, mem.working, mem.untiled
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
-    # the server deserialises each input ciphertext before anything else (and again where a
-    # tile first reads it, when it loads them tile by tile)
-    total["load"] = int(live[0].sum()) * (2 if mem.loads else 1)
-    seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
+    # the server loads each input ciphertext on its threads (he.runtime._load_inputs): all
+    # before anything else, or each where a tile first reads it, every one checked first then
+    total["load"] = int(live[0].sum())
+    total["check"] = total["load"] if mem.loads else 0
+    seconds += (total["load"] * costs.seconds("load", ring, params.limbs(0))
+                + total["check"] * costs.seconds("check", ring, params.limbs(0))) / speedup
     # a row spilled is written out and read back, checksummed each way, at its level's size
     total["spill"] = sum(n for _, n in mem.spills)
     seconds += sum(n * costs.seconds("spill", ring, params.limbs(levels[s])) for s, n in mem.spills)

@@ -52,7 +52,8 @@ __all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", 
            "probe_rounds", "speed_factor"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load",
-              "mul_lazy", "relin", "spill", "decompose", "rotate_hoisted", "mul_ext", "mod_down")
+              "mul_lazy", "relin", "spill", "decompose", "rotate_hoisted", "mul_ext", "mod_down",
+              "check")
 #: the primitives of hoisted baby steps (:mod:`he.hoist`): an input's decomposition, a rotation
 #: without its division by the special prime, an extended plaintext product with its addition,
 #: the division of a giant step's sum
@@ -68,6 +69,10 @@ _DERIVED_PART = {"mul_lazy": ("mul_ct", 0.15), "relin": ("mul_ct", 0.85),
                  #: (:class:`he.runtime.SpillFile`): 1.4 ms against a load's 2.8 ms at N=16384,
                  #: six primes, when a load was timed into reused memory (3.4 ms into fresh)
                  "spill": ("load", 0.5),
+                 #: an input validated without being kept (:func:`he.wire.check`: its words
+                 #: written and SEAL's check, its seed not expanded): 0.14 ms against a load's
+                 #: 1.45 ms at N=8192, six primes, on a 2-core x86-64 machine
+                 "check": ("load", 0.1),
                  #: hoisted baby steps, as parts of a rotation (of a plaintext product and its
                  #: addition for ``mul_ext``): the medians of N=8192 and 16384 at 1-14 primes of
                  #: 28 bits on a 2-core x86-64 machine (decomposition 0.29-0.75, hoisted
@@ -860,7 +865,7 @@ def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: i
     operands, which the caches hold, as :func:`probe_rounds` times)."""
     from he.container import digest
     from he.runtime import SpillFile
-    from he.wire import encrypt_bytes, loads
+    from he.wire import check, encrypt_bytes, loads
 
     encoder, ev, encryptor, native, rk, gk, ctx = tools[:7]
     ring = int(ctx.key_context_data().parms().poly_modulus_degree())
@@ -917,11 +922,17 @@ def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: i
 
     def load_into_buffers() -> None:
         for b, buf in zip(blobs, buffers):
-            loaded = loads(ctx, b, "ciphertext")
-            ev.negate(loaded, buf)          # the copy of a server without native calls
-            ev.negate_inplace(buf)
+            loaded = loads(ctx, b, "ciphertext", into=buf)
+            if loaded is not buf:           # SEAL's own load, copied into the buffer
+                ev.negate(loaded, buf)
+                ev.negate_inplace(buf)
+
+    def check_all() -> None:
+        for b in blobs:
+            check(ctx, b, "ciphertext")
 
     timings["load"] = load_into_buffers
+    timings["check"] = check_all
     spill, back = SpillFile(), seal.Ciphertext()
 
     def spilled() -> None:
@@ -968,7 +979,7 @@ def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: i
                                      calls["mul_ct"])
         timings["rescale"] = passes("rescale", product_rescale)
     # a pass, a load of a set of ciphertexts: once each (the best of three)
-    per_pass["load"] = len(blobs)
+    per_pass["load"] = per_pass["check"] = len(blobs)
     result = {op: _time(fn, 1 if op in per_pass else reps) / per_pass.get(op, 1)
               for op, fn in timings.items()}
     if hoister is not None:

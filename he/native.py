@@ -42,8 +42,8 @@ import tenseal.sealapi as seal
 
 from he.fused import _DYN_OFFSET, _cxx_address, raw_access
 
-__all__ = ["NativeEvaluator", "NativeEncryptor", "Pool", "default_threads", "native_platform",
-           "galois_element", "NATIVE_PLATFORMS"]
+__all__ = ["NativeEvaluator", "NativeEncryptor", "SeedExpander", "Pool", "default_threads",
+           "native_platform", "galois_element", "NATIVE_PLATFORMS"]
 
 #: (system, machine) pairs where SEAL's symbols are called natively: the Itanium C++ ABI
 #: (non-trivial arguments passed by address) and the binding's layout as validated here
@@ -61,6 +61,11 @@ _RELIN = ("_ZNK4seal9Evaluator20relinearize_internalERNS_10CiphertextERKNS_9Reli
 _RESCALE = "_ZNK4seal9Evaluator15rescale_to_nextERKNS_10CiphertextERS1_NS_16MemoryPoolHandleE"
 _ENCRYPT = ("_ZNK4seal9Encryptor16encrypt_internalERKNS_9PlaintextEbbRNS_10CiphertextENS_16"
             "MemoryPoolHandleE")
+_EXPAND_SEED = ("_ZN4seal10Ciphertext11expand_seedERKNS_11SEALContextERKNS_26UniformRandomGenerator"
+                "InfoENS_11SEALVersionE")
+#: the generators a seed may name (``seal::prng_type``: blake2xb, shake256); SEAL refuses any
+#: other by an exception, which a native call could not carry
+SEED_PRNG_TYPES = (1, 2)
 T = TypeVar("T")
 
 
@@ -435,6 +440,60 @@ class NativeEncryptor:
         bound = max(16.0 * error(reference), 2.0 ** 10 / float(pt.scale))
         if not error(loaded) <= bound:
             raise _Unavailable("a native encryption does not decrypt to its plaintext")
+
+
+class SeedExpander:
+    """The random half of a seeded ciphertext regenerated from its seed without the GIL
+    (``seal::Ciphertext::expand_seed``), so that a server's threads load a request's ciphertexts
+    at once (:func:`he.wire.loads`).
+
+    ``context``'s C++ address is checked first: its key, first and last parameters ids must be
+    where SEAL's ``SEALContext`` keeps them (after its memory pool handle). :attr:`ok` says
+    whether the symbol and the layout were found, :attr:`reason` why not; the words it
+    generates are compared with SEAL's own load by the caller before use
+    (:class:`he.wire.DirectLoad`)."""
+
+    def __init__(self, context: Any):
+        self.ok = False
+        self.reason = ""
+        self._context = context
+        try:
+            try:
+                fn = getattr(_library(), _EXPAND_SEED)
+            except AttributeError as exc:
+                raise _Unavailable(f"SEAL's symbols are not exported: {exc}") from None
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
+            addr = _cxx_address(context)
+            if not addr or addr % 8:
+                raise _Unavailable("no C++ object address for the context")
+            words = list((ctypes.c_uint64 * 14).from_address(addr))[2:]
+            ids = [int(w) for pid in (context.key_parms_id(), context.first_parms_id(),
+                                      context.last_parms_id()) for w in pid]
+            if [int(w) for w in words] != ids:
+                raise _Unavailable("the context's parameters ids are not where expected")
+            self._fn, self._addr = fn, addr
+            self.ok = True
+        except _Unavailable as exc:
+            self.reason = str(exc)
+
+    def expand(self, ct: Any, prng_type: int, seed: bytes, version: tuple[int, int]) -> None:
+        """Write the second polynomial of ``ct`` from ``seed`` (64 bytes) with generator
+        ``prng_type`` as SEAL of ``version`` (major, minor) would. ``ct`` holds two or more
+        polynomials at a parameters id of the context (its ``resize`` with the context checked
+        that); anything SEAL would refuse raises ValueError first."""
+        if not self.ok:
+            raise ValueError(f"no native seed expansion: {self.reason}")
+        if int(prng_type) not in SEED_PRNG_TYPES or len(seed) != 64 or ct.size() < 2 \
+                or self._context.get_context_data(ct.parms_id()) is None:
+            raise ValueError("a seed SEAL would not expand")
+        # seal::UniformRandomGeneratorInfo: the generator type (one byte), the seed at 8
+        info = ctypes.create_string_buffer(72)
+        info[0] = int(prng_type)
+        info[8:72] = bytes(seed)
+        major, minor = version
+        self._fn(_cxx_address(ct), self._addr, ctypes.addressof(info),
+                 (int(major) & 0xFF) | (int(minor) & 0xFF) << 8)
 
 
 class Pool:

@@ -1687,6 +1687,33 @@ def batch_counts(lowered: Lowered, live: list[np.ndarray],
     return out
 
 
+def batch_lifts(lowered: Lowered, live: list[np.ndarray],
+                lazy: Sequence[int] = ()) -> list[dict[int, int]]:
+    """Per step, the inputs batch packing lifts to its level before summing them (a step of
+    sums alone, :func:`affine_is_free`, whose inputs lie at several levels: each input below
+    the step's level, read by a live row, is lifted once, :meth:`he.backend.Engine.lift`), by
+    the level they come from: ``{level: count}``. Steps reading ``lazy`` products sum them
+    otherwise (none)."""
+    levels = step_levels(lowered.steps, "batch")
+    lazy = set(int(m) for m in lazy)
+    out: list[dict[int, int]] = []
+    for si, st in enumerate(lowered.steps):
+        lifts: dict[int, int] = {}
+        if st.kind == "affine" and affine_is_free(st, "batch") and st.inputs \
+                and not lazy.intersection(st.inputs):
+            level = max(levels[j] for j in st.inputs)
+            for m, j in zip(st.terms, st.inputs):
+                if levels[j] == level:
+                    continue
+                read = np.zeros(m.shape[1], dtype=bool)
+                read[m.tocsr()[live[si]].indices] = True
+                n = int((read & live[j]).sum())
+                if n:
+                    lifts[levels[j]] = lifts.get(levels[j], 0) + n
+        out.append(lifts)
+    return out
+
+
 def step_readers(lowered: Lowered) -> dict[int, list[int]]:
     """The steps that read each step (in evaluation order; a step read by none is absent)."""
     readers: dict[int, list[int]] = {}

@@ -128,6 +128,25 @@ def _threaded(eng: Engine, buffers: "_Buffers", items: Sequence[Any],
     return results
 
 
+def _load_inputs(eng: Engine, buffers: "_Buffers", load: Callable[[Any, Any], Any],
+                 items: Sequence[Any]) -> list[Any]:
+    """``items`` with every serialised input loaded (``load(x, into)``; constants pass), each
+    into a free buffer of the inputs' level, on the engine's threads: a direct load releases
+    the GIL while SEAL regenerates a seeded ciphertext's random half (:func:`he.wire.loads`). A
+    load that did not use its buffer is copied into one, so that its own storage goes back to
+    SEAL's pool for the next load."""
+    todo = [i for i, x in enumerate(items) if not isinstance(x, float)]
+    intos = [buffers.take(eng, 0) for _ in todo]
+    done = eng.pool.map(lambda j: load(items[todo[j]], intos[j]), range(len(todo)))
+    out = list(items)
+    for i, into, ct in zip(todo, intos, done):
+        if ct is not into:
+            buffers.recycle(into)
+            ct = buffers.adopt(eng, ct)
+        out[i] = ct
+    return out
+
+
 def live_rows(lowered: Lowered) -> list[np.ndarray]:
     """For every step, which of its elements can reach the output (bool masks).
 
@@ -346,6 +365,19 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
         return lifted[(t, c)]
 
     copies: list[Any] = []         # inputs brought to the step's level, in buffers
+    if free:
+        # the inputs below the step's level that live rows read, lifted on the engine's threads
+        # (a product with an encoded one and a rescale each, he.plan.batch_lifts)
+        low = sorted({(t, int(c)) for t, m in enumerate(mats)
+                      for c in m[rest].indices if _is_ct(srcs[t][int(c)])
+                      and eng.level(srcs[t][int(c)]) != level})
+        if len(low) > 1:
+            outs = [buffers.take(eng, max(level - 1, 0)) for _ in low]
+            done = eng.pool.map(lambda i: eng.lift(srcs[low[i][0]][low[i][1]], level,
+                                                   out=outs[i]), range(len(low)))
+            for key, e in zip(low, done):
+                lifted[key] = e
+                copies.append(e)
 
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
@@ -631,7 +663,7 @@ class SpillFile:
 def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: list[Any],
               progress: bool = False, fanin: Sequence[int] | None = None,
               tiles: Sequence[tuple[Segment, int]] = (), own_inputs: bool = False,
-              lazy: Sequence[int] = (), load: Callable[[Any], Any] | None = None,
+              lazy: Sequence[int] = (), load: Callable[[Any, Any], Any] | None = None,
               spare: list[Any] | None = None, spill: SpillFile | None = None) -> list[Elem]:
     """Evaluate the lowered program on one group of batch-packed input ciphertexts (flat input
     order; dead inputs, see :func:`live_rows`, may be given as ``0.0``). ``fanin[s]``: the
@@ -643,8 +675,9 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
     steps left unrelinearised and unrescaled for the maps that read them
     (:func:`he.plan.choose_lazy`; a reduction in tiles sums its tiles' parts over them and
     finishes each row once; not with ``spill``). ``load``: the inputs are handed over
-    unloaded (serialised ciphertexts, validated), ``load(x)`` a ciphertext of one: a segment
-    that reads every input loads each in the tile that first reads it
+    unloaded (serialised ciphertexts, validated), ``load(x, into)`` a ciphertext of one
+    (``into``: a free buffer it may load into; on the engine's threads, :func:`_load_inputs`):
+    a segment that reads every input loads each in the tile that first reads it
     (:attr:`he.tiling.Segment.load`), into the buffer of a value that died where one holds it;
     without such a segment all are loaded first, each into a ``spare`` buffer that holds it.
     ``spare``: free ciphertexts (of an earlier group, or allocated before the first,
@@ -667,8 +700,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
             # each into a free buffer, its own storage back to SEAL's pool for the next load
             # (a request's inputs in fresh memory, left free at the end, would grow the free
             # buffers a process keeps by a request's inputs at every request)
-            inputs[:] = [buffers.adopt(eng, load(e)) if not isinstance(e, float) else e
-                         for e in inputs]
+            inputs[:] = _load_inputs(eng, buffers, load, inputs)
             load = None
     # inputs still to load (by row), absent (0.0) until a tile loads them
     pending = {r: e for r, e in enumerate(inputs) if not isinstance(e, float)} \
@@ -774,9 +806,10 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                         held[s][r] = spill.read((s, r), buffers.take(eng, levels[s]),
                                                 eng.context)
             if load is not None and seg.load is not None:
-                for r in np.flatnonzero(tile.load):
-                    if r in pending:
-                        vals[0][r] = inputs[r] = buffers.adopt(eng, load(pending.pop(r)))
+                rows = [int(r) for r in np.flatnonzero(tile.load) if r in pending]
+                for r, ct in zip(rows, _load_inputs(eng, buffers, load,
+                                                    [pending.pop(r) for r in rows])):
+                    vals[0][r] = inputs[r] = ct
             for s in seg.steps:
                 if s in held and tile.compute[s].any():
                     ins = [held[j] if j in held else vals[j] for j in steps[s].inputs]

@@ -9,10 +9,14 @@ same (within a few percent) with one NumPy copy.
 
 :func:`dumps` writes that form (``PNCT``), read through the ciphertext's words in place
 (:class:`he.fused.RawAccess`; SEAL's form where that layout was not confirmed).
-:func:`loads` takes either form. The compact form is turned back into SEAL's uncompressed
-serialisation, after every field and the length have been checked, and SEAL loads it: SEAL
-checks the metadata against the context, expands a seeded ciphertext's random half from its
-seed, and refuses any word not reduced modulo its prime, as for its own bytes.
+:func:`loads` takes either form. Every field of the compact form, its seed record and its
+length are checked before anything is allocated. Its words are then written straight into a
+SEAL ciphertext (one the caller reuses, where given), a seeded ciphertext's random half is
+regenerated from its seed by SEAL without the GIL, and SEAL checks the result against the
+context (metadata, scale bounds, every word reduced modulo its prime): :class:`DirectLoad`,
+compared word for word with SEAL's own load before first use. Where that is unavailable, the
+compact form is turned back into SEAL's uncompressed serialisation and SEAL loads it, with the
+same checks. :func:`check` raises what :func:`loads` would, without regenerating the seed.
 
 Layout (version 1, little-endian)::
 
@@ -33,17 +37,22 @@ import math
 import struct
 import sys
 import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tenseal.sealapi as seal
 
 from he.backend import SEAL_MAGIC, load_object, save_object
 from he.errors import SerializationError
+from he.native import SEED_PRNG_TYPES
 from he.params import MAX_MODULUS_BITS
 
-__all__ = ["dumps", "loads", "encrypt_bytes", "ciphertext_bytes"]
+__all__ = ["dumps", "loads", "check", "encrypt_bytes", "ciphertext_bytes", "DirectLoad",
+           "seal_loads"]
 
 _MAGIC = b"PNCT"
 _VERSION = 1
@@ -95,14 +104,22 @@ def dumps(ct: Any) -> bytes:
     seeded = size == 2 and rows[limbs, 0] == _SEED_MARKER
     stored = 1 if seeded else size
     words = rows[:stored * limbs].reshape(stored, limbs, n)
+    seed = rows[limbs, 1:1 + math.ceil(_SEED_BYTES / 8)].tobytes()[:_SEED_BYTES] \
+        if seeded else b""
+    return _compact([int(p) for p in ct.parms_id()], size, float(ct.scale), words, seed)
+
+
+def _compact(parms_id: Sequence[int], size: int, scale: float, words: np.ndarray,
+             seed: bytes) -> bytes:
+    """The compact form of a ciphertext of ``size`` polynomials at ``parms_id``: ``words``
+    (polynomials stored x limbs x N, uint64), ``seed`` SEAL's seed record of the second
+    polynomial where only the first is stored (else empty)."""
+    stored, limbs, n = words.shape
     widths = [max(1, (int(words[:, l].max()).bit_length() + 7) // 8) for l in range(limbs)]
-    parms = [int(p) for p in ct.parms_id()]
     # CKKS keeps the correction factor (a BGV notion) at 1
-    head = _FIXED.pack(_MAGIC, _VERSION, (_SEEDED if seeded else 0) | _NTT, stored, limbs,
-                       *parms, n, size, float(ct.scale), 1)
-    parts = [head, bytes(widths)]
-    if seeded:
-        parts.append(rows[limbs, 1:1 + math.ceil(_SEED_BYTES / 8)].tobytes()[:_SEED_BYTES])
+    head = _FIXED.pack(_MAGIC, _VERSION, (_SEEDED if seed else 0) | _NTT, stored, limbs,
+                       *parms_id, n, size, float(scale), 1)
+    parts = [head, bytes(widths), bytes(seed)]
     planes = _byte_planes(widths)
     for p in range(stored):
         for k, limbs_k in enumerate(planes):
@@ -151,9 +168,27 @@ def _words_buffer(count: int) -> np.ndarray:
     return out
 
 
-def _to_seal(data: bytes, what: str) -> list[Any]:
-    """SEAL's uncompressed serialisation of the compact form ``data``, as buffers to write one
-    after the other, every field and the length checked before anything is allocated."""
+@dataclass(frozen=True)
+class _Head:
+    """The fields of a compact-form ciphertext (:func:`_parse`)."""
+    parms_id: tuple[int, int, int, int]
+    n: int
+    limbs: int
+    size: int
+    stored: int
+    scale: float
+    widths: list[int]
+    seed: bytes          # SEAL's seed record of the second polynomial (seeded only)
+    words_at: int        # where the byte planes start
+
+    @property
+    def seeded(self) -> bool:
+        return bool(self.seed)
+
+
+def _parse(data: Any, what: str) -> _Head:
+    """The header of the compact form ``data``, every field, the seed record and the length
+    checked against what the header describes before anything is allocated."""
     if len(data) < _FIXED.size:
         raise _field_error(what, "truncated header")
     (magic, version, flags, stored, limbs, p0, p1, p2, p3, n, size, scale,
@@ -178,35 +213,209 @@ def _to_seal(data: bytes, what: str) -> list[Any]:
         raise _field_error(what, f"word widths {widths}")
     seed = b""
     if seeded:
-        seed = data[pos:pos + _SEED_BYTES]
+        seed = bytes(data[pos:pos + _SEED_BYTES])
         pos += _SEED_BYTES
+        if len(seed) == _SEED_BYTES:
+            head = _SEAL_HEADER.unpack_from(seed)
+            # SEAL's record of a seed (seal::UniformRandomGeneratorInfo): its header, the
+            # generator (one SEAL knows) and 64 bytes
+            if head[:2] != (SEAL_MAGIC, _SEAL_HEADER.size) or head[2:4] != _seal_version() \
+                    or head[4] != 0 or head[6] != _SEED_BYTES \
+                    or seed[_SEAL_HEADER.size] not in SEED_PRNG_TYPES:
+                raise _field_error(what, "seed record")
     if len(data) != pos + stored * n * sum(widths):
         raise _field_error(what, f"{len(data)} bytes where the header describes "
                                  f"{pos + stored * n * sum(widths)}")
-    count = stored * limbs * n
-    words = _words_buffer(count).reshape(stored, limbs, n, 8)
-    planes = _byte_planes(widths)
-    for p in range(stored):
-        for k, limbs_k in enumerate(planes):
+    return _Head((p0, p1, p2, p3), n, limbs, size, stored, scale, widths, seed, pos)
+
+
+def _scatter(data: Any, head: _Head, words: np.ndarray) -> None:
+    """The byte planes of ``data`` written into ``words`` (stored polynomials x limbs x N x 8
+    bytes, zero), each word's bytes from least significant."""
+    pos = head.words_at
+    n, limbs = head.n, head.limbs
+    for p in range(head.stored):
+        for k, limbs_k in enumerate(_byte_planes(head.widths)):
             count_k = limbs if isinstance(limbs_k, slice) else len(limbs_k)
             words[p, limbs_k, :, k] = np.frombuffer(data, np.uint8, count_k * n,
                                                     pos).reshape(count_k, n)
             pos += count_k * n
-    members = (struct.pack("<4Q", p0, p1, p2, p3) + b"\x01"
-               + struct.pack("<QQQdQ", size, n, limbs, scale, correction))
+
+
+def _to_seal(data: Any, head: _Head) -> list[Any]:
+    """SEAL's uncompressed serialisation of the compact form ``data`` (header ``head``,
+    checked), as buffers to write one after the other."""
+    count = head.stored * head.limbs * head.n
+    words = _words_buffer(count).reshape(head.stored, head.limbs, head.n, 8)
+    _scatter(data, head, words)
+    members = (struct.pack("<4Q", *head.parms_id) + b"\x01"
+               + struct.pack("<QQQdQ", head.size, head.n, head.limbs, head.scale, 1))
     dyn_size = _SEAL_HEADER.size + 8 + count * 8
-    total = _SEAL_HEADER.size + len(members) + dyn_size + len(seed)
+    total = _SEAL_HEADER.size + len(members) + dyn_size + len(head.seed)
     return [_seal_header(total) + members + _seal_header(dyn_size) + struct.pack("<Q", count),
-            memoryview(words.reshape(-1)), seed]
+            memoryview(words.reshape(-1)), head.seed]
 
 
-def loads(context: Any, data: bytes, what: str) -> Any:
+class DirectLoad:
+    """Compact-form ciphertexts of one context loaded straight into a SEAL ciphertext's words,
+    without SEAL's stream: the words written in place (:class:`he.fused.RawAccess`), a seeded
+    ciphertext's random half regenerated by SEAL without the GIL
+    (:class:`he.native.SeedExpander`), then SEAL's own check that the result is valid for the
+    context (metadata, scale bounds, every word reduced). A server's threads load a request's
+    ciphertexts at once, each into a buffer it reuses.
+
+    Before first use, a seeded and an unseeded probe (random words, a random seed) are loaded
+    both ways and must agree word for word with SEAL's load; anything else leaves :attr:`ok`
+    false with :attr:`reason`, and :func:`loads` keeps SEAL's."""
+
+    def __init__(self, context: Any):
+        from he.native import SeedExpander
+        self.ok = False
+        self.reason = ""
+        self.context = context
+        self._expander = SeedExpander(context)
+        if not self._expander.ok:
+            self.reason = self._expander.reason
+            return
+        try:
+            self._validate()
+            self.ok = True
+        except (_Mismatch, SerializationError) as exc:
+            self.reason = str(exc)
+
+    def _validate(self) -> None:
+        from he.fused import raw_access
+        ctx = self.context
+        data = ctx.first_context_data()
+        moduli = [int(q.value()) for q in data.parms().coeff_modulus()]
+        n = int(data.parms().poly_modulus_degree())
+        pid = [int(w) for w in data.parms_id()]
+        rng = np.random.default_rng()
+        words = np.stack([np.stack([rng.integers(0, q, n, dtype=np.uint64) for q in moduli])
+                          for _ in range(2)])
+        scale = 2.0 ** min(20, sum(q.bit_length() for q in moduli) - 2)
+        major, minor = _seal_version()
+        seed = (_SEAL_HEADER.pack(SEAL_MAGIC, _SEAL_HEADER.size, major, minor, 0, 0, _SEED_BYTES)
+                + bytes([SEED_PRNG_TYPES[0]]) + rng.bytes(64))
+        for blob in (_compact(pid, 2, scale, words[:1], seed), _compact(pid, 2, scale, words, b"")):
+            head = _parse(blob, "probe")
+            try:
+                want = load_object(seal.Ciphertext, ctx, _to_seal(blob, head), "probe")
+            except SerializationError as exc:
+                raise _Mismatch(f"SEAL does not load the probe: {exc}") from None
+            raw = raw_access(want)
+            if not raw.ok:
+                raise _Mismatch(f"the binding's ciphertext layout: {raw.reason}")
+            got = self.load(head, blob, "probe")
+            if [int(w) for w in got.parms_id()] != pid or got.size() != 2 \
+                    or not got.is_ntt_form() or float(got.scale) != scale \
+                    or not np.array_equal(raw.view(got), raw.view(want)):
+                raise _Mismatch("a direct load differs from SEAL's")
+
+    def load(self, head: _Head, data: Any, what: str, into: Any = None,
+             expand: bool = True) -> Any:
+        """The ciphertext of ``data`` (header ``head``, :func:`_parse`) in ``into`` (resized; a
+        new ciphertext where None). ``expand=False`` leaves a seeded ciphertext's second
+        polynomial zero (:func:`check`: the seed record was checked, its expansion cannot
+        fail)."""
+        from he.fused import raw_access
+        ct = seal.Ciphertext() if into is None else into
+        try:
+            ct.resize(self.context, list(head.parms_id), head.size)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise SerializationError(f"{what}: malformed, truncated or for other parameters "
+                                     f"({exc})") from exc
+        if ct.poly_modulus_degree() != head.n or ct.coeff_modulus_size() != head.limbs:
+            raise _field_error(what, f"ring degree {head.n} or {head.limbs} limbs are not its "
+                                     f"parameters'")
+        raw = raw_access(ct)
+        raw.mark_ntt_form(ct)
+        ct.scale = head.scale
+        rows = raw.view(ct)
+        stored = rows[:head.stored * head.limbs]
+        stored.fill(0)
+        _scatter(data, head, stored.view(np.uint8).reshape(head.stored, head.limbs, head.n, 8))
+        if head.seeded:
+            if expand:
+                at = _SEAL_HEADER.size
+                self._expander.expand(ct, head.seed[at], head.seed[at + 1:], _seal_version())
+            else:
+                rows[head.limbs:].fill(0)
+        if not seal.is_valid_for(ct, self.context):
+            raise SerializationError(f"{what}: malformed, truncated or for other parameters "
+                                     f"(SEAL finds it not valid for them: a word not reduced, "
+                                     f"or a scale out of bounds)")
+        return ct
+
+
+class _Mismatch(Exception):
+    pass
+
+
+#: the direct loads of the last few contexts (each validated once), with the contexts
+_DIRECT: "OrderedDict[int, DirectLoad]" = OrderedDict()
+_DIRECT_LOCK = threading.Lock()
+
+
+_SEAL_ONLY = [False]
+
+
+@contextmanager
+def seal_loads() -> Iterator[None]:
+    """Within it, :func:`loads` and :func:`check` of this process go through SEAL's own stream
+    (one ciphertext at a time, under the GIL): the baseline the direct loads are measured
+    against, with the same bytes and results."""
+    before = _SEAL_ONLY[0]
+    _SEAL_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _SEAL_ONLY[0] = before
+
+
+def _direct(context: Any) -> DirectLoad | None:
+    """``context``'s validated :class:`DirectLoad`, None where it is unavailable."""
+    if _SEAL_ONLY[0]:
+        return None
+    with _DIRECT_LOCK:
+        d = _DIRECT.get(id(context))
+        if d is None or d.context is not context:
+            d = _DIRECT[id(context)] = DirectLoad(context)
+            while len(_DIRECT) > 4:
+                _DIRECT.popitem(last=False)
+        else:
+            _DIRECT.move_to_end(id(context))
+    return d if d.ok else None
+
+
+def loads(context: Any, data: Any, what: str, into: Any = None) -> Any:
     """A SEAL ciphertext of ``context`` from :func:`dumps`' bytes (either form), validated by
     SEAL; anything malformed, truncated or of other parameters is a
-    :class:`~he.errors.SerializationError`."""
+    :class:`~he.errors.SerializationError`. ``into``: a ciphertext whose storage the result
+    may take (it is the result where it was used)."""
     if data[:4] == _MAGIC:
-        return load_object(seal.Ciphertext, context, _to_seal(data, what), what)
+        head = _parse(data, what)
+        direct = _direct(context)
+        if direct is not None:
+            return direct.load(head, data, what, into)
+        return load_object(seal.Ciphertext, context, _to_seal(data, head), what)
     return load_object(seal.Ciphertext, context, data, what)
+
+
+def check(context: Any, data: Any, what: str) -> None:
+    """Raise what :func:`loads` would raise on ``data``, at less cost where the direct load is
+    available (into this thread's scratch ciphertext, a seed's expansion skipped: the seed
+    record was checked, and its expansion cannot fail)."""
+    if data[:4] == _MAGIC:
+        head = _parse(data, what)
+        direct = _direct(context)
+        if direct is not None:
+            scratch = getattr(_WORKSPACE, "ct", None)
+            if scratch is None:
+                scratch = _WORKSPACE.ct = seal.Ciphertext()
+            direct.load(head, data, what, scratch, expand=False)
+            return
+    loads(context, data, what)
 
 
 def encrypt_bytes(plain: Any, encryptor: Any, native: Any = None) -> bytes:

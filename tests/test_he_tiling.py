@@ -340,9 +340,15 @@ def test_a_tiled_server_loads_each_input_in_the_tile_that_first_reads_it(compile
     with pytest.raises(he.SerializationError, match=f"ciphertext part 0.{part}"):
         tight.run(bad.to_bytes())
     assert not ran
-    got = client.decrypt(tight.run(ct.to_bytes()))
+    out = tight.run(ct.to_bytes()).to_bytes()
+    got = client.decrypt(out)
     assert tight.tiles == tiles and ran
     assert np.abs(got - prog.simulate(x[:3].numpy())).max() <= prog.params.expected_error
+    # the inputs loaded through SEAL's own stream instead of straight into their buffers (on
+    # the server's threads): the same answer, byte for byte
+    from he import wire
+    with wire.seal_loads():
+        assert tight.run(ct.to_bytes()).to_bytes() == out
 
 
 def test_choose_tiles_takes_none_when_the_group_fits_and_the_fewest_that_fit(compiled):
@@ -400,16 +406,20 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
     assert "run in tiles" in tight.plan.why
     # the products left lazy whole stay lazy in these tiles (they fit without spilling)
     assert p["lazy_products"] == prog.options["lazy_products"] != []
-    # the time is priced as one pass with the same lazy products, and each input loaded twice
-    # where tiles load them (validated first, then where first read): tiles change the memory
+    # the time is priced as one pass with the same lazy products, and each input checked
+    # first where tiles load them (then loaded where first read, once, as whole): tiles change
+    # the memory
     from he.compiler import _predict_batch
     costs = he.costmodel.default_model()
     whole = _predict_batch(prog.lowered, prog.plan.live, prog.params, costs,
                            prog.options["fused_fanin"], prog.server_threads,
                            lazy=prog.options["lazy_products"])
     n_in = int(prog.plan.live[0].sum())
-    assert whole["counts"]["load"] == n_in and p["counts"]["load"] == 2 * n_in
-    again = n_in * costs.seconds("load", prog.params.poly_modulus_degree, prog.params.limbs(0))
+    assert whole["counts"]["load"] == p["counts"]["load"] == n_in
+    assert whole["counts"]["check"] == 0 and p["counts"]["check"] == n_in
+    ring, threads = prog.params.poly_modulus_degree, prog.server_threads
+    speedup = threads * costs.batch_efficiency(ring) if threads > 1 else 1.0
+    again = n_in * costs.seconds("check", ring, prog.params.limbs(0)) / speedup
     assert p["seconds_per_ciphertext"] == pytest.approx(whole["seconds_per_ciphertext"] + again)
 
 
@@ -880,3 +890,36 @@ def test_random_shifted_token_models_spill_to_the_same_words(seed, patch, dim, s
     if not events:
         return                                  # no row held across a tile here
     _spills_to_the_same_words(prog, x[:3], plan, events)
+
+
+def test_the_lifts_a_group_runs_are_the_lifts_its_price_counts(compiled, monkeypatch):
+    """Steps of sums over inputs at several levels lift the lower ones first (a product with an
+    encoded one and a rescale each, on the server's threads): a whole group lifts exactly the
+    inputs :func:`he.plan.batch_lifts` counts, and the compiler prices each."""
+    from he.backend import Engine
+    from he.plan import batch_lifts
+    _, x, prog, _ = compiled
+    low, live = prog.lowered, prog.plan.live
+    want = batch_lifts(low, live, prog.options["lazy_products"])
+    n_lifts = sum(n for lifts in want for n in lifts.values())
+    assert n_lifts > 0                      # the Mu-Layers' residual sums read a lower level
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    ct = client.encrypt(x[:4].numpy())
+    real, seen = Engine.lift, []
+
+    def counted(self, c, level, out=None):
+        if self.level(c) != level:
+            seen.append((self.level(c), level))
+        return real(self, c, level, out)
+
+    monkeypatch.setattr(Engine, "lift", counted)
+    got = client.decrypt(server.run(ct))
+    assert len(seen) == n_lifts
+    assert collections.Counter(lv for lv, _ in seen) == \
+        sum((collections.Counter(lifts) for lifts in want), collections.Counter())
+    assert np.abs(got - prog.simulate(x[:4].numpy())).max() <= prog.params.expected_error
+    # priced: every lift a plaintext product and a rescale (a product alone on a wide chain)
+    per = {op for lv, to in seen for op, _ in prog.params.lift_primitives(lv, to)}
+    assert per and per <= {"mul_plain", "rescale"}
+    assert prog.plan.predicted["counts"]["mul_plain"] >= n_lifts

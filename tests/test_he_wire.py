@@ -158,3 +158,62 @@ def test_a_ciphertext_of_other_parameters_is_refused(kit):
     other = seal.SEALContext(parms, True, seal.SEC_LEVEL_TYPE.TC128)
     with pytest.raises(he.SerializationError):
         wire.loads(other, wire.dumps(_full(kit)), "input")
+
+
+@pytest.fixture(params=["direct", "seal"])
+def path(request, kit):
+    """Either way :func:`he.wire.loads` reads the compact form: straight into a ciphertext's
+    words (:class:`he.wire.DirectLoad`), or through SEAL's own stream."""
+    if request.param == "direct":
+        if wire._direct(kit["ctx"]) is None:
+            pytest.skip(f"no direct load here: {wire.DirectLoad(kit['ctx']).reason}")
+        yield request.param
+    else:
+        with wire.seal_loads():
+            yield request.param
+
+
+def test_a_direct_load_is_seals_load_word_for_word_in_the_buffer_it_is_given(kit):
+    ctx = kit["ctx"]
+    if wire._direct(ctx) is None:
+        pytest.skip(f"no direct load here: {wire.DirectLoad(ctx).reason}")
+    for ct in (kit["native"].encrypt(kit["plain"]), _full(kit), _full(kit, 2), _full(kit, 0, 3)):
+        blob = wire.dumps(ct)
+        theirs = load_object(seal.Ciphertext, ctx, wire._to_seal(blob, wire._parse(blob, "x")),
+                             "x")
+        # a buffer holding another ciphertext (three polynomials, other words) is overwritten
+        buf = _full(kit, 0, 3)
+        ours = wire.loads(ctx, blob, "x", into=buf)
+        assert ours is buf
+        assert save_object(ours) == save_object(theirs)
+    seeded = wire.loads(ctx, wire.dumps(kit["native"].encrypt(kit["plain"])), "x")
+    assert np.abs(_decrypt(kit, seeded) - kit["values"]).max() < 1e-3
+
+
+def test_both_paths_refuse_the_same_bytes_and_check_refuses_what_loads_refuses(kit, path):
+    ctx = kit["ctx"]
+    blob = wire.dumps(kit["native"].encrypt(kit["plain"]))
+    head = wire._parse(blob, "x")
+    record = head.words_at - wire._SEED_BYTES      # SEAL's seed record: header, generator, seed
+    gen = record + wire._SEAL_HEADER.size
+    top = head.words_at + _N * (head.widths[0] - 1) * head.limbs
+    top -= _N * sum(1 for w in head.widths[1:] if w < head.widths[0])
+    bad = {
+        "truncated": (blob[:-1], "bytes where the header describes"),
+        "no generator": (blob[:gen] + b"\x00" + blob[gen + 1:], "seed record"),
+        "a generator SEAL lacks": (blob[:gen] + b"\x07" + blob[gen + 1:], "seed record"),
+        "a seed record of other size": (blob[:record + 8] + b"\x52" + blob[record + 9:],
+                                        "seed record"),
+        "unreduced words": (blob[:top] + b"\xff" * _N + blob[top + _N:],
+                            "malformed, truncated or for other"),
+        "an unknown parameters id": (_with(blob, 5, 12345), "malformed, truncated or for other"),
+    }
+    for what, (data, message) in bad.items():
+        with pytest.raises(he.SerializationError, match=message):
+            wire.loads(ctx, data, what)
+        with pytest.raises(he.SerializationError, match=message):
+            wire.check(ctx, data, what)
+    wire.check(ctx, blob, "good")
+    wire.check(ctx, memoryview(blob), "a view")
+    assert np.abs(_decrypt(kit, wire.loads(ctx, memoryview(blob), "x")) - kit["values"]).max() \
+        < 1e-3
