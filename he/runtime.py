@@ -350,11 +350,7 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     def elem(t: int, c: int) -> Elem:
         if (t, c) not in lifted:
             e = srcs[t][c]
-            if _is_ct(e) and eng.level(e) != level and free:
-                # lifted (computed a prime above the step's level, so in a buffer of that size)
-                e = eng.lift(e, level, out=buffers.take(eng, max(level - 1, 0)))
-                copies.append(e)
-            elif _is_ct(e) and eng.level(e) != level:
+            if _is_ct(e) and eng.level(e) != level:
                 # its primes dropped to the step's level, its scale kept: its weights are
                 # encoded at the scale that brings its products to the others' (as fused rows)
                 down = buffers.take(eng, level)
@@ -367,17 +363,17 @@ def _affine_batch(eng: Engine, si: int, st: Step, srcs: list[list[Elem]], rows: 
     copies: list[Any] = []         # inputs brought to the step's level, in buffers
     if free:
         # the inputs below the step's level that live rows read, lifted on the engine's threads
-        # (a product with an encoded one and a rescale each, he.plan.batch_lifts)
+        # (a product with an encoded one and a rescale each, he.plan.batch_lifts; computed a
+        # prime above the step's level, so in buffers of that size)
         low = sorted({(t, int(c)) for t, m in enumerate(mats)
                       for c in m[rest].indices if _is_ct(srcs[t][int(c)])
                       and eng.level(srcs[t][int(c)]) != level})
-        if len(low) > 1:
-            outs = [buffers.take(eng, max(level - 1, 0)) for _ in low]
-            done = eng.pool.map(lambda i: eng.lift(srcs[low[i][0]][low[i][1]], level,
-                                                   out=outs[i]), range(len(low)))
-            for key, e in zip(low, done):
-                lifted[key] = e
-                copies.append(e)
+        outs = [buffers.take(eng, max(level - 1, 0)) for _ in low]
+        done = eng.pool.map(lambda i: eng.lift(srcs[low[i][0]][low[i][1]], level,
+                                               out=outs[i]), range(len(low)))
+        for key, e in zip(low, done):
+            lifted[key] = e
+            copies.append(e)
 
     term = eng.new_ciphertext()
     scale = eng.scales[level] if level < len(eng.scales) else 0.0
