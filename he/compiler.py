@@ -1645,7 +1645,11 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
 
         for kind in kinds:
             tried: list[CompiledProgram] = []
+            unfit: TokensUnfit | None = None
             for keep, lowered, msq in lowerings:
+                if not keep and lowered.shared and \
+                        not _composing_may_pay(kind, lowered, lowerings[1][1]):
+                    continue
                 opts = {**options, "kept_apart": list(keep)} if keep else options
                 try:
                     tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq,
@@ -1655,11 +1659,13 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                                                   functools.partial(priced,
                                                                     kept_apart=bool(keep))))
                 except TooDeepError as exc:
-                    if not keep:
+                    if error is None or not keep:
                         error = exc
-                except TokensUnfit:
-                    if packing != "auto":
-                        raise
+                except TokensUnfit as exc:
+                    # another lowering may lay out by tokens (one that keeps a shift apart)
+                    unfit = unfit or exc
+            if not tried and unfit is not None and packing != "auto":
+                raise unfit
             if tried:
                 found.append(_keep_or_compose(tried, objective, batch_size, memory_budget))
     if not found:
@@ -1692,10 +1698,13 @@ def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
 def _candidate_lowerings(program: PolyProgram, calib: np.ndarray,
                          lowered: Lowered | None = None
                          ) -> list[tuple[tuple[int, ...], Lowered, list[np.ndarray]]]:
-    """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler prices:
-    every linear map composed (the fewest levels), and where some compositions made a map much
-    denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`), those kept apart
-    (a level more on their paths, maybe far fewer operations).
+    """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler may
+    price: every linear map composed (the fewest levels); where values read by several maps
+    were composed into each of them (:attr:`~polynets.ir.lowering.Lowered.shared`), those
+    kept as steps of their own (fewer terms, maybe a level more or a lift on the way,
+    :func:`_composing_may_pay`); and where some compositions in the last made a map much
+    denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`), those kept
+    apart too (a level more on their paths, maybe far fewer operations).
 
     Raises NotEncryptableError where no input element reaches the output (its weights cancel
     or are zero): the output is a constant, which no ciphertext can carry."""
@@ -1705,10 +1714,33 @@ def _candidate_lowerings(program: PolyProgram, calib: np.ndarray,
         raise NotEncryptableError(CONSTANT_OUTPUT)
     # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
     out = [((), lowered, step_values_msq(lowered, x))]
-    if lowered.dense_joins:
-        apart = lower(program, lowered.dense_joins)
-        out.append((lowered.dense_joins, apart, step_values_msq(apart, x)))
+    base = lowered
+    if lowered.shared:
+        base = lower(program, lowered.shared)
+        out.append((lowered.shared, base, step_values_msq(base, x)))
+    if base.dense_joins:
+        keep = tuple(sorted({*lowered.shared, *base.dense_joins}))
+        apart = lower(program, keep)
+        out.append((keep, apart, step_values_msq(apart, x)))
     return out
+
+
+def _composing_may_pay(kind: str, composed: Lowered, kept: Lowered) -> bool:
+    """Whether, in packing ``kind``, the lowering that composes values read by several maps
+    into each of them (:attr:`~polynets.ir.lowering.Lowered.shared`) may cost less than the
+    one that keeps them as steps of their own, and so is worth pricing: only where composing
+    removes a level, or in batch packing a lift (a plaintext product and a rescale per
+    ciphertext, :func:`he.plan.batch_lifts`). Otherwise it only adds terms to every reader
+    (in vector packing, rotations), where a lift costs one ciphertext's product per request."""
+    if composed.depth_levels(kind) < kept.depth_levels(kind):
+        return True
+    if kind != "batch":
+        return False
+
+    def lifts(low: Lowered) -> int:
+        return sum(n for step in batch_lifts(low, live_rows(low)) for n in step.values())
+
+    return lifts(composed) < lifts(kept)
 
 
 def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size: int | None,
@@ -1720,10 +1752,13 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     budget = _server_budget(memory_budget)
     ((*_, best_s), best), ((*_, other_s), other) = sorted(
         ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
-    joins = best.options.get("kept_apart") or other.options.get("kept_apart")
-    kept = bool(best.options.get("kept_apart"))
-    why = (f"; {len(joins)} linear map(s) (program nodes {joins}) "
-           + ("kept apart from the maps that read them" if kept else "composed into their readers")
-           + f": {best.params.levels} levels, predicted {best_s:.3g} s against {other_s:.3g} s "
-           + ("composed" if kept else "kept apart") + f" ({other.params.levels} levels)")
+    def lowering(p: "CompiledProgram") -> str:
+        kept = p.options.get("kept_apart")
+        return (f"program nodes {kept} kept apart as steps of their own, the rest composed "
+                f"into the maps that read them" if kept else
+                "every value composed into the maps that read it")
+
+    why = (f"; of {len(tried)} lowerings priced, {lowering(best)}: {best.params.levels} levels, "
+           f"predicted {best_s:.3g} s against {other_s:.3g} s with {lowering(other)} "
+           f"({other.params.levels} levels)")
     return _with_why(best, str(best.options.get("why", "")) + why)

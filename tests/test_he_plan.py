@@ -380,7 +380,13 @@ def test_token_grid_and_its_flat_tokens_share_one_layout():
     torch.manual_seed(0)
     x = torch.rand(8, 1, 8, 8)
     net = _bn_eval(GridTokens(), x)
-    low = lower(pn.trace(net, x[:1]))
+    program = pn.trace(net, x[:1])
+    composed = lower(program)
+    # the flat tokens are read by several maps: vector packing keeps them as a step of their
+    # own, composing them into the maps saves no level here
+    assert composed.shared and composed.depth_levels() == lower(program, composed.shared
+                                                                ).depth_levels()
+    low = lower(program, composed.shared)
     shapes = layout_shapes(low)
     flat = [i for i, st in enumerate(low.steps) if tuple(st.shape) == (1, 16, 8)]
     assert flat and all(shapes[i] == (1, 4, 4, 8) for i in flat)

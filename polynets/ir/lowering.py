@@ -67,6 +67,10 @@ _LOCAL_TOTAL_WORK = 64 * _LOCAL_PRODUCT_WORK
 #: Linear maps composed into one are *dense joins* when the composed map's rows read more than
 #: this many times the inputs any of its maps' rows read (:attr:`Lowered.dense_joins`)
 DENSE_JOIN_FACTOR = 4
+#: A value read by several nodes whose rows each read at most this many elements (a sum of a
+#: few values, a scaling: cheap to compose into every reader) is composed into them, not
+#: materialised as a step of its own (:attr:`Lowered.shared`)
+SHARED_ROW_NNZ = 4
 #: Programs with a value a packing must hold (input, output, a ciphertext product or its
 #: operands) of more elements are not lowered exactly by ``pn.certify`` (too large for any CKKS
 #: packing; the level count is then the per-node upper bound, see
@@ -128,6 +132,7 @@ class Lowered:
     steps: list[Step]
     output: int
     dense_joins: tuple[int, ...] = ()
+    shared: tuple[int, ...] = ()
 
     def levels(self, packing: str = "vector") -> list[int]:
         return step_levels(self.steps, packing)
@@ -315,6 +320,7 @@ def lower(program: PolyProgram, keep: Collection[int] = ()) -> Lowered:
     out = lowering.materialise(values[program.output])
     low = _drop_unread(lowering.steps, out)
     low.dense_joins = tuple(sorted(lowering.dense_joins))
+    low.shared = tuple(sorted(lowering.shared))
     return low
 
 
@@ -328,6 +334,7 @@ class _Lowering(Interpreter):
         self.users = program.consumers()
         self.keep = keep
         self.dense_joins: set[int] = set()
+        self.shared: set[int] = set()
 
     def add_step(self, step: Step) -> _Aff:
         self.steps.append(step)
@@ -440,9 +447,28 @@ class _Lowering(Interpreter):
         """A value read by several nodes is materialised once, as its own step (and one the
         caller keeps apart, see :func:`lower`)."""
         if (len(self.users[i]) > 1 or i in self.keep) and value.terms:
+            if i not in self.keep and self._thin_shared(i, value):
+                self.shared.add(i)
+                return value
             j = self.materialise(value)
             return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
         return value
+
+    def _thin_shared(self, i: int, value: _Aff) -> bool:
+        """Whether node ``i``'s value, read by several nodes, is composed into each of them
+        instead of materialised (:attr:`Lowered.shared`): no reader multiplies it by a
+        ciphertext, and each of its rows reads at most :data:`SHARED_ROW_NNZ` elements."""
+        if len(value.terms) == 1 and value.bias is None:
+            (src, m), = value.terms.items()
+            if is_identity(m) and self.steps[src].n == value.n:
+                return False            # a step already: nothing to materialise
+        return all(self.program.nodes[u].op != "mul" for u in self.users[i]) and \
+            _row_reads(value) <= SHARED_ROW_NNZ
+
+
+def _row_reads(f: _Aff) -> int:
+    """The most elements any row of ``f`` reads, over all its terms."""
+    return int(sum(np.diff(m.tocsr().indptr) for m in f.terms.values()).max(initial=0))
 
 
 def _local_product(m: sp.csr_matrix, inner: sp.csr_matrix) -> sp.csr_matrix | None:

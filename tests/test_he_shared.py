@@ -1,0 +1,139 @@
+"""Values read by several maps: the lowering composes a thin one (a product plus the value it
+multiplied, a scaling) into every map that reads it; the compiler prices keeping it as a step of
+its own where composing may pay (a level, or batch packing's lifts) and keeps the cheaper
+program, which computes the model either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.compiler import _candidate_lowerings, _compile_packing, _composing_may_pay, \
+    _keep_or_compose
+from he.costmodel import default_model
+from he.plan import batch_lifts
+from he.runtime import live_rows
+from polynets.ir.lowering import SHARED_ROW_NNZ, evaluate_steps, lower
+
+
+class ResidualMus(nn.Module):
+    """Two residual Mu-Layers on ``(tokens, dim)``: the first one's ``AX * BDX + AX`` is read
+    by the second one's maps and by the head (its ``C`` composed into each of them)."""
+
+    def __init__(self, tokens: int = 4, dim: int = 4, depth: int = 2):
+        super().__init__()
+        self.mus = nn.ModuleList(pn.MuLayer(dim) for _ in range(depth))
+        self.head = nn.Linear(tokens * dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mu in self.mus:
+            x = x + mu(x)
+        return self.head(x.flatten(1))
+
+
+def _model_and_data(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    return ResidualMus().eval(), torch.rand(32, 4, 4)
+
+
+def _lifts(low) -> int:
+    return sum(n for step in batch_lifts(low, live_rows(low)) for n in step.values())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_thin_shared_value_is_composed_into_its_readers_and_computes_the_same(seed):
+    model, x = _model_and_data(seed)
+    program = pn.trace(model, x[:1])
+    composed = lower(program)
+    assert composed.shared, "the first Mu-Layer's sum is read by three maps"
+    kept = lower(program, composed.shared)
+    assert kept.shared == ()
+    flat = x[:8].numpy().reshape(8, -1).astype(np.float64)
+    want = program.simulate(x[:8].numpy()).reshape(8, -1)
+    for low in (composed, kept):
+        np.testing.assert_allclose(evaluate_steps(low, flat), want, rtol=1e-9, atol=1e-12)
+    # one step fewer, never a level more; kept, the sum adds a product to a value a level
+    # below it, which batch packing lifts first (a plaintext product and a rescale each)
+    assert len(composed.steps) == len(kept.steps) - len(composed.shared)
+    for kind in ("vector", "batch"):
+        assert composed.depth_levels(kind) <= kept.depth_levels(kind)
+    assert _lifts(composed) == 0 < _lifts(kept)
+    assert _composing_may_pay("batch", composed, kept)
+    # in vector packing a lift is one ciphertext's product: composing only adds rotations
+    assert not _composing_may_pay("vector", composed, kept)
+
+
+def test_a_value_a_product_reads_or_a_dense_one_is_still_a_step():
+    """A value read by a ciphertext product is materialised for it anyway; a dense one (a
+    linear map read by several maps) would multiply every reader's work."""
+    torch.manual_seed(0)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = x * x
+            h = self.lin(s)                      # dense, read by the product and the head
+            return self.out(h * h + h)
+
+    program = pn.trace(Both().eval(), torch.rand(1, 8))
+    low = lower(program)
+    assert low.shared == ()
+    assert SHARED_ROW_NNZ < 8
+
+
+def test_batch_packing_prices_both_lowerings_and_keeps_the_cheaper():
+    model, x = _model_and_data()
+    program = pn.trace(model, x[:1])
+    calib = x.numpy().astype(np.float64)
+    maxabs = program.max_abs(calib)
+    options = {"precision_bits": 16, "max_input_ciphertexts": 8, "objective": "latency",
+               "batch_size": None, "security": 128, "server_threads": 1}
+    cands = _candidate_lowerings(program, calib)
+    assert [bool(keep) for keep, _, _ in cands] == [False, True]
+    tried = []
+    for keep, low, msq in cands:
+        opts = {**options, "kept_apart": list(keep)} if keep else options
+        tried.append(_compile_packing(program, low, "batch", "", maxabs, msq, opts,
+                                      (8192, 16384), default_model(), 16, None, None))
+    best = _keep_or_compose(tried, "latency", None, None)
+    seconds = [p.plan.predicted["round_trip_seconds"] for p in tried]
+    assert best.plan.predicted["round_trip_seconds"] == min(seconds)
+    assert "2 lowerings priced" in best.plan.why
+    assert best.params.levels == best.lowered.depth_levels("batch")
+    # the composed program skips the lifts the kept one pays for
+    composed, kept = tried
+    assert composed.plan.predicted["counts"]["rescale"] < kept.plan.predicted["counts"]["rescale"]
+
+
+@pytest.mark.parametrize("packing", ["batch", "vector"])
+def test_the_program_chosen_decrypts_to_the_model_output(packing, tmp_path):
+    model, x = _model_and_data(3)
+    prog = he.compile(model, x[:1], calibration=x, packing=packing)
+    program = prog.program
+    shared = lower(program).shared
+    kept = prog.options.get("kept_apart", [])
+    if packing == "vector":
+        assert kept == list(shared), prog.plan.why       # no level to save: kept as a step
+    else:
+        assert "lowerings priced" in prog.plan.why
+    path = tmp_path / "p.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.options.get("kept_apart", []) == kept
+    assert len(loaded.lowered.steps) == len(prog.lowered.steps)
+    client = he.Client(loaded)
+    server = he.Server(loaded, client.public_context())
+    sample = x[:4].numpy()
+    out = client.decrypt(server.run(client.encrypt(sample).to_bytes()).to_bytes())
+    want = prog.simulate(sample)
+    assert np.max(np.abs(out - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x[:4]).double().numpy(), rtol=1e-5, atol=1e-5)
