@@ -43,10 +43,12 @@ sys.path.insert(0, str(HERE))
 
 import he  # noqa: E402
 from he import _kernels  # noqa: E402
+from he.compiler import shared_values_as_steps  # noqa: E402
 from he.runtime import eager_products  # noqa: E402
 from he_family import MODELS, chosen_models  # noqa: E402
 from he_inference import load_mnist, train  # noqa: E402
 from he_probe import RULES  # noqa: E402
+from polynets.ir.lowering import lower  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64,mixer,pom,"
@@ -59,14 +61,17 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
 #: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``), and
 #: the same with every product finished where its tiles leave some lazy; in the most tiles,
 #: held in memory and, under a budget those do not fit, spilling to disk (``--spilled``)
+#: (``--spilled``); the program compiled with the thin values several maps read kept as steps
+#: of their own where it composed them (``--shared``, its own keys and request)
 VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled", "tiled_eager", "in_tiles",
-            "spilled")
+            "spilled", "kept")
 
 
 def _server_pass(servers: dict[str, he.Server], request: bytes, variant: str) -> float:
     server = servers["threads" if variant in ("threads", "eager") else
                      "tiled" if variant == "tiled_eager" else
-                     variant if variant in ("tiled", "in_tiles", "spilled") else "one_thread"]
+                     variant if variant in ("tiled", "in_tiles", "spilled", "kept")
+                     else "one_thread"]
     with _kernels.numpy_loops() if variant == "numpy" else \
             eager_products() if variant in ("eager", "tiled_eager") else \
             contextlib.nullcontext():
@@ -226,6 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "allocate) and one under a budget they do not fit, which spills the "
                          "rows its tiles hold for later tiles to disk (he.tiling.spills): its "
                          "time and memory against the first's")
+    ap.add_argument("--shared", action="store_true",
+                    help="where the program composed the thin values several maps read into "
+                         "each of them (polynets.ir.lowering.Lowered.shared), also time it "
+                         "compiled with them kept as steps of their own "
+                         "(he.compiler.shared_values_as_steps): the baseline of composing them")
     ap.add_argument("--in-process", action="store_true",
                     help="run every model in this process (default: each in a process of its "
                          "own, since SEAL's memory pool keeps what a model's groups allocated)")
@@ -296,10 +306,21 @@ def main(argv: list[str] | None = None) -> dict:
                         "tiled_warm_mib": servers["tiled"].warm_bytes / 2 ** 20})
         if args.spilled and prog.packing == "batch":
             servers.update(_spill_servers(prog, ctx, row))
+        requests = {}
+        shared = lower(prog.program).shared
+        if args.shared and prog.packing == "batch" and shared and \
+                not prog.options.get("kept_apart"):
+            with shared_values_as_steps():
+                kept = he.compile(model, xte[:1], calibration=xtr[:2048], packing="batch")
+            kclient = he.Client(kept)
+            servers["kept"] = he.Server(kept, kclient.public_context())
+            requests["kept"] = kclient.encrypt(images).to_bytes()
+            row.update({"shared_composed": list(shared), "kept_levels": kept.params.levels,
+                        "kept_predicted_s": kept.plan.predicted["seconds_per_ciphertext"]})
         variants = [v for v in VARIANTS if v in ("threads", "one_thread")
                     or (v == "numpy" and args.numpy)
                     or (v == "eager" and prog.options.get("lazy_products"))
-                    or (v in ("tiled", "in_tiles", "spilled") and v in servers)
+                    or (v in ("tiled", "in_tiles", "spilled", "kept") and v in servers)
                     or (v == "tiled_eager" and row.get("tiled_lazy_products"))]
         times: dict[str, list[float]] = {v: [] for v in variants}
         # the machine's speed right before the passes, read by the probe's rule and the one
@@ -312,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
             # in turns
             for _ in range(2):
                 for variant in variants:
-                    times[variant].append(_server_pass(servers, request, variant))
+                    times[variant].append(_server_pass(servers, requests.get(variant, request),
+                                                       variant))
         except he.ResourceError as exc:          # the group does not fit the memory free now
             row["skipped"] = str(exc)
             result["models"][name] = row
@@ -341,6 +363,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "process_peak_rss_mib": resource.getrusage(
                         resource.RUSAGE_SELF).ru_maxrss / 1024})
         numpy_note = ""
+        if "kept" in times:
+            kept_s = min(times["kept"])
+            row.update({"server_s_kept": kept_s, "shared_composed_speedup": kept_s / fast,
+                        "kept_prediction_error": row["kept_predicted_s"] / kept_s - 1})
+            numpy_note += (f", shared values {row['shared_composed']} kept as steps "
+                           f"{kept_s:.1f} s (predicted {row['kept_predicted_s']:.1f} s) -> "
+                           f"composing them {row['shared_composed_speedup']:.2f}x")
         if "tiled" in times:
             tiled_s = min(times["tiled"])
             tiled_got = client.decrypt(servers["tiled"].run(request).to_bytes())

@@ -62,7 +62,9 @@ import he.hoist
 import he.wire
 import polynets as pn
 from he import _kernels as he_kernels
+from he.compiler import shared_values_as_steps
 from he.runtime import available_memory, eager_products
+from polynets.ir.lowering import lower
 from polynets.training.data import read_idx
 from polynets.ir.program import atomic_write_bytes
 
@@ -527,6 +529,36 @@ def _loads_baseline(client: he.Client, server: he.Server, images: torch.Tensor) 
             "direct_loads_speedup": seal_s / direct, "loads_passes_s": times}
 
 
+def _shared_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.Client,
+                     server: he.Server, images: torch.Tensor, precision_bits: int,
+                     costs: he.costmodel.CostModel | None, budget: int | None) -> dict:
+    """Where the program composed thin values several maps read into each of them
+    (``polynets.ir.lowering.Lowered.shared``), the same model compiled with them kept as steps
+    of their own (:func:`he.compiler.shared_values_as_steps`), its own keys and request: the
+    baseline of composing them. Two passes each, alternated, the faster of each kept."""
+    shared = lower(prog.program).shared
+    if not shared or prog.options.get("kept_apart"):
+        return {}
+    with shared_values_as_steps():
+        kept = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
+                          precision_bits=precision_bits, cost_model=costs, memory_budget=budget)
+    kclient = he.Client(kept)
+    kserver = he.Server(kept, kclient.public_context(), memory_budget=budget)
+    requests = {"composed": (server, client.encrypt(images).to_bytes()),
+                "kept": (kserver, kclient.encrypt(images).to_bytes())}
+    times: dict[str, list[float]] = {"composed": [], "kept": []}
+    for name in ("composed", "kept", "kept", "composed"):
+        srv, ct = requests[name]
+        t0 = time.perf_counter()
+        srv.run(ct).to_bytes()
+        times[name].append(time.perf_counter() - t0)
+    composed, kept_s = min(times["composed"]), min(times["kept"])
+    return {"shared_composed": list(shared), "shared_kept_levels": kept.params.levels,
+            "shared_kept_predicted_s": kept.plan.predicted["seconds_per_ciphertext"],
+            "shared_kept_server_s": kept_s, "shared_composed_server_s": composed,
+            "shared_composed_speedup": kept_s / composed, "shared_passes_s": times}
+
+
 def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_bits: int,
                workers: int, budget_s: float,
                costs: he.costmodel.CostModel | None = None,
@@ -586,10 +618,15 @@ def ours_batch(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, precision_
             if server.lazy_products:
                 res.update(_lazy_baseline(client, server, x[torch.arange(slots) % len(x)]))
             res.update(_loads_baseline(client, server, x[torch.arange(slots) % len(x)]))
+            res.update(_shared_baseline(model, xcal, prog, client, server,
+                                        x[torch.arange(slots) % len(x)], precision_bits,
+                                        costs, budget))
         return res
     if server.lazy_products:
         res.update(_lazy_baseline(client, server, x[torch.arange(slots) % len(x)]))
     res.update(_loads_baseline(client, server, x[torch.arange(slots) % len(x)]))
+    res.update(_shared_baseline(model, xcal, prog, client, server,
+                                x[torch.arange(slots) % len(x)], precision_bits, costs, budget))
     if he_kernels.expected():
         # the same program and request with the fused maps' NumPy loops: the baseline of the
         # compiled ones (he._kernels), one warm server pass each
@@ -917,6 +954,12 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{t['direct_loads_server_s']:.2f} s, SEAL's stream "
                   f"{t['seal_loads_server_s']:.2f} s in the same run -> "
                   f"{t['direct_loads_speedup']:.2f}x")
+        if "shared_composed_speedup" in t:
+            print(f"   shared values composed into their readers (program nodes "
+                  f"{t['shared_composed']}): server {t['shared_composed_server_s']:.2f} s, kept "
+                  f"as steps {t['shared_kept_server_s']:.2f} s (predicted "
+                  f"{t['shared_kept_predicted_s']:.2f} s) in the same run -> "
+                  f"{t['shared_composed_speedup']:.2f}x")
     print(f"wrote {args.output}")
     return res
 

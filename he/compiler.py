@@ -15,7 +15,8 @@ import math
 import json
 import os
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -44,7 +45,7 @@ from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_se
 from he.wire import ciphertext_bytes
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
-from polynets.ir.lowering import Lowered, lower, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, lower, step_levels
 from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES",
@@ -1634,7 +1635,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     kinds = PACKINGS if packing == "auto" else (packing,)
     found: list[CompiledProgram] = []
     error: TooDeepError | None = None
-    lowerings = _candidate_lowerings(program, np.asarray(calib, dtype=np.float64), certified)
+    calib64 = np.asarray(calib, dtype=np.float64)
+    lowered_by_keep: dict[tuple[int, ...], tuple[Lowered, list[np.ndarray]]] = {}
     # a few dozen updates at most, each after seconds of work: every one is shown
     with tqdm(desc="compile", unit=" candidates", disable=not progress, leave=False,
               mininterval=0) as bar:
@@ -1646,10 +1648,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         for kind in kinds:
             tried: list[CompiledProgram] = []
             unfit: TokensUnfit | None = None
-            for keep, lowered, msq in lowerings:
-                if not keep and lowered.shared and \
-                        not _composing_may_pay(kind, lowered, lowerings[1][1]):
-                    continue
+            for keep, lowered, msq in _candidate_lowerings(program, calib64, certified, kind,
+                                                           lowered_by_keep):
                 opts = {**options, "kept_apart": list(keep)} if keep else options
                 try:
                     tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq,
@@ -1696,51 +1696,85 @@ def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
 
 
 def _candidate_lowerings(program: PolyProgram, calib: np.ndarray,
-                         lowered: Lowered | None = None
+                         lowered: Lowered | None = None, kind: str = "vector",
+                         cache: dict[tuple[int, ...], tuple[Lowered, list[np.ndarray]]]
+                         | None = None
                          ) -> list[tuple[tuple[int, ...], Lowered, list[np.ndarray]]]:
-    """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler may
-    price: every linear map composed (the fewest levels); where values read by several maps
-    were composed into each of them (:attr:`~polynets.ir.lowering.Lowered.shared`), those
-    kept as steps of their own (fewer terms, maybe a level more or a lift on the way,
-    :func:`_composing_may_pay`); and where some compositions in the last made a map much
-    denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`), those kept
-    apart too (a level more on their paths, maybe far fewer operations).
+    """``(kept apart, lowered, per-step mean squares)`` of the lowerings the compiler prices
+    in packing ``kind``: every linear map composed (the fewest levels); where thin values
+    several maps read were composed into each of them
+    (:attr:`~polynets.ir.lowering.Lowered.shared`), those kept as steps of their own (fewer
+    terms), and instead of the first, those composed only where composing pays in ``kind``
+    (:func:`_worth_composing`; none: not priced); where some compositions in the kept one made
+    a map much denser than its parts (:attr:`~polynets.ir.lowering.Lowered.dense_joins`),
+    those kept apart too (a level more on their paths, maybe far fewer operations).
+    ``cache``: lowerings already made, by what they keep (one compile's packings share them).
 
     Raises NotEncryptableError where no input element reaches the output (its weights cancel
     or are zero): the output is a constant, which no ciphertext can carry."""
     x = calib[:_NOISE_SAMPLES]
-    lowered = lowered if lowered is not None else lower(program)
-    if not live_rows(lowered)[0].any():  # every path from the input meets a zero weight
-        raise NotEncryptableError(CONSTANT_OUTPUT)
-    # per-element magnitudes of every step, for the noise growth (a bounded sample suffices)
-    out = [((), lowered, step_values_msq(lowered, x))]
-    base = lowered
-    if lowered.shared:
-        base = lower(program, lowered.shared)
-        out.append((lowered.shared, base, step_values_msq(base, x)))
+    cache = {} if cache is None else cache
+
+    def made(keep: tuple[int, ...]) -> tuple[tuple[int, ...], Lowered, list[np.ndarray]]:
+        if keep not in cache:
+            low = lowered if not keep and lowered is not None else lower(program, keep)
+            if not keep and not live_rows(low)[0].any():  # every path meets a zero weight
+                raise NotEncryptableError(CONSTANT_OUTPUT)
+            # per-element magnitudes of every step, for the noise growth (a bounded sample)
+            cache[keep] = (low, step_values_msq(low, x))
+        return (keep, *cache[keep])
+
+    composed = made(())
+    shared = composed[1].shared
+    if not shared:
+        out, base = [composed], composed[1]
+    else:
+        kept = made(tuple(shared))
+        base, out = kept[1], [kept]
+        worth = () if _SHARED_AS_STEPS[0] else _worth_composing(kind, kept[1], shared)
+        if worth:
+            out.insert(0, made(tuple(n for n in shared if n not in worth)))
     if base.dense_joins:
-        keep = tuple(sorted({*lowered.shared, *base.dense_joins}))
-        apart = lower(program, keep)
-        out.append((keep, apart, step_values_msq(apart, x)))
+        out.append(made(tuple(sorted({*shared, *base.dense_joins}))))
     return out
 
 
-def _composing_may_pay(kind: str, composed: Lowered, kept: Lowered) -> bool:
-    """Whether, in packing ``kind``, the lowering that composes values read by several maps
-    into each of them (:attr:`~polynets.ir.lowering.Lowered.shared`) may cost less than the
-    one that keeps them as steps of their own, and so is worth pricing: only where composing
-    removes a level, or in batch packing a lift (a plaintext product and a rescale per
-    ciphertext, :func:`he.plan.batch_lifts`). Otherwise it only adds terms to every reader
-    (in vector packing, rotations), where a lift costs one ciphertext's product per request."""
-    if composed.depth_levels(kind) < kept.depth_levels(kind):
-        return True
-    if kind != "batch":
-        return False
+#: set within :func:`shared_values_as_steps`
+_SHARED_AS_STEPS = [False]
 
-    def lifts(low: Lowered) -> int:
-        return sum(n for step in batch_lifts(low, live_rows(low)) for n in step.values())
 
-    return lifts(composed) < lifts(kept)
+@contextmanager
+def shared_values_as_steps() -> Iterator[None]:
+    """Within it, :func:`compile` keeps every thin value several maps read
+    (:attr:`~polynets.ir.lowering.Lowered.shared`) as a step of its own, without pricing
+    them composed into their readers: the baseline composing them is measured against."""
+    before = _SHARED_AS_STEPS[0]
+    _SHARED_AS_STEPS[0] = True
+    try:
+        yield
+    finally:
+        _SHARED_AS_STEPS[0] = before
+
+
+def _worth_composing(kind: str, kept: Lowered, shared: Sequence[int]) -> tuple[int, ...]:
+    """Of the thin values several maps read (``shared``), those that may cost less composed
+    into every reader than as a step of their own (their steps in ``kept``) in packing
+    ``kind``: a step that costs a level there (a scaling; in vector packing a shift too), or
+    in batch packing a sum of values of several levels, which it lifts first (a plaintext
+    product and a rescale per ciphertext, :func:`he.plan.batch_lifts`). A sum of values of
+    one level is additions only, and a selection in batch packing a reindexing: composed, they
+    would only add terms to every reader (in vector packing, rotations)."""
+    levels = step_levels(kept.steps, kind)
+    out = []
+    for node in shared:
+        si = kept.kept_steps.get(node)
+        if si is None:
+            continue
+        st = kept.steps[si]
+        if not affine_is_free(st, kind) or (
+                kind == "batch" and len({levels[j] for j in st.inputs}) > 1):
+            out.append(node)
+    return tuple(out)
 
 
 def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size: int | None,

@@ -12,12 +12,12 @@ from torch import nn
 
 import he
 import polynets as pn
-from he.compiler import _candidate_lowerings, _compile_packing, _composing_may_pay, \
-    _keep_or_compose
+from he.compiler import _candidate_lowerings, _compile_packing, _keep_or_compose, \
+    _worth_composing
 from he.costmodel import default_model
 from he.plan import batch_lifts
 from he.runtime import live_rows
-from polynets.ir.lowering import SHARED_ROW_NNZ, evaluate_steps, lower
+from polynets.ir.lowering import SHARED_ROW_NNZ, affine_is_free, evaluate_steps, lower
 
 
 class ResidualMus(nn.Module):
@@ -62,10 +62,10 @@ def test_a_thin_shared_value_is_composed_into_its_readers_and_computes_the_same(
     for kind in ("vector", "batch"):
         assert composed.depth_levels(kind) <= kept.depth_levels(kind)
     assert _lifts(composed) == 0 < _lifts(kept)
-    assert _composing_may_pay("batch", composed, kept)
+    assert set(kept.kept_steps) == set(composed.shared)
+    assert _worth_composing("batch", kept, composed.shared) == composed.shared
     # in vector packing a lift is one ciphertext's product: composing only adds rotations
-    assert not _composing_may_pay("vector", composed, kept)
-
+    assert _worth_composing("vector", kept, composed.shared) == ()
 
 def test_a_value_a_product_reads_or_a_dense_one_is_still_a_step():
     """A value read by a ciphertext product is materialised for it anyway; a dense one (a
@@ -96,8 +96,10 @@ def test_batch_packing_prices_both_lowerings_and_keeps_the_cheaper():
     maxabs = program.max_abs(calib)
     options = {"precision_bits": 16, "max_input_ciphertexts": 8, "objective": "latency",
                "batch_size": None, "security": 128, "server_threads": 1}
-    cands = _candidate_lowerings(program, calib)
+    cands = _candidate_lowerings(program, calib, kind="batch")
     assert [bool(keep) for keep, _, _ in cands] == [False, True]
+    assert [keep for keep, _, _ in _candidate_lowerings(program, calib)] == \
+        [lower(program).shared]
     tried = []
     for keep, low, msq in cands:
         opts = {**options, "kept_apart": list(keep)} if keep else options
@@ -137,3 +139,41 @@ def test_the_program_chosen_decrypts_to_the_model_output(packing, tmp_path):
     assert np.max(np.abs(out - want)) <= prog.params.expected_error
     with torch.no_grad():
         np.testing.assert_allclose(want, model(x[:4]).double().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_values_as_steps_is_the_baseline_lowering():
+    from he.compiler import shared_values_as_steps
+    model, x = _model_and_data()
+    composed = he.compile(model, x[:1], calibration=x, packing="batch")
+    with shared_values_as_steps():
+        kept = he.compile(model, x[:1], calibration=x, packing="batch")
+    assert kept.options.get("kept_apart") == list(lower(kept.program).shared)
+    assert composed.options.get("kept_apart") is None, composed.plan.why
+    assert len(kept.lowered.steps) > len(composed.lowered.steps)
+    sample = x[:2].numpy()
+    np.testing.assert_allclose(kept.simulate(sample), composed.simulate(sample), rtol=1e-9)
+
+
+def test_only_the_values_worth_composing_in_a_packing_are_composed():
+    """A shared value whose step is weighted (the shifted patch embedding of a MONet) costs a
+    level in every packing: worth composing in both; a sum over two levels costs lifts in batch
+    packing only."""
+    torch.manual_seed(0)
+    model = pn.MONet(img_size=8, in_chans=1, num_classes=3, patch_size=2, embed_dim=8, depth=1,
+                     norm="batch").eval()
+    program = pn.trace(model, torch.rand(1, 1, 8, 8))
+    composed = lower(program)
+    kept = lower(program, composed.shared)
+    weighted = {n for n in composed.shared
+                if not affine_is_free(kept.steps[kept.kept_steps[n]], "batch")}
+    levels = kept.levels("batch")
+    two_level_sums = {n for n in composed.shared if n not in weighted and len(
+        {levels[j] for j in kept.steps[kept.kept_steps[n]].inputs}) > 1}
+    assert weighted and two_level_sums
+    assert set(_worth_composing("batch", kept, composed.shared)) == weighted | two_level_sums
+    assert set(_worth_composing("vector", kept, composed.shared)) == weighted
+    x = np.random.default_rng(0).uniform(0, 1, (2, 64))
+    for kind in ("batch", "vector"):
+        for keep, low, _ in _candidate_lowerings(program, x.reshape(2, 1, 8, 8), kind=kind):
+            np.testing.assert_allclose(evaluate_steps(low, x), evaluate_steps(composed, x),
+                                       rtol=1e-9, atol=1e-12)

@@ -28,7 +28,10 @@ and the CKKS compiler:
   selection (each output copies at most one input element with weight 1: shifts, slices,
   padding), which is a reindexing of ciphertexts;
 * :func:`step_levels`: ``mul`` costs one level above the higher operand, ``mul_int`` none;
-* a value read by several consumers is materialised once as its own step;
+* a value read by several consumers is materialised once as its own step, unless it is thin:
+  read by no ciphertext product and its rows reading at most :data:`SHARED_ROW_NNZ` elements
+  (a product plus the value it multiplied, a scaling), which is composed into every reader
+  (:attr:`Lowered.shared`; kept as steps with ``keep``);
 * a map of zeros (a zero weight, a scaling by 0, a selection of none of a step's elements) is
   no term: a value of no term is a constant, never a step, and a product with a constant is a
   scaling composed into the affine map that reads it;
@@ -127,12 +130,20 @@ class Lowered:
     :data:`DENSE_JOIN_FACTOR` times): lowering
     again with them kept apart (``lower(program, keep=dense_joins)``) costs a level each on
     their paths and may cost fewer operations, which a compiler can price.
+
+    ``shared``: program nodes read by several nodes whose values, thin, were composed into
+    every reader instead of materialised once (see the module docstring): lowering again with
+    them kept (``lower(program, keep=shared)``) gives each a step of its own, fewer terms in
+    its readers, maybe a level more or (batch packing) inputs lifted to sum them.
+
+    ``kept_steps``: the step each node kept (``keep``) was materialised as.
     """
 
     steps: list[Step]
     output: int
     dense_joins: tuple[int, ...] = ()
     shared: tuple[int, ...] = ()
+    kept_steps: dict[int, int] = field(default_factory=dict)
 
     def levels(self, packing: str = "vector") -> list[int]:
         return step_levels(self.steps, packing)
@@ -318,7 +329,7 @@ def lower(program: PolyProgram, keep: Collection[int] = ()) -> Lowered:
     lowering = _Lowering(program, keep)
     values = lowering.run(program)
     out = lowering.materialise(values[program.output])
-    low = _drop_unread(lowering.steps, out)
+    low = _drop_unread(lowering.steps, out, lowering.kept_steps)
     low.dense_joins = tuple(sorted(lowering.dense_joins))
     low.shared = tuple(sorted(lowering.shared))
     return low
@@ -335,6 +346,7 @@ class _Lowering(Interpreter):
         self.keep = keep
         self.dense_joins: set[int] = set()
         self.shared: set[int] = set()
+        self.kept_steps: dict[int, int] = {}
 
     def add_step(self, step: Step) -> _Aff:
         self.steps.append(step)
@@ -451,6 +463,8 @@ class _Lowering(Interpreter):
                 self.shared.add(i)
                 return value
             j = self.materialise(value)
+            if i in self.keep:
+                self.kept_steps[i] = j
             return _Aff({j: _eye(self.steps[j].n)}, None, tuple(node.shape))
         return value
 
@@ -502,8 +516,9 @@ def _local_product(m: sp.csr_matrix, inner: sp.csr_matrix) -> sp.csr_matrix | No
     return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
-def _drop_unread(steps: list[Step], out: int) -> Lowered:
-    """Remove steps no other step (nor the output) reads; renumber the rest."""
+def _drop_unread(steps: list[Step], out: int, named: dict[int, int] | None = None) -> Lowered:
+    """Remove steps no other step (nor the output) reads; renumber the rest (and the steps
+    ``named`` maps program nodes to, as :attr:`Lowered.kept_steps`)."""
     keep = np.zeros(len(steps), dtype=bool)
     keep[out] = True
     keep[0] = True                      # the input stays, read or not
@@ -513,4 +528,5 @@ def _drop_unread(steps: list[Step], out: int) -> Lowered:
     new = np.cumsum(keep) - 1
     kept = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
                  st.factor) for st, k in zip(steps, keep) if k]
-    return Lowered(kept, int(new[out]))
+    return Lowered(kept, int(new[out]), kept_steps={
+        n: int(new[j]) for n, j in (named or {}).items() if keep[j]})
