@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.spilled and prog.packing == "batch":
             servers.update(_spill_servers(prog, ctx, row))
         requests = {}
-        shared = lower(prog.program).shared
-        if args.shared and prog.packing == "batch" and shared and \
-                not prog.options.get("kept_apart"):
+        shared = [n for n in lower(prog.program).shared
+                  if n not in set(prog.options.get("kept_apart") or ())]
+        if args.shared and prog.packing == "batch" and shared:
             with shared_values_as_steps():
                 kept = he.compile(model, xte[:1], calibration=xtr[:2048], packing="batch")
             kclient = he.Client(kept)

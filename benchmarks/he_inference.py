@@ -536,9 +536,10 @@ def _shared_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he
     (``polynets.ir.lowering.Lowered.shared``), the same model compiled with them kept as steps
     of their own (:func:`he.compiler.shared_values_as_steps`), its own keys and request: the
     baseline of composing them. Two passes each, alternated, the faster of each kept."""
-    shared = lower(prog.program).shared
-    if not shared or prog.options.get("kept_apart"):
-        return {}
+    kept_apart = set(prog.options.get("kept_apart") or ())
+    shared = [n for n in lower(prog.program).shared if n not in kept_apart]
+    if not shared:
+        return {}                               # none composed
     with shared_values_as_steps():
         kept = he.compile(model, xcal[:1], calibration=xcal, packing="batch",
                           precision_bits=precision_bits, cost_model=costs, memory_budget=budget)
@@ -553,7 +554,7 @@ def _shared_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he
         srv.run(ct).to_bytes()
         times[name].append(time.perf_counter() - t0)
     composed, kept_s = min(times["composed"]), min(times["kept"])
-    return {"shared_composed": list(shared), "shared_kept_levels": kept.params.levels,
+    return {"shared_composed": shared, "shared_kept_levels": kept.params.levels,
             "shared_kept_predicted_s": kept.plan.predicted["seconds_per_ciphertext"],
             "shared_kept_server_s": kept_s, "shared_composed_server_s": composed,
             "shared_composed_speedup": kept_s / composed, "shared_passes_s": times}
