@@ -1786,6 +1786,7 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     budget = _server_budget(memory_budget)
     ((*_, best_s), best), ((*_, other_s), other) = sorted(
         ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
+
     def lowering(p: "CompiledProgram") -> str:
         kept = p.options.get("kept_apart")
         return (f"program nodes {kept} kept apart as steps of their own, the rest composed "
