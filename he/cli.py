@@ -271,7 +271,13 @@ def cmd_costs(args: argparse.Namespace) -> int:
         ops = ", ".join(f"{op} {model.seconds(op, ring, 2) * 1e3:.2f} ms"
                         for op in model.table[ring])
         print(f"N={ring} (2 primes): {ops}")
-    print(f"wrote {args.output or cache_path()}; he.compile now plans with these costs")
+    where = Path(args.output) if args.output else cache_path()
+    if where.resolve() == cache_path().resolve():
+        print(f"wrote {where}; he.compile now plans with these costs")
+    else:
+        print(f"wrote {where}; he.compile plans with them given as cost_model="
+              f"he.costmodel.CostModel.from_dict(json.loads(Path({str(where)!r}).read_text()))"
+              f", or by default once copied to {cache_path()}")
     return 0
 
 
