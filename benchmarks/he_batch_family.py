@@ -46,9 +46,8 @@ from he import _kernels  # noqa: E402
 from he.compiler import shared_values_as_steps  # noqa: E402
 from he.runtime import eager_products  # noqa: E402
 from he_family import MODELS, chosen_models  # noqa: E402
-from he_inference import load_mnist, train  # noqa: E402
+from he_inference import composed_shared, load_mnist, train  # noqa: E402
 from he_probe import RULES  # noqa: E402
-from polynets.ir.lowering import lower  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 
 DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64,mixer,pom,"
@@ -60,8 +59,8 @@ DEFAULT_MODELS = ("p4_d32_mean,p4_d48_x2,p2_d32,p7_d32,p4_h128,conv_seq,rows_d64
 #: lazy, :func:`he.runtime.eager_products`); its fused maps' NumPy loops on one thread
 #: (``--numpy``); on the compiler's threads in tiles, under a memory budget (``--tiled``), and
 #: the same with every product finished where its tiles leave some lazy; in the most tiles,
-#: held in memory and, under a budget those do not fit, spilling to disk (``--spilled``)
-#: (``--spilled``); the program compiled with the thin values several maps read kept as steps
+#: held in memory and, under a budget those do not fit, spilling to disk (``--spilled``); the
+#: program compiled with the thin values several maps read kept as steps
 #: of their own where it composed them (``--shared``, its own keys and request)
 VARIANTS = ("threads", "one_thread", "eager", "numpy", "tiled", "tiled_eager", "in_tiles",
             "spilled", "kept")
@@ -307,8 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.spilled and prog.packing == "batch":
             servers.update(_spill_servers(prog, ctx, row))
         requests = {}
-        shared = [n for n in lower(prog.program).shared
-                  if n not in set(prog.options.get("kept_apart") or ())]
+        shared = composed_shared(prog)
         if args.shared and prog.packing == "batch" and shared:
             with shared_values_as_steps():
                 kept = he.compile(model, xte[:1], calibration=xtr[:2048], packing="batch")

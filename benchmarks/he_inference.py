@@ -529,6 +529,13 @@ def _loads_baseline(client: he.Client, server: he.Server, images: torch.Tensor) 
             "direct_loads_speedup": seal_s / direct, "loads_passes_s": times}
 
 
+def composed_shared(prog: Any) -> list[int]:
+    """The thin values several maps read (``polynets.ir.lowering.Lowered.shared``) that the
+    program composed into each of them (those it did not keep apart)."""
+    kept_apart = set(prog.options.get("kept_apart") or ())
+    return [n for n in lower(prog.program).shared if n not in kept_apart]
+
+
 def _shared_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.Client,
                      server: he.Server, images: torch.Tensor, precision_bits: int,
                      costs: he.costmodel.CostModel | None, budget: int | None) -> dict:
@@ -536,8 +543,7 @@ def _shared_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he
     (``polynets.ir.lowering.Lowered.shared``), the same model compiled with them kept as steps
     of their own (:func:`he.compiler.shared_values_as_steps`), its own keys and request: the
     baseline of composing them. Two passes each, alternated, the faster of each kept."""
-    kept_apart = set(prog.options.get("kept_apart") or ())
-    shared = [n for n in lower(prog.program).shared if n not in kept_apart]
+    shared = composed_shared(prog)
     if not shared:
         return {}                               # none composed
     with shared_values_as_steps():
