@@ -18,7 +18,9 @@ Ours, a family of models trained on the same images, traced, certified and compi
 For each: vector packing latency (one image per round trip: encrypt, serialise, server, decrypt),
 the server time of one ciphertext next to the cost model's prediction, the same model compiled
 with hoisted rotations off (``he.hoist.ENV_NO_HOISTING``) and its server timed on the same
-images (the same-run baseline of hoisting), images/s when the
+images (the same-run baseline of hoisting), where the program folds a group of rotations at a
+time the same model folding one at a time (``he.compiler.folds_one_at_a_time``, alternated on
+the same images), images/s when the
 ciphertext is filled with as many images as the plan interleaves, and batch packing (one image per
 slot) with one process and with ``--workers`` processes -- run when the cost model predicts a
 group within ``--batch-budget`` seconds, otherwise reported as predicted only -- and tokens
@@ -362,6 +364,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
     del single, single_client, forced
     gc.collect()
+    folds = _folds_baseline(model, xcal, prog, client, server, x, n, precision_bits, costs,
+                            **compile_kwargs) if "fold_hoist" in prog.options else {}
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
                                             **compile_kwargs)) \
         if prog.plan.uses_hoister else {}
@@ -398,7 +402,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
             "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
-            "layouts": prog.plan.orders, **unhoisted,
+            "layouts": prog.plan.orders, **unhoisted, **folds,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
                 statistics.median(server_times)} if unhoisted else {})}
 
@@ -453,6 +457,34 @@ def isolated(fn: Callable[[], dict]) -> dict:
     if status == "error":
         raise RuntimeError(f"in the model's process: {value}")
     return value
+
+
+def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.Client,
+                    server: he.Server, x: torch.Tensor, n: int, precision_bits: int,
+                    costs: he.costmodel.CostModel | None, **compile_kwargs: Any) -> dict:
+    """Where the program folds a group of rotations at a time (``he.plan.fold_groups``), the
+    same model compiled folding one rotation at a time
+    (:func:`he.compiler.folds_one_at_a_time`), its own keys and server, timed on the same
+    images alternated with the grouped server: the baseline of the grouping."""
+    with he.compiler.folds_one_at_a_time():
+        base, base_client, _, base_server, *_ = _compiled(model, xcal, "vector", precision_bits,
+                                                          costs, **compile_kwargs)
+    times: dict[str, list[float]] = {"grouped": [], "single": []}
+    for i in range(n):
+        for name, c, s in (("grouped", client, server), ("single", base_client, base_server)):
+            ct = c.encrypt(x[i:i + 1]).to_bytes()
+            t0 = time.perf_counter()
+            s.run(ct)
+            times[name].append(time.perf_counter() - t0)
+    grouped, single = statistics.median(times["grouped"]), statistics.median(times["single"])
+    plan = prog.plan
+    return {"fold_groups": [g for si in range(len(plan.steps)) for g in plan.step_folds(si)
+                            if len(g) > 1],
+            "folds_grouped_server_median_s": grouped, "folds_single_server_median_s": single,
+            "folds_single_predicted_server_s": base_server.predicted_seconds
+            or base.plan.predicted["seconds_per_ciphertext"],
+            "folds_single_server_threads": base_server.engine.pool.threads,
+            "folds_grouping_speedup": single / grouped}
 
 
 def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
@@ -749,6 +781,12 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
               f"{v['unhoisted_server_median_s']:.3f} s (predicted "
               f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
               f"{v['hoisting_speedup']:.2f}x")
+    if "folds_grouping_speedup" in v:
+        print(f"   folds one rotation at a time (compiled in the same run, alternated): server "
+              f"{v['folds_single_server_median_s']:.3f} s (predicted "
+              f"{v['folds_single_predicted_server_s']:.3f} s) against "
+              f"{v['folds_grouped_server_median_s']:.3f} s grouped -> grouping "
+              f"{v['folds_grouping_speedup']:.2f}x")
     if "latency_speedup_vs_orion" in v:
         print(f"   Orion, same network and weights: "
               f"{e['orion_same_network']['latency']['median_round_trip_s'] * 1e3:.0f} ms "

@@ -153,7 +153,8 @@ def _server_memory(params: CKKSParams, plaintexts: list[tuple[int, int]], galois
 #: primitives that the server spreads over its threads (baby and giant steps, the giant steps'
 #: products; :meth:`he.plan.VectorPlan.op_counts`)
 _NOT_PRIMITIVES = ("plaintexts", "plaintexts_ext", "alone", "babies", "giants", "baby_items",
-                   "giant_items", "giant_products", "giant_zero", "giant_zero_products")
+                   "giant_items", "giant_products", "giant_zero", "giant_zero_products",
+                   "fold_groups", "fold_copies")
 
 
 def client_threads() -> int:
@@ -247,6 +248,21 @@ def _threaded_seconds(c: dict[str, int], price: Any, threads: int, efficiency: f
         # (he.backend.Engine.rotate_alone)
         lone = apart(price({"decompose": 1, "rotate_hoisted": 1, "mod_down": 1}))[0]
         serial -= alone * (price({"rotate": 1}) - lone)
+    groups, copies = c.get("fold_groups", 0), c.get("fold_copies", 0)
+    if groups:
+        # hoisted folds (he.runtime._fold): per group a decomposition and a division, shared
+        # among the threads where the step's work that runs alone is, and its rotated copies
+        # spread over them
+        per = copies / groups
+        if shares and threads > 1:
+            serial += groups * (apart(price({"decompose": 1}))[0]
+                                + apart(price({"mod_down": 1}))[0]
+                                + _makespan([price({"rotate_hoisted": 1})] * int(round(per)),
+                                            threads, efficiency,
+                                            handoff / SHARED_ROTATION_HANDOFFS))
+        else:
+            serial += price({"decompose": groups, "mod_down": groups,
+                             "rotate_hoisted": copies})
     if threads <= 1 or baby_items + items == 0:
         return serial
     lifted, ext = c.get("rotate_hoisted", 0), c.get("mul_ext", 0)
@@ -305,6 +321,9 @@ def _vector_held(plan: VectorPlan, counts: list[dict[str, int]]) -> int:
     half = (plan.levels + 2) / 2
     inner = max((c.get("babies", 0) + c.get("rotate_hoisted", 0) + c.get("decompose", 0) * half
                  + c.get("giant_items", c.get("giants", 0)) for c in counts), default=0)
+    # a hoisted fold's rotated copies (extended: a prime more) and its decomposition
+    inner = max([inner] + [c.get("fold_copies", 0) / max(1, c.get("fold_groups", 1)) + 1 + half
+                           for c in counts if c.get("fold_groups")])
     return len(plan.steps) + int(math.ceil(inner))
 
 
@@ -619,7 +638,8 @@ class CompiledProgram:
                 planes_per_ct=None if per_ct is None else {int(k): int(v)
                                                            for k, v in per_ct.items()},
                 stacked=stacked, hoist_weights=_stored_weights(self.options.get("hoist")),
-                share_rotations=_stored_share(self.options))
+                share_rotations=_stored_share(self.options),
+                fold_weights=_stored_weights(self.options.get("fold_hoist"), "fold_hoist"))
             keys = self.options.get("keys", "direct")
             if keys not in ("direct", "basis"):
                 raise ValueError(f"keys must be 'direct' or 'basis', got {keys!r}")
@@ -727,6 +747,9 @@ class CompiledProgram:
             s = self.plan.cost()
             hoisted = (f" and {s['hoisted_rotations']} hoisted baby steps from "
                        f"{s['decompositions']} decompositions" if s["hoisted_rotations"] else "")
+            if s["fold_groups"]:
+                hoisted += (f", {s['fold_copies']} fold rotations hoisted in {s['fold_groups']} "
+                            f"group(s)")
             lines.append(f"  vector plan: {self.plan.interleave} sample(s) per ciphertext, "
                          f"{s['rotations']} rotations{hoisted} ({len(self.plan.galois_steps())} "
                          f"Galois keys), "
@@ -915,25 +938,31 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         candidate is priced as it would be served, so that the one kept is the cheapest as
         served (not the cheapest on threads the rule then declines). Where it hoists and
         the cost model prices sharing, ``trial`` shares the work that runs alone among the
-        threads (:attr:`VectorPlan.shares_rotations`) if that is predicted faster."""
-        def on(n: int) -> dict[str, Any]:
-            trial.shares_rotations = False
-            apart = _predict_vector(trial, params, costs, n)
-            if not share:
-                return apart
-            trial.shares_rotations = True
-            together = _predict_vector(trial, params, costs, n)
-            if together["seconds_per_ciphertext"] < apart["seconds_per_ciphertext"]:
-                return together
-            trial.shares_rotations = False
-            return apart
+        threads (:attr:`VectorPlan.shares_rotations`) if that is predicted faster; where it
+        may group its folds (:attr:`VectorPlan.fold_weights`), it does if that is."""
+        grouped = trial.fold_weights
 
-        trial.shares_rotations = False
+        def cheapest(n: int, sharing: Sequence[bool]) -> dict[str, Any]:
+            best: tuple[dict[str, Any], Any, bool] | None = None
+            for folds_by in (None, grouped) if grouped is not None else (None,):
+                for shares in sharing:
+                    trial.fold_weights, trial.shares_rotations = folds_by, shares
+                    p = _predict_vector(trial, params, costs, n)
+                    if best is None or \
+                            p["seconds_per_ciphertext"] < best[0]["seconds_per_ciphertext"]:
+                        best = (p, folds_by, shares)
+            assert best is not None
+            trial.fold_weights, trial.shares_rotations = best[1], best[2]
+            return best[0]
+
+        serial = cheapest(1, (False,))
+        serial_folds = trial.fold_weights
         threads, why, predicted = _chosen_threads(
-            _threads(options), _predict_vector(trial, params, costs, 1), on,
+            _threads(options), serial, lambda n: cheapest(n, (False, True) if share else
+                                                         (False,)),
             "baby-step rotations and giant steps (their products and rotation)")
         if threads == 1:
-            trial.shares_rotations = False
+            trial.fold_weights, trial.shares_rotations = serial_folds, False
         return threads, why, predicted
 
     objective = options["objective"]
@@ -944,6 +973,10 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         if hoist_expected() and hoisting_noise_covered(params) else None
     # sharing among the threads is priced only where the cost model measured its hand-offs
     share = weights is not None and costs.shared_handoff(ring) is not None
+    # folds hoisted in groups where the cost model prices that cheaper (he.plan.fold_groups),
+    # where baby steps may be
+    folds = fold_weights(params, costs) if weights is not None and not _FOLDS_ALONE[0] \
+        else None
     # the first maps from the client's input planes (no rotation; an input ciphertext per few
     # planes), or from the input itself (one ciphertext; the maps rotate it)
     plane_options = (MAX_PLANES, 0) if planes_readers(lowered, MAX_PLANES) else (MAX_PLANES,)
@@ -962,7 +995,8 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
                                       max_planes=max_planes,
                                       max_input_ciphertexts=int(options["max_input_ciphertexts"]),
                                       planes_per_ct=per_ct, price=price,
-                                      hoist_weights=_stored_weights(weights))
+                                      hoist_weights=_stored_weights(weights),
+                                      fold_weights=_stored_weights(folds, "fold_hoist"))
             threads, threads_why, predicted = served(trial)
             score = _objective_cost(predicted, objective, options.get("batch_size"),
                                     options.get("bandwidth"))
@@ -1000,6 +1034,17 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
     if weights is not None:
         opts["hoist"] = weights
         opts["share_rotations"] = plan.shares_rotations
+    if plan.fold_weights is not None:
+        opts["fold_hoist"] = folds
+        grouped = [g for si in range(len(plan.steps)) for g in plan.step_folds(si)
+                   if len(g) > 1]
+        one_at_a_time = _predict_vector(dataclasses.replace(plan, fold_weights=None), params,
+                                        costs, threads)["seconds_per_ciphertext"]
+        opts["why"] += (f"; {sum(len(g) for g in grouped)} fold rotations in {len(grouped)} "
+                        f"group(s), each group's rotated copies made from one decomposition "
+                        f"and summed before one division by the special prime: predicted "
+                        f"{predicted['seconds_per_ciphertext']:.3g} s against "
+                        f"{one_at_a_time:.3g} s folding one rotation at a time")
     return plan, opts
 
 
@@ -1030,6 +1075,25 @@ def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]
     return out
 
 
+def fold_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:
+    """Per level (a string, as stored in a program's options), the prices of a hoisted fold's
+    parts, each in rotations at that level under ``costs`` (:data:`he.plan.FoldWeights`: a
+    rotated copy and its addition in the extended primes, the decomposition, the division by
+    the special prime; four significant digits, so that a stored program rebuilds the same
+    plan)."""
+    ring = params.poly_modulus_degree
+    out = {}
+    for lv in range(params.levels + 1):
+        limbs = params.limbs(lv)
+        rot = costs.seconds("rotate", ring, limbs)
+
+        def rel(*ops: str) -> float:
+            return float(f"{sum(costs.seconds(op, ring, limbs) for op in ops) / rot:.4g}")
+
+        out[str(lv)] = [rel("rotate_hoisted", "add"), rel("decompose"), rel("mod_down")]
+    return out
+
+
 def _stored_share(options: dict[str, Any]) -> bool:
     """A program's ``share_rotations`` option (programs saved before it: shared); raises
     ValueError where it is not a bool."""
@@ -1039,21 +1103,23 @@ def _stored_share(options: dict[str, Any]) -> bool:
     return share
 
 
-def _stored_weights(stored: Any) -> Callable[[int], tuple[float, float, float]] | None:
-    """The :data:`he.plan.HoistWeights` of a program's ``hoist`` option (None: no hoisting, as
-    programs saved before it); raises ValueError on anything but positive prices per level."""
+def _stored_weights(stored: Any, name: str = "hoist"
+                    ) -> Callable[[int], tuple[float, float, float]] | None:
+    """The :data:`he.plan.HoistWeights` of a program's ``hoist`` option, or the
+    :data:`he.plan.FoldWeights` of its ``fold_hoist`` (``name``) (None: neither, as programs
+    saved before them); raises ValueError on anything but positive prices per level."""
     if stored is None:
         return None
     if not isinstance(stored, dict) or any(
             not isinstance(v, list) or len(v) != 3
             or any(type(x) not in (int, float) or not 0 < x < 1e6 for x in v)
             for v in stored.values()):
-        raise ValueError("hoist must map levels to three positive prices")
+        raise ValueError(f"{name} must map levels to three positive prices")
     table = {int(k): tuple(float(x) for x in v) for k, v in stored.items()}
 
     def weights(level: int) -> tuple[float, float, float]:
         if level not in table:
-            raise ValueError(f"hoist holds no prices for level {level}")
+            raise ValueError(f"{name} holds no prices for level {level}")
         return table[level]
 
     return weights
@@ -1754,6 +1820,22 @@ def shared_values_as_steps() -> Iterator[None]:
         yield
     finally:
         _SHARED_AS_STEPS[0] = before
+
+
+_FOLDS_ALONE = [False]
+
+
+@contextmanager
+def folds_one_at_a_time() -> Iterator[None]:
+    """Within it, :func:`compile` plans every fold of a vector program as a rotation of its
+    own (no hoisted groups, :func:`he.plan.fold_groups`): the baseline grouping them is
+    measured against."""
+    before = _FOLDS_ALONE[0]
+    _FOLDS_ALONE[0] = True
+    try:
+        yield
+    finally:
+        _FOLDS_ALONE[0] = before
 
 
 def _worth_composing(kind: str, kept: Lowered, shared: Sequence[int]) -> tuple[int, ...]:

@@ -577,6 +577,22 @@ class Hoister:
             pool.map(rows, range(threads))
         return Extended(ext0.source, out)
 
+    def add_ext(self, exts: Sequence[Extended]) -> Extended:
+        """The sum of extended ciphertexts of one level (the first one's words overwritten):
+        words below their primes (under 2^61) summed two at a time never pass 2^64."""
+        acc = exts[0].words
+        q = self._level(acc.shape[1] - 1).moduli.reshape(1, -1, 1)
+        less = np.empty_like(acc)
+        for ext in exts[1:]:
+            if ext.words.shape != acc.shape:
+                raise ValueError("extended ciphertexts of different levels")
+            np.add(acc, ext.words, out=acc)
+            # reduced: the smaller of the sum and the sum less the prime (which wraps around
+            # to above the sum where the sum is below the prime)
+            np.subtract(acc, q, out=less)
+            np.minimum(acc, less, out=acc)
+        return Extended(exts[0].source, acc)
+
     def mod_down(self, ext: Extended, scale: float, pool: Any = None) -> Any:
         """``ext`` divided by the special prime with rounding: a SEAL ciphertext at its level,
         of scale ``scale`` (``ext``'s words are overwritten). ``pool``: the two polynomials on

@@ -271,8 +271,8 @@ class MatVec:
     def babies(self) -> list[int]:
         return sorted({b for g in self.groups for b in g})
 
-    def rotations(self, include_babies: bool = True) -> set[int]:
-        steps = set(self.giants) | set(self.folds)
+    def rotations(self, include_babies: bool = True, include_folds: bool = True) -> set[int]:
+        steps = set(self.giants) | (set(self.folds) if include_folds else set())
         if include_babies:
             steps |= set(self.babies)
         return {s for s in steps if s}
@@ -573,6 +573,50 @@ def _folds(p_in: int, p_out: int) -> list[int]:
     return folds
 
 
+#: the most rotated copies plus one that a hoisted fold sums from one decomposition (a group
+#: of ``r - 1`` rotations needs a Galois key for each where ``log2(r)`` folds need one each:
+#: the bound keeps the keys a group adds to at most 4)
+MAX_FOLD_RADIX = 8
+
+#: prices of a hoisted fold at one level, each in rotations there: ``(copy, decompose,
+#: divide)`` -- a rotated copy without its division by the special prime and its addition in
+#: the extended primes, the decomposition, the division of the sum (:func:`fold_groups`)
+FoldWeights = Callable[[int], tuple[float, float, float]]
+
+
+def fold_groups(folds: Sequence[int], weights: tuple[float, float, float] | None
+                ) -> list[list[int]]:
+    """The rotations that fold ``folds`` (a doubling chain ``s, 2s, 4s...``: ``x += rot(x, f)``
+    for each in turn), grouped: each group ``[b, 2b, ... (r - 1) b]`` adds ``r - 1`` rotated
+    copies of the value to it at once, all from one decomposition and summed before one
+    division by the special prime (:meth:`he.hoist.Hoister.rotate_ext`), which replaces
+    ``log2(r)`` folds; a group of one step is a rotation as before. The grouping minimises
+    the cost under ``weights`` (:data:`FoldWeights` at the fold's level), ``r`` up to
+    :data:`MAX_FOLD_RADIX`, by dynamic programming over the chain. Without ``weights``, or
+    for a chain that does not double, every fold is a group of its own."""
+    folds = [int(f) for f in folds]
+    doubling = all(b == 2 * a for a, b in zip(folds, folds[1:]))
+    if weights is None or len(folds) < 2 or not doubling:
+        return [[f] for f in folds]
+    copy, decompose, divide = weights
+    most = MAX_FOLD_RADIX.bit_length() - 1
+    best = [0.0] + [math.inf] * len(folds)
+    cut = [0] * (len(folds) + 1)
+    for i in range(1, len(folds) + 1):
+        for t in range(1, min(most, i) + 1):
+            r = 1 << t
+            cost = 1.0 if t == 1 else decompose + (r - 1) * copy + divide
+            if best[i - t] + cost < best[i] - 1e-9:
+                best[i], cut[i] = best[i - t] + cost, i - t
+    groups, i = [], len(folds)
+    while i:
+        lo = cut[i]
+        base = folds[lo]
+        groups.append([j * base for j in range(1, 1 << (i - lo))])
+        i = lo
+    return groups[::-1]
+
+
 def _step_total(terms: list[dict[str, int]]) -> dict[str, int]:
     """Counts of an affine step from its terms' (:func:`_counts_of`): the terms are summed
     before one rescale and share the folds of the widest."""
@@ -770,6 +814,9 @@ class VectorPlan:
     #: single giant step) among its threads (:meth:`he.backend.Engine.rotate_alone`): compiled
     #: where hoisting is and the cost model prices the plan faster so than not
     shares_rotations: bool = False
+    #: per level, what a hoisted fold costs (:data:`FoldWeights`): folds are grouped by
+    #: :func:`fold_groups` (None: every fold a rotation of its own)
+    fold_weights: FoldWeights | None = None
 
     @property
     def levels(self) -> int:
@@ -820,14 +867,41 @@ class VectorPlan:
     def rotations(self) -> list[int]:
         """Physical rotation steps the server needs Galois keys for."""
         steps: set[int] = set()
-        for s in self.steps:
+        for si, s in enumerate(self.steps):
             for mv in s.matvecs:
                 if mv is not None:
-                    steps |= mv.rotations()
-            steps |= set(s.plane_folds)
+                    steps |= mv.rotations(include_folds=False)
+            for group in self.step_folds(si):
+                steps |= set(group)
             if s.kind == "half":
                 steps.add(s.shift)
-        return sorted((r * self.interleave) % self.slots for r in steps)
+        return sorted((r * self.interleave) % self.slots for r in steps if r)
+
+    def fold_plan(self, folds: Sequence[int], level: int) -> list[list[int]]:
+        """The groups of rotations (virtual slots) that fold ``folds`` at ``level``
+        (:func:`fold_groups`; every fold a group of its own where the plan has no
+        :attr:`fold_weights` or its keys are a basis that composes rotations)."""
+        weights = None if self.fold_weights is None or self.key_steps is not None else \
+            self.fold_weights(level)
+        return fold_groups(folds, weights)
+
+    def fold_segments(self, si: int) -> list[list[int]]:
+        """The folds of step ``si``'s maps in the order :func:`he.runtime._affine` takes them:
+        the widest term's chain from its end, cut where the sum of a narrower input period
+        joins it (that period's own folds follow)."""
+        mvs = [mv for mv in self.steps[si].matvecs if mv is not None]
+        if not mvs:
+            return []
+        widest = max(mvs, key=lambda mv: len(mv.folds)).folds
+        cuts = sorted({len(mv.folds) for mv in mvs}, reverse=True) + [0]
+        return [list(widest[lo:hi]) for hi, lo in zip(cuts, cuts[1:]) if hi > lo]
+
+    def step_folds(self, si: int) -> list[list[int]]:
+        """Every group of fold rotations step ``si`` takes (:meth:`fold_plan` of its maps'
+        :meth:`fold_segments`, or of a planes step's folds), at the level it runs at."""
+        s, level = self.steps[si], self.runs_at(si)
+        segments = self.fold_segments(si) + ([list(s.plane_folds)] if s.plane_folds else [])
+        return [g for seg in segments for g in self.fold_plan(seg, level)]
 
     def galois_steps(self) -> list[int]:
         """Physical rotation steps the client makes Galois keys for."""
@@ -864,16 +938,17 @@ class VectorPlan:
 
     def hoisted_steps(self) -> list[int]:
         """Physical rotation steps of the hoisted baby steps (a permuted copy of each one's
-        Galois key is kept, :class:`he.hoist.Hoister`)."""
-        if not self.hoisted_sources:
-            return []
+        Galois key is kept, :class:`he.hoist.Hoister`) and of the hoisted folds."""
         out = set()
         for si, s in enumerate(self.steps):
             lin = max((self.steps[j].level for j in s.inputs), default=0)
             for src, mv in zip(s.sources(), s.matvecs):
-                if mv is not None:
+                if mv is not None and self.hoisted_sources:
                     out |= {b * self.interleave % self.slots for b in mv.babies
                             if self.hoists((src, lin, b))}
+        for si in range(len(self.steps)):
+            out |= {f * self.interleave % self.slots for g in self.step_folds(si)
+                    if len(g) > 1 for f in g}
         return sorted(out)
 
     @property
@@ -891,7 +966,9 @@ class VectorPlan:
         switchings), ``giant_items`` the giant steps it spreads (each sums its products, then
         rotates; the giant step of no rotation too) and ``giant_products`` the plaintext
         products among ``mul_plain`` that they take, ``giant_zero`` and
-        ``giant_zero_products`` those of the giant steps of no rotation."""
+        ``giant_zero_products`` those of the giant steps of no rotation; ``fold_groups`` and
+        ``fold_copies`` the folds summed a group at a time (:meth:`step_folds`), their
+        rotations not among ``rotate``."""
         w = self.rotation_weight
         out = []
         babies_done: set[tuple[int, int, int]] = set()
@@ -914,8 +991,7 @@ class VectorPlan:
                 # the giant steps of no rotation (one per input period at most) and their
                 # products: the runtime spreads them over its threads like the others
                 zero = [len(bs) for (_, g), bs in giants.items() if not g]
-                widest = max((mv for _, mv in mvs), key=lambda mv: len(mv.folds))
-                folds = len(widest.folds)
+                lone, folds = self._fold_counts(c, si)
                 c["babies"] = sum(w(b) for _, _, b in new - lifted)
                 c["baby_items"] = len(new)
                 c["giants"] = sum(w(g) for _, g in giants if g)
@@ -923,9 +999,9 @@ class VectorPlan:
                 c["giant_products"] = diags
                 c["giant_zero"] = sum(1 for _, g in giants if not g)
                 c["giant_zero_products"] = sum(zero)
-                c["rotate"] += c["babies"] + c["giants"] + sum(w(f) for f in widest.folds)
+                c["rotate"] += c["babies"] + c["giants"] + lone
                 if self.shares_rotations:
-                    c["alone"] = sum(w(f) for f in widest.folds)
+                    c["alone"] = lone
                 c["mul_plain"] += diags - ext
                 c["plaintexts"] += diags
                 c["add"] += diags - ext + folds + len(s.matvecs) - 1
@@ -943,10 +1019,11 @@ class VectorPlan:
             elif s.matvecs:
                 c["add"] += len(s.matvecs) - 1
             if s.kind == "planes":
+                lone, folds = self._fold_counts(c, si)
                 c["mul_plain"] += len(s.planes)
                 c["plaintexts"] += len(s.planes)
-                c["add"] += len(s.planes) + len(s.plane_folds)
-                c["rotate"] += sum(w(f) for f in s.plane_folds)
+                c["add"] += len(s.planes) + folds
+                c["rotate"] += lone
                 c["rescale"] += 1
             elif s.kind == "mul":
                 c["mul_ct"] += 1
@@ -963,6 +1040,21 @@ class VectorPlan:
                 c["plaintexts"] += 1
             out.append(c)
         return out
+
+    def _fold_counts(self, c: dict[str, int], si: int) -> tuple[int, int]:
+        """Step ``si``'s folds (:meth:`step_folds`): the key switchings of the rotations folded
+        one at a time, and the additions of all; the hoisted groups go into ``c`` as
+        ``fold_groups`` (a decomposition and a division each) and ``fold_copies`` (a rotation
+        without its division each)."""
+        lone = adds = 0
+        for g in self.step_folds(si):
+            adds += len(g)
+            if len(g) == 1:
+                lone += self.rotation_weight(g[0])
+            else:
+                c["fold_groups"] = c.get("fold_groups", 0) + 1
+                c["fold_copies"] = c.get("fold_copies", 0) + len(g)
+        return lone, adds
 
     def lifts(self) -> list[list[tuple[int, int]]]:
         """Per step, the lifts (from level, to level) :func:`he.runtime.run_vector` takes
@@ -992,6 +1084,8 @@ class VectorPlan:
         return {"rotations": sum(c["rotate"] for c in counts),
                 "hoisted_rotations": sum(c.get("rotate_hoisted", 0) for c in counts),
                 "decompositions": sum(c.get("decompose", 0) for c in counts),
+                "fold_copies": sum(c.get("fold_copies", 0) for c in counts),
+                "fold_groups": sum(c.get("fold_groups", 0) for c in counts),
                 "plain_mults": sum(c["mul_plain"] + c.get("mul_ext", 0) for c in counts),
                 "ct_mults": sum(c["mul_ct"] for c in counts),
                 "plaintexts": sum(c["plaintexts"] for c in counts),
@@ -1513,7 +1607,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                       price: Callable[[dict[str, int], int], float] | None = None,
                       stacked: Sequence[Sequence[int]] | None = None,
                       hoist_weights: HoistWeights | None = None,
-                      share_rotations: bool = True) -> VectorPlan:
+                      share_rotations: bool = True,
+                      fold_weights: FoldWeights | None = None) -> VectorPlan:
     """Vector plan of ``lowered`` for ciphertexts of ``slots`` slots in the given layouts.
 
     ``interleave``: samples per ciphertext (a power of two); default: as many as the widest
@@ -1526,6 +1621,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     level (:func:`bsgs_plan`); the plan hoists those of the inputs where they are cheaper
     (None: no hoisting). ``share_rotations``: where hoisting is, a server shares the work of a
     rotation that runs alone among its threads (:attr:`VectorPlan.shares_rotations`).
+    ``fold_weights``: what hoisted folds cost at each level (:data:`FoldWeights`); folds are
+    grouped where that is cheaper (:func:`fold_groups`; None: one rotation per fold).
     """
     steps = lowered.steps
     orders = _checked_orders(lowered, orders)
@@ -1548,7 +1645,8 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
                            hoisted)
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
                       stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted),
-                      shares_rotations=hoist_weights is not None and share_rotations)
+                      shares_rotations=hoist_weights is not None and share_rotations,
+                      fold_weights=fold_weights)
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))

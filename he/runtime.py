@@ -1054,6 +1054,9 @@ class VectorKernels:
 
     def __init__(self, eng: Engine, plan: VectorPlan, memory_budget: int | None = None):
         self.interleave = plan.interleave
+        #: the plan's grouping of folds and the level each step runs at
+        self.fold_plan = plan.fold_plan
+        self.runs_at = plan.runs_at
         vslots = plan.virtual_slots
         budget = int(available_memory() // 2 if memory_budget is None else memory_budget)
         n = eng.params.poly_modulus_degree
@@ -1101,12 +1104,30 @@ def _accumulate(eng: Engine, terms: Iterable[Any]) -> Any:
     return acc
 
 
-def _fold(eng: Engine, ct: Any, steps: Sequence[int], k: int, alone: bool = False) -> Any:
-    """Add rotated copies of ``ct`` onto itself (sums across slot blocks); ``alone``: nothing
-    else runs beside (:meth:`Engine.rotate_alone`)."""
+def _fold(eng: Engine, ct: Any, groups: Sequence[Sequence[int]], k: int,
+          alone: bool = False) -> Any:
+    """Add rotated copies of ``ct`` onto itself (sums across slot blocks), a group of
+    rotations (virtual slots, :meth:`he.plan.VectorPlan.fold_plan`) at a time: a group of one
+    adds one rotation; a larger one ``[b, 2b, ... (r - 1) b]`` adds all its copies, rotated
+    from one decomposition of ``ct`` and summed before one division by the special prime
+    where the engine's hoister takes them (its copies spread over the engine's threads where
+    they share work that runs alone), else folded ``log2(r)`` times (its keys include those
+    steps). ``alone``: nothing else runs beside (:meth:`Engine.rotate_alone`)."""
     rotate = eng.rotate_alone if alone else eng.rotate
-    for f in steps:
-        ct = eng.add(ct, rotate(ct, f * k))
+    hoister = eng.hoister
+    for group in groups:
+        steps = [f * k for f in group]
+        if len(steps) > 1 and hoister is not None and \
+                all(hoister.accepts(ct, s) for s in steps):
+            pool = eng.shared_pool() if alone else None
+            dec = hoister.decompose(ct, pool)
+            copies = [hoister.rotate_ext(dec, s) for s in steps] if pool is None else \
+                pool.map(lambda s: hoister.rotate_ext(dec, s), steps)
+            ct = eng.add(ct, hoister.mod_down(hoister.add_ext(copies), ct.scale, pool))
+            continue
+        # one rotation, or the group's doubling steps b, 2b, 4b...
+        for f in (steps[(1 << i) - 1] for i in range(len(steps).bit_length())):
+            ct = eng.add(ct, rotate(ct, f))
     return ct
 
 
@@ -1207,13 +1228,14 @@ def _affine(eng: Engine, kern: VectorKernels, si: int, st: Any, srcs: Sequence[A
         if out is None:
             out, folds = ct, list(term_folds)
             continue
-        out = _fold(eng, out, folds[len(term_folds):], k, alone=True)
+        out = _fold(eng, out, kern.fold_plan(folds[len(term_folds):], kern.runs_at(si)), k,
+                    alone=True)
         eng.add_inplace(out, ct)
         folds = list(term_folds)
     if out is not None:
         # folded before the rescale: at the product's scale a rotation's key-switching noise
         # and the copies' rescale noise (summed over the blocks) are negligible
-        out = _fold(eng, out, folds, k, alone=True)
+        out = _fold(eng, out, kern.fold_plan(folds, kern.runs_at(si)), k, alone=True)
         if halves is not None and half_shift:
             halves[si] = eng.rotate_alone(out, half_shift * k)
         out = eng.to_level(out, lin + 1)
@@ -1228,7 +1250,8 @@ def _planes(eng: Engine, kern: VectorKernels, si: int, st: Any, inputs: Sequence
     rescaled."""
     acc = _accumulate(eng, (eng.mul_plain(inputs[c], kern.store["p", si, j])
                             for j, c in enumerate(st.plane_cts) if ("p", si, j) in kern.store))
-    return eng.to_level(_fold(eng, acc, st.plane_folds, kern.interleave), st.level)
+    return eng.to_level(_fold(eng, acc, kern.fold_plan(st.plane_folds, kern.runs_at(si)),
+                              kern.interleave), st.level)
 
 
 def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
