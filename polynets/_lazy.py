@@ -41,7 +41,12 @@ class LazyPackage(ModuleType):
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __dir__(self) -> list[str]:
-        return sorted({*self.__dict__, *self.__dict__.get("__all__", ())})
+        # the exports, the package's own submodules and private names; not what its
+        # ``__init__`` imported for itself (``sys``, ``typing.Any``...)
+        d = self.__dict__
+        own = {name for name, value in d.items() if name.startswith("_") or (
+            isinstance(value, ModuleType) and value.__name__.startswith(f"{self.__name__}."))}
+        return sorted({*own, *d.get("__all__", ()), *d.get("_exports", ())})
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the import system binds each imported submodule to its package under its own name

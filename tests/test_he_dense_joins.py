@@ -10,9 +10,10 @@ from torch import nn
 
 import he
 import polynets as pn
-from he.compiler import CompiledProgram, _candidate_lowerings, _compile_packing, _keep_or_compose
-from he.costmodel import default_model
+from he.compiler import CompiledProgram, _keep_or_compose
 from polynets.ir.lowering import DENSE_JOIN_FACTOR, evaluate_steps, lower
+
+from _models import compile_candidates
 
 
 class PadreTokens(nn.Module):
@@ -72,15 +73,7 @@ def test_the_compiler_keeps_the_cheaper_lowering_and_says_why():
     model, x = _model_and_data()
     program = pn.trace(model, x[:1])
     calib = x.numpy().astype(np.float64)
-    maxabs = program.max_abs(calib)
-    options = {"precision_bits": 16, "max_input_ciphertexts": 8, "objective": "latency",
-               "batch_size": None, "security": 128, "server_threads": 1}
-    costs = default_model()
-    tried = []
-    for keep, low, msq in _candidate_lowerings(program, calib):
-        opts = {**options, "kept_apart": list(keep)} if keep else options
-        tried.append(_compile_packing(program, low, "vector", "", maxabs, msq, opts,
-                                      (8192, 16384, 32768), costs, 16, None, None))
+    tried = compile_candidates(program, calib, "vector", (8192, 16384, 32768))
     assert len(tried) == 2
     best = _keep_or_compose(tried, "latency", None, None)
     seconds = [p.plan.predicted["round_trip_seconds"] for p in tried]

@@ -12,12 +12,12 @@ from torch import nn
 
 import he
 import polynets as pn
-from he.compiler import _candidate_lowerings, _compile_packing, _keep_or_compose, \
-    _worth_composing
-from he.costmodel import default_model
+from he.compiler import _candidate_lowerings, _keep_or_compose, _worth_composing
 from he.plan import batch_lifts
 from he.runtime import live_rows
 from polynets.ir.lowering import SHARED_ROW_NNZ, affine_is_free, evaluate_steps, lower
+
+from _models import compile_candidates
 
 
 class ResidualMus(nn.Module):
@@ -93,18 +93,11 @@ def test_batch_packing_prices_both_lowerings_and_keeps_the_cheaper():
     model, x = _model_and_data()
     program = pn.trace(model, x[:1])
     calib = x.numpy().astype(np.float64)
-    maxabs = program.max_abs(calib)
-    options = {"precision_bits": 16, "max_input_ciphertexts": 8, "objective": "latency",
-               "batch_size": None, "security": 128, "server_threads": 1}
     cands = _candidate_lowerings(program, calib, kind="batch")
     assert [bool(keep) for keep, _, _ in cands] == [False, True]
     assert [keep for keep, _, _ in _candidate_lowerings(program, calib)] == \
         [lower(program).shared]
-    tried = []
-    for keep, low, msq in cands:
-        opts = {**options, "kept_apart": list(keep)} if keep else options
-        tried.append(_compile_packing(program, low, "batch", "", maxabs, msq, opts,
-                                      (8192, 16384), default_model(), 16, None, None))
+    tried = compile_candidates(program, calib, "batch", (8192, 16384))
     best = _keep_or_compose(tried, "latency", None, None)
     seconds = [p.plan.predicted["round_trip_seconds"] for p in tried]
     assert best.plan.predicted["round_trip_seconds"] == min(seconds)

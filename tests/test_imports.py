@@ -78,6 +78,10 @@ def test_every_exported_name_resolves_to_the_object_its_module_defines() -> None
         with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
             getattr(package, "NoSuchThing")
     assert pn.MONet is pn.models.MONet and pn.checkpoint.build_model is not None
+    # what a package's __init__ imports for its own use is not part of what it lists
+    for package in (pn, he):
+        public = {n for n in dir(package) if not n.startswith("_")}
+        assert not public & {"Any", "sys", "importlib", "annotations", "ModuleType"}, public
 
 
 def test_an_exported_function_keeps_its_name_when_its_same_named_submodule_is_imported() -> None:
