@@ -477,9 +477,7 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             s.run(ct)
             times[name].append(time.perf_counter() - t0)
     grouped, single = statistics.median(times["grouped"]), statistics.median(times["single"])
-    plan = prog.plan
-    return {"fold_groups": [g for si in range(len(plan.steps)) for g in plan.step_folds(si)
-                            if len(g) > 1],
+    return {"fold_groups": prog.plan.hoisted_folds(),
             "folds_grouped_server_median_s": grouped, "folds_single_server_median_s": single,
             "folds_single_predicted_server_s": base_server.predicted_seconds
             or base.plan.predicted["seconds_per_ciphertext"],

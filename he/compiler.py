@@ -322,7 +322,7 @@ def _vector_held(plan: VectorPlan, counts: list[dict[str, int]]) -> int:
     inner = max((c.get("babies", 0) + c.get("rotate_hoisted", 0) + c.get("decompose", 0) * half
                  + c.get("giant_items", c.get("giants", 0)) for c in counts), default=0)
     # a hoisted fold's rotated copies (extended: a prime more) and its decomposition
-    inner = max([inner] + [c.get("fold_copies", 0) / max(1, c.get("fold_groups", 1)) + 1 + half
+    inner = max([inner] + [c["fold_copies"] / c["fold_groups"] + 1 + half
                            for c in counts if c.get("fold_groups")])
     return len(plan.steps) + int(math.ceil(inner))
 
@@ -1036,8 +1036,7 @@ def _vector_choice(program: PolyProgram, lowered: Lowered, params: CKKSParams, c
         opts["share_rotations"] = plan.shares_rotations
     if plan.fold_weights is not None:
         opts["fold_hoist"] = folds
-        grouped = [g for si in range(len(plan.steps)) for g in plan.step_folds(si)
-                   if len(g) > 1]
+        grouped = plan.hoisted_folds()
         one_at_a_time = _predict_vector(dataclasses.replace(plan, fold_weights=None), params,
                                         costs, threads)["seconds_per_ciphertext"]
         opts["why"] += (f"; {sum(len(g) for g in grouped)} fold rotations in {len(grouped)} "
@@ -1060,38 +1059,34 @@ def hoisting_noise_covered(params: CKKSParams) -> bool:
     return params.pending >= 0 or params.special_margin >= ROTATION_BITS
 
 
-def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:
-    """Per level (a string, as stored in a program's options), the prices of a hoisted baby
-    step, an input's decomposition and a giant step's division by the special prime, each in
-    rotations at that level under ``costs`` (:data:`he.plan.HoistWeights`; four significant
-    digits, so that a stored program rebuilds the same plan)."""
+def _in_rotations(params: CKKSParams, costs: CostModel, parts: Sequence[Sequence[str]]
+                  ) -> dict[str, list[float]]:
+    """Per level (a string, as stored in a program's options), the price of each of ``parts``
+    (the primitives summed in each) in rotations at that level under ``costs``; four
+    significant digits, so that a stored program rebuilds the same plan."""
     ring = params.poly_modulus_degree
     out = {}
     for lv in range(params.levels + 1):
         limbs = params.limbs(lv)
         rot = costs.seconds("rotate", ring, limbs)
-        out[str(lv)] = [float(f"{costs.seconds(op, ring, limbs) / rot:.4g}")
-                        for op in ("rotate_hoisted", "decompose", "mod_down")]
+        out[str(lv)] = [float(f"{sum(costs.seconds(op, ring, limbs) for op in ops) / rot:.4g}")
+                        for ops in parts]
     return out
+
+
+def hoist_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:
+    """Per level, the prices of a hoisted baby step, an input's decomposition and a giant
+    step's division by the special prime, each in rotations at that level under ``costs``
+    (:data:`he.plan.HoistWeights`, :func:`_in_rotations`)."""
+    return _in_rotations(params, costs, [("rotate_hoisted",), ("decompose",), ("mod_down",)])
 
 
 def fold_weights(params: CKKSParams, costs: CostModel) -> dict[str, list[float]]:
-    """Per level (a string, as stored in a program's options), the prices of a hoisted fold's
-    parts, each in rotations at that level under ``costs`` (:data:`he.plan.FoldWeights`: a
-    rotated copy and its addition in the extended primes, the decomposition, the division by
-    the special prime; four significant digits, so that a stored program rebuilds the same
-    plan)."""
-    ring = params.poly_modulus_degree
-    out = {}
-    for lv in range(params.levels + 1):
-        limbs = params.limbs(lv)
-        rot = costs.seconds("rotate", ring, limbs)
-
-        def rel(*ops: str) -> float:
-            return float(f"{sum(costs.seconds(op, ring, limbs) for op in ops) / rot:.4g}")
-
-        out[str(lv)] = [rel("rotate_hoisted", "add"), rel("decompose"), rel("mod_down")]
-    return out
+    """Per level, the prices of a hoisted fold's parts, each in rotations at that level under
+    ``costs`` (:data:`he.plan.FoldWeights`, :func:`_in_rotations`): a rotated copy and its
+    addition in the extended primes, the decomposition, the division by the special prime."""
+    return _in_rotations(params, costs, [("rotate_hoisted", "add"), ("decompose",),
+                                         ("mod_down",)])
 
 
 def _stored_share(options: dict[str, Any]) -> bool:

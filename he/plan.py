@@ -946,10 +946,13 @@ class VectorPlan:
                 if mv is not None and self.hoisted_sources:
                     out |= {b * self.interleave % self.slots for b in mv.babies
                             if self.hoists((src, lin, b))}
-        for si in range(len(self.steps)):
-            out |= {f * self.interleave % self.slots for g in self.step_folds(si)
-                    if len(g) > 1 for f in g}
+        out |= {f * self.interleave % self.slots for g in self.hoisted_folds() for f in g}
         return sorted(out)
+
+    def hoisted_folds(self) -> list[list[int]]:
+        """The groups of fold rotations (virtual slots) of every step that are summed from
+        one decomposition (:meth:`step_folds` of more than one rotation)."""
+        return [g for si in range(len(self.steps)) for g in self.step_folds(si) if len(g) > 1]
 
     @property
     def widest(self) -> int:

@@ -97,11 +97,6 @@ def pooled():
                       cost_model=shipped_model()), x, model
 
 
-def _grouped(prog) -> list[list[int]]:
-    return [g for si in range(len(prog.plan.steps)) for g in prog.plan.step_folds(si)
-            if len(g) > 1]
-
-
 def test_grouped_folds_have_keys_and_counts_and_the_baseline_has_none(pooled):
     prog, x, model = pooled
     plan = prog.plan
@@ -110,7 +105,7 @@ def test_grouped_folds_have_keys_and_counts_and_the_baseline_has_none(pooled):
     assert "fold_hoist" in prog.options
     keys = set(plan.rotations())
     assert {f * plan.interleave % plan.slots for g in folds for f in g} <= keys
-    grouped = _grouped(prog)
+    grouped = prog.plan.hoisted_folds()
     counts = plan.predicted["counts"]
     assert counts.get("fold_groups", 0) == len(grouped)
     assert counts.get("fold_copies", 0) == sum(len(g) for g in grouped)
@@ -119,7 +114,7 @@ def test_grouped_folds_have_keys_and_counts_and_the_baseline_has_none(pooled):
     with folds_one_at_a_time():
         single = he.compile(model, x[:1], calibration=x, packing="vector",
                             cost_model=shipped_model())
-    assert "fold_hoist" not in single.options and not _grouped(single)
+    assert "fold_hoist" not in single.options and not single.plan.hoisted_folds()
     assert single.plan.predicted["counts"].get("fold_groups", 0) == 0
 
 
@@ -162,7 +157,7 @@ def test_grouped_folds_decrypt_within_the_promise_hoisted_or_not(pooled, threads
                                                                  monkeypatch):
     prog, x, model = pooled
     forced = _force_groups(prog)
-    grouped = _grouped(forced)
+    grouped = forced.plan.hoisted_folds()
     assert grouped and max(len(g) for g in grouped) + 1 == MAX_FOLD_RADIX
     client = he.Client(forced)
     public = client.public_context()
