@@ -364,6 +364,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     full = _batch_pass(client, server, x[torch.arange(k) % len(x)], 1)
     del single, single_client, forced
     gc.collect()
+    blocks = _block_baseline(client, server, x, n) if server.engine.hoister is not None else {}
+    step_profile = _profile(client, server, x)
     folds = _folds_baseline(model, xcal, prog, client, server, x, n, precision_bits, costs,
                             **compile_kwargs) if "fold_hoist" in prog.options else {}
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
@@ -402,7 +404,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
             "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
-            "layouts": prog.plan.orders, **unhoisted, **folds,
+            "layouts": prog.plan.orders, **unhoisted, **folds, **blocks,
+            "step_profile": step_profile,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
                 statistics.median(server_times)} if unhoisted else {})}
 
@@ -483,6 +486,41 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             or base.plan.predicted["seconds_per_ciphertext"],
             "folds_single_server_threads": base_server.engine.pool.threads,
             "folds_grouping_speedup": single / grouped}
+
+
+def _block_baseline(client: he.Client, server: he.Server, x: torch.Tensor, n: int) -> dict:
+    """The hoisted loops' block (``he.hoist.PRODUCT_BLOCK`` words) against 512, the size used
+    before: the same server and plan, the hoister's block switched between requests on the
+    same images, alternated (the results are the same words)."""
+    hoister = server.engine.hoister
+    times: dict[int, list[float]] = {he.hoist.PRODUCT_BLOCK: [], 512: []}
+    try:
+        for i in range(n):
+            ct = client.encrypt(x[i:i + 1]).to_bytes()
+            for block in times:
+                hoister.block = block
+                t0 = time.perf_counter()
+                server.run(ct)
+                times[block].append(time.perf_counter() - t0)
+    finally:
+        hoister.block = he.hoist.PRODUCT_BLOCK
+    now, before = (statistics.median(times[b]) for b in (he.hoist.PRODUCT_BLOCK, 512))
+    return {"block_server_median_s": now, "block512_server_median_s": before,
+            "products_block_speedup": before / now}
+
+
+def _profile(client: he.Client, server: he.Server, x: torch.Tensor) -> dict:
+    """The first image's steps timed one by one beside their predictions
+    (:meth:`he.Server.profile`, the median of three)."""
+    ct = client.encrypt(x[:1]).to_bytes()
+    runs = [server.profile(ct) for _ in range(3)]
+    rows = []
+    for i, r in enumerate(runs[0].rows):
+        rows.append({"steps": list(r.steps), "kind": r.kind, "level": r.level, "work": r.work,
+                     "predicted_s": r.predicted,
+                     "measured_s": statistics.median(p.rows[i].measured for p in runs)})
+    print(runs[len(runs) // 2], flush=True)
+    return {"threads": runs[0].threads, "note": runs[0].note, "rows": rows}
 
 
 def _unhoisted(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
@@ -779,6 +817,11 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
               f"{v['unhoisted_server_median_s']:.3f} s (predicted "
               f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
               f"{v['hoisting_speedup']:.2f}x")
+    if "products_block_speedup" in v:
+        print(f"   hoisted loops in blocks of 512 words (the same server, alternated): "
+              f"{v['block512_server_median_s']:.3f} s against "
+              f"{v['block_server_median_s']:.3f} s in blocks of {he.hoist.PRODUCT_BLOCK} -> "
+              f"{v['products_block_speedup']:.2f}x")
     if "folds_grouping_speedup" in v:
         print(f"   folds one rotation at a time (compiled in the same run, alternated): server "
               f"{v['folds_single_server_median_s']:.3f} s (predicted "

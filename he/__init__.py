@@ -20,7 +20,7 @@ __all__ = export_lazily(__name__, {
     "he.client": "Client Server Ciphertext",
     "he.tokens": "TokenPlan",
     "he.params": "CKKSParams choose_params",
-    "he.report": "report Report",
+    "he.report": "report Report StepProfile",
     "he.errors": "HEError NotEncryptableError TooDeepError ParameterError InputShapeError "
                  "SerializationError KeyMismatchError SecretKeyError ResourceError "
                  "CalibrationRangeWarning MemoryBudgetWarning",

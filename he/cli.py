@@ -229,14 +229,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _check_output(args.output)
     prog = _program(args.program)
+    if args.profile and prog.packing != "vector":
+        raise ConfigError(f"--profile times the steps of a vector-packed program; this one is "
+                          f"{prog.packing}-packed")
     # one request: nothing to prepare ahead of it (he.Server.warm)
     server = he.Server(prog, _read(args.context, "public context"), threads=args.threads,
                        warm=False)
     if server.threads_note:
         print(f"one server thread: {server.threads_note}")
-    out = server.run(_read(args.ciphertext, "ciphertext"), progress=True, workers=args.workers)
+    request = _read(args.ciphertext, "ciphertext")
+    out = server.run(request, progress=True, workers=args.workers)
     atomic_write_bytes(args.output, out.to_bytes())
     print(f"evaluated {len(out)} samples -> {args.output}")
+    if args.profile:
+        # the first sample again, step by step, now that the server is warm
+        print(server.profile(request))
     return 0
 
 
@@ -266,7 +273,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
     if args.output:
         _check_output(args.output)
-    model = calibrate(args.output, progress=True)
+    model = calibrate(args.output, progress=True, repeats=args.repeats)
     for ring in sorted(model.table):
         ops = ", ".join(f"{op} {model.seconds(op, ring, 2) * 1e3:.2f} ms"
                         for op in model.table[ring])
@@ -363,6 +370,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="vector packing: threads that rotate one sample's values at once "
                         "(default: the compiler's choice, on no more cores than this machine's)")
+    p.add_argument("--profile", action="store_true",
+                   help="vector packing: then run the first sample step by step and print each "
+                        "step's time beside the cost model's prediction")
     p.set_defaults(func=cmd_run)
 
     p = subparsers.add_parser("decrypt", help="client: decrypt a result, print predictions",
@@ -377,6 +387,9 @@ def register(subparsers: Any) -> None:
                                                "for the compiler's cost model (about two minutes)")
     p.add_argument("-o", "--output", default=None,
                    help="where to write the table (default: the per-user cache he.compile reads)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="calibrations one after another, each figure's median kept (a shared "
+                        "machine's speed drifts; 3 gives a steadier table)")
     p.set_defaults(func=cmd_costs)
 
     p = subparsers.add_parser("demo", help="encrypted digits classification, end to end",

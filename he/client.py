@@ -27,11 +27,12 @@ from he.errors import (CalibrationRangeWarning, HEError, InputShapeError, KeyMis
                        batch_of)
 from he.parallel import fork_map, memory_workers, resolve_workers
 from he.native import NativeEncryptor, Pool, default_threads
+from he.report import ProfileRow, StepProfile, work_words
 from he.runtime import (SpillFile, VectorKernels, available_memory, keep_spare, note_pool,
                         pool_held, run_batch, run_vector, spare_buffers, take_spare)
 from he.tiling import buffer_bytes, find_segments, row_bytes_of
 from he.tokens import TokenKernels, decode_outputs, encode_inputs, run_tokens
-from polynets.errors import check_int
+from polynets.errors import ConfigError, check_int
 
 __all__ = ["Ciphertext", "Client", "Server"]
 
@@ -934,6 +935,64 @@ class Server:
         return Ciphertext(packing=self.program.packing, fingerprint=self.program.fingerprint,
                           key_id=self.key_id, role="output", n_samples=ct.n_samples,
                           groups=out_groups)
+
+    def profile(self, ct: Any, group: int = 0) -> StepProfile:
+        """Time each step of a vector-packed request's group ``group`` (its first samples) on
+        this server, beside the cost model's prediction for the step on these threads
+        (``program.options["predicted"]``): where the time goes, and where the prediction
+        misses. Loading the input ciphertexts is a row of its own; the planes steps, which
+        run at once, share one. The group is evaluated as :meth:`run` evaluates it (the same
+        result, not returned). A batch- or tokens-packed program evaluates its steps over
+        whole groups of samples: time :meth:`run` instead."""
+        ct = _as_ciphertext(ct)
+        _check(ct, self.program, self.key_id, "input", "server")
+        prog = self.program
+        if prog.packing != "vector":
+            raise ConfigError(f"Server.profile times the steps of a vector-packed program; "
+                              f"this one is {prog.packing}-packed (time Server.run instead)")
+        check_int(group, "group", minimum=0)
+        if group >= len(ct._groups):
+            raise ConfigError(f"group must be below {len(ct._groups)} (the request's groups of "
+                             f"{prog.plan.interleave} sample(s)), got {group}")
+        plan = prog.plan
+        assert self.kernels is not None
+        start = time.perf_counter()
+        g = _load_group(self.engine.context, ct, group)
+        loaded = time.perf_counter() - start
+        timings: dict[Any, float] = {}
+        _seal_call(lambda: run_vector(self.engine, plan, self.kernels, g, timings), "evaluation")
+        predicted = prog.options.get("predicted", {})
+        threads = self.engine.pool.threads
+        if "step_seconds" not in predicted:
+            note, pred = "the program was compiled without per-step predictions", None
+        elif predicted.get("server_threads") != threads:
+            note = (f"predicted for {predicted.get('server_threads')} thread(s), not this "
+                    f"server's {threads}: none shown")
+            pred = None
+        else:
+            note, pred = "", predicted
+        counts = plan.op_counts()
+
+        def said(key: str, i: int | None = None) -> float | None:
+            if pred is None:
+                return None
+            v = pred[key] if i is None else pred[key][i]
+            return float(v)
+
+        rows = [ProfileRow((), "load", 0, f"{len(g)} input ciphertext(s) deserialised",
+                           said("load_seconds"), loaded)]
+        early = plan.concurrent_planes()
+        if "planes" in timings:
+            total = {k: sum(counts[si].get(k, 0) for si in early) for k in counts[early[0]]}
+            rows.append(ProfileRow(tuple(early), "planes", plan.steps[early[0]].level,
+                                   f"{len(early)} at once: {work_words(total)}",
+                                   said("planes_at_once_seconds"), timings["planes"]))
+        for si in plan.order():
+            if si in timings:
+                st = plan.steps[si]
+                rows.append(ProfileRow((si,), st.kind, plan.runs_at(si), work_words(counts[si]),
+                                       said("step_seconds", si), timings[si]))
+        return StepProfile(rows, threads, note)
 
     def decrypt(self, *args: Any, **kwargs: Any) -> None:
         """A server holds no secret key, so it cannot decrypt: always raises SecretKeyError."""

@@ -331,32 +331,28 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
                     threads: int = 1) -> dict[str, Any]:
     counts = plan.op_counts()
     ring = params.poly_modulus_degree
-    seconds = 0.0
     plaintexts: list[tuple[int, int]] = []
     early = set(plan.concurrent_planes())
-    at_once: list[float] = []
-    for si, c in enumerate(counts):
+    # per step: its work on the server's threads and the lifts of its inputs (values lifted
+    # to a higher level, on the server's main thread before the step)
+    steps = [0.0] * len(counts)
+    for si, (c, moves) in enumerate(zip(counts, plan.lifts())):
         lin = plan.runs_at(si)
-        step = _threaded_seconds(
+        steps[si] = _threaded_seconds(
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
-            costs.parallel_efficiency(ring), costs.shared_handoff(ring) or 0.0)
-        if si in early:
-            at_once.append(step)
-        else:
-            seconds += step
+            costs.parallel_efficiency(ring), costs.shared_handoff(ring) or 0.0) + sum(
+            costs.seconds(op, ring, limbs) for a, b in moves
+            for op, limbs in params.lift_primitives(a, b))
         plaintexts.append((c["plaintexts"], lin))
     # the planes steps all at once on the server's threads (he.runtime.run_vector)
-    seconds += _makespan(at_once, threads, costs.parallel_efficiency(ring),
-                         costs.map_handoff(ring))
+    at_once = _makespan([steps[si] for si in sorted(early)], threads,
+                        costs.parallel_efficiency(ring), costs.map_handoff(ring))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
-    # values lifted to a higher level, on the server's main thread before their steps
-    lifts = [move for moves in plan.lifts() for move in moves]
-    seconds += sum(costs.seconds(op, ring, limbs) for a, b in lifts
-                   for op, limbs in params.lift_primitives(a, b))
-    total["lift"] = len(lifts)
+    total["lift"] = sum(len(moves) for moves in plan.lifts())
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
-    seconds += total["load"] * costs.seconds("load", ring, params.limbs(0))
+    loads = total["load"] * costs.seconds("load", ring, params.limbs(0))
+    seconds = loads + at_once + sum(t for si, t in enumerate(steps) if si not in early)
     k = plan.interleave
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
@@ -365,6 +361,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "upload_bytes": wire_bytes(params, 0, len(plan.input_layout), 1),
             "download_bytes": wire_bytes(params, plan.steps[plan.output].level, 1, 2),
             "server_threads": threads,
+            # what he.Server.profile sets beside its measurements
+            "step_seconds": steps, "planes_at_once_seconds": at_once, "load_seconds": loads,
             "server_memory_bytes": _server_memory(
                 params, plaintexts, len(plan.galois_steps()) + len(plan.hoisted_steps()),
                 _vector_held(plan, counts), total.get("plaintexts_ext", 0))}

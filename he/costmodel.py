@@ -48,7 +48,8 @@ import numpy as np
 from he import _kernels, hoist
 
 __all__ = ["PRIMITIVES", "WORD_PRIMITIVES", "COMPILED_WORD_COSTS", "CostModel", "measure",
-           "calibrate", "default_model", "shipped_model", "cache_path", "probe_speed",
+           "calibrate", "median_model", "default_model", "shipped_model", "cache_path",
+           "probe_speed",
            "probe_rounds", "speed_factor"]
 
 PRIMITIVES = ("rotate", "mul_plain", "mul_ct", "rescale", "add", "encode", "encrypt", "load",
@@ -1002,12 +1003,62 @@ def _time_level(seal: Any, tools: _Tools, pid: Any, values: list[float], reps: i
     return result
 
 
-def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False) -> CostModel:
-    """Measure this machine's costs and cache them (atomically) where :func:`default_model`
-    looks; returns the model."""
+def median_model(models: Sequence[CostModel], source: str | None = None) -> CostModel:
+    """The element-wise median of tables measured one after another on one machine (every
+    primitive's seconds at each ring and limb count, the word costs, the speed-ups per thread,
+    the hand-offs and the probe's seconds): a shared machine's speed drifts over a calibration,
+    and the median of three or more is steadier than any one. ``source``: the result's (by
+    default the first's, with how many were combined). ValueError where the tables do not
+    time the same primitives at the same points."""
+    if not models:
+        raise ValueError("median_model needs at least one cost model")
+    dicts = [m.to_dict() for m in models]
+    first = dicts[0]
+
+    def med(values: Sequence[float]) -> float:
+        return float(np.median(np.asarray(values, dtype=np.float64)))
+
+    def keyed(key: str) -> dict[str, float]:
+        keys = set(first.get(key, {}))
+        if any(set(d.get(key, {})) != keys for d in dicts):
+            raise ValueError(f"median_model: the tables' {key} differ in what they hold")
+        return {k: med([d[key][k] for d in dicts]) for k in sorted(keys)}
+
+    table: dict[str, dict[str, list[list[float]]]] = {}
+    for ring, ops in first["table"].items():
+        table[ring] = {}
+        for op, pts in ops.items():
+            others = [d["table"].get(ring, {}).get(op) for d in dicts]
+            if any(o is None or [p[0] for p in o] != [p[0] for p in pts] for o in others):
+                raise ValueError(f"median_model: the tables time {op} at N={ring} at different "
+                                 f"limb counts")
+            table[ring][op] = [[pts[i][0], med([o[i][1] for o in others])]  # type: ignore
+                               for i in range(len(pts))]
+    out = dict(first, table=table, speed=1.0,
+               word_speed=med([d["word_speed"] for d in dicts]),
+               source=source if source is not None else
+               f"{first['source']}; the median of {len(dicts)} calibrations one after another")
+    for key in ("words", "parallel_efficiency", "client_parallel_efficiency",
+                "batch_parallel_efficiency", "shared_handoff_seconds", "probe_seconds"):
+        out[key] = keyed(key)
+    return CostModel.from_dict(out)
+
+
+def calibrate(path: str | os.PathLike | None = None, *, progress: bool = False,
+              repeats: int = 1) -> CostModel:
+    """Measure this machine's costs (``repeats`` times one after another, keeping each
+    figure's median, :func:`median_model`) and cache them (atomically) where
+    :func:`default_model` looks; returns the model."""
+    from polynets.errors import check_int
     from polynets.ir.program import atomic_write_bytes
 
-    model = measure(progress=progress)
+    check_int(repeats, "repeats")
+    runs = []
+    for i in range(repeats):
+        if progress and repeats > 1:
+            print(f"calibration {i + 1} of {repeats}", flush=True)
+        runs.append(measure(progress=progress))
+    model = runs[0] if repeats == 1 else median_model(runs)
     target = Path(path) if path is not None else cache_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(target, json.dumps(model.to_dict(), indent=1).encode())

@@ -56,9 +56,14 @@ ENV_NO_HOISTING = "POLYNETS_NO_HOISTING"
 _NTT = "_ZN4seal4util26ntt_negacyclic_harvey_lazyENS0_7PtrIterIPmEERKNS0_9NTTTablesE"
 _INTT = ("_ZN4seal4util34inverse_ntt_negacyclic_harvey_lazyENS0_7PtrIterIPmEERKNS0_9"
          "NTTTablesE")
-#: words per block of the compiled products' loops (their 128-bit sums, 4 words each, stay
-#: in a first-level cache)
-_BLOCK = 512
+#: words per block of the compiled products' loops: their 128-bit sums (4 arrays of the block,
+#: 128 KiB) stay in a second-level cache while every term's (or digit's) words of the block
+#: pass, each term's read as a run of 32 KiB. Blocks of 512 words (sums in a first-level
+#: cache, a term's words read 4 KiB at a time) took 1.3-1.8x as long per extended product
+#: in sums of 16-64 terms and 1.1-1.3x per hoisted rotation of 6 digits (N=8192 and 16384,
+#: 3-8 primes, on a 2-core x86-64 machine); 8192 words ran as 4096, 16384 slower
+#: (``benchmarks/he_hoist_kernels.py`` times each size)
+PRODUCT_BLOCK = 4096
 #: digits up to which the compiled products keep each word's sums in registers over the digits
 #: (faster with few digits; with many, the blocked loop: 1.2-1.8 against 1.8-2.9 ns per product
 #: at 3 digits, 2.6-3.0 against 1.9 at 6, N=8192 and 16384 on a 2-core x86-64 machine)
@@ -184,7 +189,7 @@ def _build() -> dict[str, Callable[..., Any]]:
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def mac(digits: Any, keys: Any, key_rows: Any, moduli: Any, r0s: Any, r1s: Any, perm: Any,
-            c0: Any, lift: Any, lift_shoup: Any, rows: Any, out: Any) -> None:
+            c0: Any, lift: Any, lift_shoup: Any, rows: Any, out: Any, block: int) -> None:
         """The extended rotation, in the primes ``rows`` (indices among the level's and the
         special one): ``u[c, i] = sum_j digits[i, j] keys[j, c, key_rows[i]] mod
         moduli[i]``, then ``out[c, i, w] = u[c, i, perm[w]]`` plus, for ``c = 0`` and the
@@ -195,10 +200,10 @@ def _build() -> dict[str, Callable[..., Any]]:
         inside the words' loop runs several times slower)."""
         _, n_dig, n = digits.shape
         limbs = c0.shape[0]
-        h0 = np.empty(_BLOCK, dtype=np.uint64)
-        l0 = np.empty(_BLOCK, dtype=np.uint64)
-        h1 = np.empty(_BLOCK, dtype=np.uint64)
-        l1 = np.empty(_BLOCK, dtype=np.uint64)
+        h0 = np.empty(block, dtype=np.uint64)
+        l0 = np.empty(block, dtype=np.uint64)
+        h1 = np.empty(block, dtype=np.uint64)
+        l1 = np.empty(block, dtype=np.uint64)
         u0 = np.empty(n, dtype=np.uint64)
         u1 = np.empty(n, dtype=np.uint64)
         for i in rows:
@@ -227,11 +232,11 @@ def _build() -> dict[str, Callable[..., Any]]:
                 n_blocks = 0
             else:
                 n_blocks = n
-            # many: a block of words at a time, its 128-bit sums in the first-level cache while
-            # every digit's words pass, then reduced in order (sums of whole rows would go out
+            # many: a block of words at a time (PRODUCT_BLOCK), its 128-bit sums in a cache
+            # while every digit's words pass, then reduced in order (sums of whole rows would go out
             # to memory per digit)
-            for start in range(0, n_blocks, _BLOCK):
-                size = min(_BLOCK, n - start)
+            for start in range(0, n_blocks, block):
+                size = min(block, n - start)
                 h0[:] = 0
                 l0[:] = 0
                 h1[:] = 0
@@ -261,20 +266,20 @@ def _build() -> dict[str, Callable[..., Any]]:
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def product_sum(plains: Any, cts: Any, moduli: Any, r0s: Any, r1s: Any, rows_of: Any,
-                    out: Any) -> None:
+                    out: Any, block: int) -> None:
         """``out[c, i] = sum_t plain_t[i] ct_t[c, i] mod moduli[i]``: ``plains`` and ``cts``
         the addresses of ``(rows, n)`` and ``(2, rows, n)`` words (canonical), at most 256
         terms (128-bit sums), for the rows ``i`` in ``rows_of``."""
         _, rows, n = out.shape
         terms = plains.shape[0]
-        h0 = np.empty(_BLOCK, dtype=np.uint64)
-        l0 = np.empty(_BLOCK, dtype=np.uint64)
-        h1 = np.empty(_BLOCK, dtype=np.uint64)
-        l1 = np.empty(_BLOCK, dtype=np.uint64)
+        h0 = np.empty(block, dtype=np.uint64)
+        l0 = np.empty(block, dtype=np.uint64)
+        h1 = np.empty(block, dtype=np.uint64)
+        l1 = np.empty(block, dtype=np.uint64)
         for i in rows_of:
             q, r0, r1, d0, d1 = moduli[i], r0s[i], r1s[i], out[0, i], out[1, i]
-            for start in range(0, n, _BLOCK):
-                size = min(_BLOCK, n - start)
+            for start in range(0, n, block):
+                size = min(block, n - start)
                 h0[:] = 0
                 l0[:] = 0
                 h1[:] = 0
@@ -386,6 +391,9 @@ class Hoister:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._k = kernels()
+        #: words per block of the products' loops (:data:`PRODUCT_BLOCK`; a benchmark may set
+        #: another size to compare, the results are the same)
+        self.block = PRODUCT_BLOCK
 
     @classmethod
     def validated(cls, context: Any, galois_keys: Any, evaluator: Any, encoder: Any, probe: Any,
@@ -456,7 +464,7 @@ class Hoister:
         out = np.empty((2, rows, n), dtype=np.uint64)
         self._k["product_sum"](np.array([p.ctypes.data for p in plains], dtype=np.int64),
                                np.array([c.ctypes.data for c in cts], dtype=np.int64),
-                               lv.moduli, lv.r0, lv.r1, np.arange(rows), out)
+                               lv.moduli, lv.r0, lv.r1, np.arange(rows), out, self.block)
         for c in range(2):
             for i in range(rows):
                 q = int(lv.moduli[i])
@@ -544,7 +552,8 @@ class Hoister:
 
         def rows(t: int) -> None:
             self._k["mac"](dec.digits, keys, lv.key_rows, lv.moduli, lv.r0, lv.r1, perm,
-                           dec.c0, lv.lift, lv.lift_shoup, np.arange(t, limbs + 1, threads), out)
+                           dec.c0, lv.lift, lv.lift_shoup, np.arange(t, limbs + 1, threads), out,
+                           self.block)
 
         if threads == 1:
             rows(0)
@@ -569,7 +578,7 @@ class Hoister:
 
         def rows(t: int) -> None:
             self._k["product_sum"](plains, cts, lv.moduli, lv.r0, lv.r1,
-                                   np.arange(t, limbs + 1, threads), out)
+                                   np.arange(t, limbs + 1, threads), out, self.block)
 
         if threads == 1:
             rows(0)

@@ -1,16 +1,17 @@
-"""The accuracy drop report: plaintext model vs float64 simulation vs decrypted CKKS outputs."""
+"""The accuracy drop report (plaintext model vs float64 simulation vs decrypted CKKS outputs) and
+a vector server's step profile (each step's time beside the cost model's prediction)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
 
 from he.errors import InputShapeError
 
-__all__ = ["Report", "report"]
+__all__ = ["Report", "report", "StepProfile", "ProfileRow", "work_words"]
 
 
 @dataclass
@@ -107,3 +108,77 @@ def report(model: Any, prog: Any, client: Any, server: Any, x: Any,
                   argmax_agreement=float(np.mean(pa == da)) if scores else None,
                   acc_plain=acc_p, acc_enc=acc_e,
                   seconds=seconds, params=str(prog.params))
+
+
+def work_words(counts: Mapping[str, float]) -> str:
+    """A step's operation counts (:meth:`he.plan.VectorPlan.op_counts`) in words: rotations
+    (SEAL's, and hoisted ones from their decompositions), fold groups, plaintext and ciphertext
+    products."""
+    parts = []
+    rot, hoisted = counts.get("rotate", 0), counts.get("rotate_hoisted", 0)
+    if rot:
+        parts.append(f"{rot:g} rotation{'s' * (rot != 1)}")
+    if hoisted:
+        parts.append(f"{hoisted:g} hoisted from {counts.get('decompose', 0):g} "
+                     f"decomposition{'s' * (counts.get('decompose', 0) != 1)}")
+    if counts.get("fold_groups"):
+        parts.append(f"{counts['fold_copies']:g} fold copies in {counts['fold_groups']:g} "
+                     f"group(s)")
+    products = counts.get("mul_plain", 0) + counts.get("mul_ext", 0)
+    if products:
+        parts.append(f"{products:g} plaintext product{'s' * (products != 1)}")
+    if counts.get("mul_ct"):
+        parts.append(f"{counts['mul_ct']:g} ciphertext product")
+    return ", ".join(parts) or "additions"
+
+
+@dataclass
+class ProfileRow:
+    """One step of a profile (several for the planes steps, which run at once): what it
+    computes, its level, the seconds predicted (None where the program does not say) and
+    measured."""
+
+    steps: tuple[int, ...]
+    kind: str
+    level: int
+    work: str
+    predicted: float | None
+    measured: float
+
+
+@dataclass
+class StepProfile:
+    """A vector request's steps timed one by one on a server (:meth:`he.Server.profile`),
+    beside the cost model's prediction for each on the server's threads."""
+
+    rows: list[ProfileRow]
+    threads: int
+    #: where the predictions come from, or why there are none
+    note: str = ""
+    measured: float = field(init=False)
+    predicted: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.measured = sum(r.measured for r in self.rows)
+        known = [r.predicted for r in self.rows if r.predicted is not None]
+        self.predicted = sum(known) if len(known) == len(self.rows) else None
+
+    def slowest(self, n: int = 3) -> list[ProfileRow]:
+        """The ``n`` rows that took longest."""
+        return sorted(self.rows, key=lambda r: -r.measured)[:n]
+
+    def __str__(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.1f}"
+
+        lines = [f"step profile on {self.threads} server thread(s): measured "
+                 f"{self.measured * 1e3:.1f} ms, predicted {ms(self.predicted)} ms"
+                 + (f" ({self.note})" if self.note else ""),
+                 f"  {'step':>8s} {'kind':8s} {'level':>5s} {'predicted':>9s} {'measured':>9s}"
+                 f"  {'share':>5s}  work"]
+        for r in self.rows:
+            label = ",".join(map(str, r.steps)) if r.steps else "-"
+            share = r.measured / self.measured if self.measured > 0 else 0.0
+            lines.append(f"  {label:>8s} {r.kind:8s} {r.level:5d} {ms(r.predicted):>9s} "
+                         f"{ms(r.measured):>9s}  {share:5.0%}  {r.work}")
+        return "\n".join(lines)

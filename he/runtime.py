@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -1254,18 +1255,26 @@ def _planes(eng: Engine, kern: VectorKernels, si: int, st: Any, inputs: Sequence
                               kern.interleave), st.level)
 
 
-def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any]) -> Any:
+def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any],
+               timings: dict[Any, float] | None = None) -> Any:
     """Evaluate a vector plan on one ciphertext group (``plan.interleave`` samples); returns the
     output ciphertext. The planes steps, which read only the inputs, run first, all at once on
-    the engine's threads (:meth:`VectorPlan.concurrent_planes`)."""
+    the engine's threads (:meth:`VectorPlan.concurrent_planes`). ``timings``: filled with
+    each step's wall-clock seconds (lifts of its inputs included) by step index, and those of
+    the planes steps run at once under the key ``"planes"``."""
+    clock = time.perf_counter
     vals: list[Any] = [None] * len(plan.steps)
     rotated: dict[tuple[int, int, int], Any] = {}
     # stacked maps' sums rotated by their half's shift before the rescale, until the half runs
     halves: dict[int, Any] = {}
     shift_of = {a: plan.steps[b].shift for a, b in plan.stacked}
     early = plan.concurrent_planes()
+    start = clock()
     ready = dict(zip(early, eng.pool.map(
         lambda si: _planes(eng, kern, si, plan.steps[si], inputs), early)))
+    if timings is not None and early:
+        timings["planes"] = clock() - start
+    ready_at_once = set(ready)
     # the last step reading each input at a level: its baby steps are dropped after it
     last_reader: dict[tuple[Any, int], int] = {}
     for si in plan.order():
@@ -1279,6 +1288,7 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         if st.kind == "input":
             vals[si] = inputs[0]
             continue
+        start = clock()
         if st.kind == "planes":
             out = ready.pop(si) if si in ready else _planes(eng, kern, si, st, inputs)
         elif st.kind == "affine":
@@ -1297,4 +1307,6 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         if ("b", si) in kern.store:
             out = eng.add_plain(eng.lift(out, st.level), kern.store["b", si])
         vals[si] = out
+        if timings is not None and si not in ready_at_once:
+            timings[si] = clock() - start
     return vals[plan.output]

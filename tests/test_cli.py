@@ -258,6 +258,9 @@ def _fails_cleanly(argv, capsys, message):
     (["compile", "monet", "-o", "{r}/z.he", "--input-shape", "1,8,8", "--bandwidth", "-5"],
      "bandwidth must be a positive"),
     (["he-costs", "-o", "{r}"], "is a directory"),
+    (["he-costs", "-o", "{r}/t.json", "--repeats", "0"], "repeats must be a positive int"),
+    (["run", "{r}/m.he", "{r}/x.ct", "--context", "{r}/keys/public.ctx", "-o", "{r}/o.ct",
+      "--profile"], "--profile times the steps of a vector-packed program"),
 ])
 def test_misused_encrypted_inference_commands_fail_with_one_line(he_files, capsys, argv, message):
     _fails_cleanly([a.replace("{r}", str(he_files)) for a in argv], capsys, message)

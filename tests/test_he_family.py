@@ -53,6 +53,26 @@ def test_family_benchmark_measures_a_model_against_the_recipe(tmp_path):
     assert row["median_s"] > 0 and row["recipe_latency_s"] > 0
     assert row["speedup_vs_recipe"] == pytest.approx(row["recipe_latency_s"] / row["median_s"])
     assert json.loads(out.read_text())["summary"]["all_within_promise"]
+    # the first image's steps timed beside their predictions, and where the server hoists,
+    # its loops' block against 512 words on the same requests
+    assert row["step_profile"]["rows"][0]["kind"] == "load"
+    assert all(r["measured_s"] > 0 for r in row["step_profile"]["rows"])
+    if "products_block_speedup" in row:
+        assert row["products_block_speedup"] == pytest.approx(
+            row["block512_server_median_s"] / row["block_server_median_s"])
+
+
+def test_hoist_kernels_benchmark_times_each_block_on_the_same_operands(tmp_path):
+    from he.hoist import expected
+    if not expected():
+        pytest.skip("no hoisting on this platform")
+    bench = _benchmark("he_hoist_kernels")
+    out = tmp_path / "kernels.json"
+    res = bench.main(["--quick", "--blocks", "512,4096", "--output", str(out)])
+    assert len(res["rows"]) == 2 and json.loads(out.read_text())["summary"]
+    for row in res["rows"]:
+        assert set(row["rotate_ext_ms"]) == {512, 4096} | {bench.hoist.PRODUCT_BLOCK}
+        assert all(v > 0 for v in row["product_ms_per_term"].values())
 
 
 def test_wide_values_benchmark_times_the_split_against_the_whole_ring(tmp_path):

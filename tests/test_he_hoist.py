@@ -385,6 +385,28 @@ def test_many_primes_take_the_blocked_products_and_still_match_seal():
     assert ct.coeff_modulus_size() > _FEW_DIGITS
     h, why = Hoister.validated(ctx, gk, ev, encoder, ct, 1)
     assert h is not None, why
+    # the blocked loop's words do not depend on its block (one that does not divide the ring,
+    # one word, the ring whole)
+    d = h.decompose(ct)
+    want = h.rotate_ext(d, -1).words
+    for block in (7, 1, ring):
+        h.block = block
+        assert np.array_equal(h.rotate_ext(d, -1).words, want)
+
+
+@pytest.mark.parametrize("block", [1, 5, 512, 4096 + 3])
+def test_a_sums_words_do_not_depend_on_the_products_block(ckks, block):
+    from he.hoist import PRODUCT_BLOCK
+    h = _hoister(ckks)
+    d = h.decompose(ckks["ct"])
+    limbs = ckks["ct"].coeff_modulus_size()
+    rng = np.random.default_rng(2)
+    terms = [(h.extend_plain(ckks["encoder"], rng.uniform(-1, 1, ckks["ring"] // 2).tolist(),
+                             2.0 ** 20, limbs), h.rotate_ext(d, s)) for s in STEPS]
+    assert h.block == PRODUCT_BLOCK
+    want = h.product_sum(terms).words
+    h.block = block
+    assert np.array_equal(h.product_sum(terms).words, want)
 
 
 def test_a_rotation_shared_among_threads_is_the_hoisted_one(ckks):
