@@ -5,7 +5,8 @@ A vector server's hoisted baby steps multiply the decomposed input by each step'
 (:meth:`he.hoist.Hoister.product_sum`); both loops keep 128-bit sums of a block of words while
 every digit's (or term's) words of the block pass. This script times both at several rings,
 prime counts and terms per sum for each block size, alternating the sizes round by round on the
-same operands (the sums are checked to be the same words whatever the size), and reports each
+same operands, each round starting at another size (the sums are checked to be the same words
+whatever the size), and reports each
 size against 512 words (the size used before :data:`he.hoist.PRODUCT_BLOCK`) from the same run.
 
     python benchmarks/he_hoist_kernels.py [--blocks 512,1024,2048,4096,8192] [--quick]
@@ -72,8 +73,9 @@ def measure(ring: int, primes: int, blocks: list[int], rounds: int, reps: int) -
     rot: dict[int, list[float]] = {b: [] for b in blocks}
     sums: dict[tuple[int, int], list[float]] = {(b, t): [] for b in blocks for t in TERMS}
     words: dict[int, np.ndarray] = {}
-    for _ in range(rounds):
-        for b in blocks:
+    for r in range(rounds):
+        # each round starts at another size: none is always timed first, after the others
+        for b in blocks[r % len(blocks):] + blocks[:r % len(blocks)]:
             h.block = b
             rot[b].append(_best(lambda: [h.rotate_ext(dec, s) for s in range(1, steps + 1)],
                                 reps) / steps)
@@ -101,7 +103,7 @@ def measure(ring: int, primes: int, blocks: list[int], rounds: int, reps: int) -
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="512,1024,2048,4096,8192")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="two shapes, one round")
     ap.add_argument("--output", default=str(HERE / "results" / "he_hoist_kernels.json"))
     args = ap.parse_args(argv)
