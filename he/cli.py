@@ -384,7 +384,8 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_decrypt)
 
     p = subparsers.add_parser("he-costs", help="measure SEAL's primitive costs on this machine "
-                                               "for the compiler's cost model (about two minutes)")
+                                               "for the compiler's cost model (5-10 minutes on "
+                                               "2 cores per calibration)")
     p.add_argument("-o", "--output", default=None,
                    help="where to write the table (default: the per-user cache he.compile reads)")
     p.add_argument("--repeats", type=int, default=1,

@@ -20,8 +20,8 @@ Their outputs are written into ciphertexts recycled from earlier rows, which a s
 (and the kernel zero-fills) once, as it starts (:meth:`he.Server.warm`): what a request costs
 holds no fresh memory.
 
-:func:`measure` times the primitives on this machine (about two minutes), each on operands of
-its own per call that together outgrow the last-level cache, as a server's plaintexts,
+:func:`measure` times the primitives on this machine (about 6.5 minutes on 2 cores), each on
+operands of its own per call that together outgrow the last-level cache, as a server's plaintexts,
 ciphertexts and Galois keys do (:func:`distinct_calls`); :func:`default_model` returns the table
 cached by :func:`calibrate` on this machine (``$XDG_CACHE_HOME/polynets/he-costs.json``) when
 there is one, else the table shipped with the package (measured on a 2-core x86-64 machine),
