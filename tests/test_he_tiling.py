@@ -869,7 +869,14 @@ def test_a_server_whose_tiles_do_not_fit_spills_and_answers_the_same(shifted_mon
     assert np.abs(got - expected).max() <= 0.05 * prog.params.expected_error
     again = he.compile(prog.program, x[:1], calibration=x, packing="batch",
                        memory_budget=budget)
-    assert again.plan.predicted["spills"] and "written to disk" in again.plan.why
+    if again.options.get("kept_apart") == prog.options.get("kept_apart"):
+        # the same lowering under the budget: the compiler plans its spills and says so
+        assert again.plan.predicted["spills"] and "written to disk" in again.plan.why
+    else:
+        # the compiler preferred another lowering, priced within the budget (fewer rows held
+        # at once), and says what the one that spills would have cost
+        assert again.plan.predicted["working_memory_bytes"] <= budget
+        assert "lowerings priced" in again.plan.why
 
 
 @pytest.mark.slow
