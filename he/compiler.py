@@ -335,8 +335,9 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     early = set(plan.concurrent_planes())
     # per step: its work on the server's threads and the lifts of its inputs (values lifted
     # to a higher level, on the server's main thread before the step)
+    lifts = plan.lifts()
     steps = [0.0] * len(counts)
-    for si, (c, moves) in enumerate(zip(counts, plan.lifts())):
+    for si, (c, moves) in enumerate(zip(counts, lifts)):
         lin = plan.runs_at(si)
         steps[si] = _threaded_seconds(
             c, lambda cs, limbs=params.limbs(lin): costs.price(cs, ring, limbs), threads,
@@ -348,7 +349,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     at_once = _makespan([steps[si] for si in sorted(early)], threads,
                         costs.parallel_efficiency(ring), costs.map_handoff(ring))
     total = {k: sum(c.get(k, 0) for c in counts) for k in {k for c in counts for k in c}}
-    total["lift"] = sum(len(moves) for moves in plan.lifts())
+    total["lift"] = sum(len(moves) for moves in lifts)
     # the server deserialises each input ciphertext before anything else
     total["load"] = len(plan.input_layout)
     loads = total["load"] * costs.seconds("load", ring, params.limbs(0))
