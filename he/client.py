@@ -983,7 +983,8 @@ class Server:
                            said("load_seconds"), loaded)]
         early = plan.concurrent_planes()
         if "planes" in timings:
-            total = {k: sum(counts[si].get(k, 0) for si in early) for k in counts[early[0]]}
+            total = {k: sum(counts[si].get(k, 0) for si in early)
+                     for k in {k for si in early for k in counts[si]}}
             rows.append(ProfileRow(tuple(early), "planes", plan.steps[early[0]].level,
                                    f"{len(early)} at once: {work_words(total)}",
                                    said("planes_at_once_seconds"), timings["planes"]))
