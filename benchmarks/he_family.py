@@ -368,6 +368,11 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['products_block_speedup']:.2f}x as fast as in blocks of 512 "
                       f"(server {row['block512_server_median_s'] * 1e3:.0f} ms, alternated)",
                       flush=True)
+            if "client_map_speedup" in row:
+                print(f"{'':12s} the client applying the last map: "
+                      f"{row['client_map_speedup']:.2f}x as fast a round trip as the server "
+                      f"(N={row['server_map_ring']}, {row['server_map_levels']} levels, "
+                      f"{row['server_map_median_s'] * 1e3:.0f} ms, alternated)", flush=True)
             if "folds_grouping_speedup" in row:
                 print(f"{'':12s} folds a group at a time {row['folds_grouping_speedup']:.2f}x as "
                       f"fast as one rotation at a time (server "
@@ -387,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict:
         "folds_grouping_speedups": {k: r["folds_grouping_speedup"]
                                     for k, r in result["models"].items()
                                     if "folds_grouping_speedup" in r},
+        "client_map_speedups": {k: r["client_map_speedup"]
+                                for k, r in result["models"].items()
+                                if "client_map_speedup" in r},
         "products_block_speedups": {k: r["products_block_speedup"]
                                     for k, r in result["models"].items()
                                     if "products_block_speedup" in r},

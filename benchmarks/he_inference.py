@@ -368,6 +368,8 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     step_profile = _profile(client, server, x)
     folds = _folds_baseline(model, xcal, prog, client, server, x, n, precision_bits, costs,
                             **compile_kwargs) if "fold_hoist" in prog.options else {}
+    final_map = _final_map_baseline(model, xcal, client, server, x, n, precision_bits, costs,
+                                    **compile_kwargs) if prog.options.get("client_map") else {}
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
                                             **compile_kwargs)) \
         if prog.plan.uses_hoister else {}
@@ -404,7 +406,9 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "ring": prog.params.poly_modulus_degree, "levels": prog.params.levels,
             "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
-            "layouts": prog.plan.orders, **unhoisted, **folds, **blocks,
+            "layouts": prog.plan.orders, **unhoisted, **folds, **blocks, **final_map,
+            "client_map": bool(prog.options.get("client_map")),
+            "server_returns": len(prog.plan.results),
             "step_profile": step_profile,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
                 statistics.median(server_times)} if unhoisted else {})}
@@ -486,6 +490,40 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             or base.plan.predicted["seconds_per_ciphertext"],
             "folds_single_server_threads": base_server.engine.pool.threads,
             "folds_grouping_speedup": single / grouped}
+
+
+def _final_map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client,
+                        server: he.Server, x: torch.Tensor, n: int, precision_bits: int,
+                        costs: he.costmodel.CostModel | None, **compile_kwargs: Any) -> dict:
+    """Where the client applies the program's last map (``final_map``), the same model
+    compiled with that map on the server, its own keys and server, timed on the same images
+    alternated with the client-map program, round trips (encryption, server, decryption and
+    the client's map) and servers alone: the baseline of the client map."""
+    base, base_client, _, base_server, *_ = _compiled(model, xcal, "vector", precision_bits,
+                                                      costs, final_map="server",
+                                                      **compile_kwargs)
+    rounds: dict[str, list[float]] = {"client": [], "server": []}
+    serves: dict[str, list[float]] = {"client": [], "server": []}
+    for i in range(n):
+        for name, c, s in (("client", client, server), ("server", base_client, base_server)):
+            t0 = time.perf_counter()
+            ct = c.encrypt(x[i:i + 1]).to_bytes()
+            t1 = time.perf_counter()
+            out = s.run(ct).to_bytes()
+            t2 = time.perf_counter()
+            c.decrypt(out)
+            rounds[name].append(time.perf_counter() - t0)
+            serves[name].append(t2 - t1)
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    smed = {k: statistics.median(v) for k, v in serves.items()}
+    return {"server_map_median_s": med["server"], "client_map_median_s": med["client"],
+            "server_map_server_median_s": smed["server"],
+            "client_map_server_median_s": smed["client"],
+            "server_map_ring": base.params.poly_modulus_degree,
+            "server_map_levels": base.params.levels,
+            "server_map_predicted_server_s": base_server.predicted_seconds
+            or base.plan.predicted["seconds_per_ciphertext"],
+            "client_map_speedup": med["server"] / med["client"]}
 
 
 def _block_baseline(client: he.Client, server: he.Server, x: torch.Tensor, n: int) -> dict:
@@ -817,6 +855,14 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
               f"{v['unhoisted_server_median_s']:.3f} s (predicted "
               f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
               f"{v['hoisting_speedup']:.2f}x")
+    if "client_map_speedup" in v:
+        print(f"   the last map on the server (compiled in the same run, alternated): round "
+              f"trip {v['server_map_median_s'] * 1e3:.0f} ms at N={v['server_map_ring']}, "
+              f"{v['server_map_levels']} levels (server {v['server_map_server_median_s']:.3f} s, "
+              f"predicted {v['server_map_predicted_server_s']:.3f} s) against "
+              f"{v['client_map_median_s'] * 1e3:.0f} ms with the client applying it "
+              f"(server {v['client_map_server_median_s']:.3f} s) -> "
+              f"{v['client_map_speedup']:.2f}x")
     if "products_block_speedup" in v:
         print(f"   hoisted loops in blocks of 512 words (the same server, alternated): "
               f"{v['block512_server_median_s']:.3f} s against "

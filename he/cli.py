@@ -160,6 +160,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                       memory_budget=None if args.memory_budget is None
                       else max(1, int(args.memory_budget * 2 ** 30)),
                       bandwidth=None if args.bandwidth is None else args.bandwidth * 1e6 / 8,
+                      final_map=args.final_map,
                       progress=True)
     prog.save(args.output)
     print(prog.summary())
@@ -345,6 +346,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bandwidth", type=float, default=None, metavar="MBIT/S",
                    help="link between client and server, Mbit/s: the objective then counts "
                         "the ciphertexts' time on it (default: not counted)")
+    p.add_argument("--final-map", choices=("auto", "server", "client"), default="auto",
+                   help="who applies the model's last linear map in vector packing: the "
+                        "client after decrypting (a level less for the server), the server, or "
+                        "auto: the cheaper (default)")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
 

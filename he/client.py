@@ -424,15 +424,21 @@ class Client:
         else:
             plan = self.program.plan
             k = plan.interleave
-            if len(groups) != -(-ct.n_samples // k) or any(len(g) != 1 for g in groups):
-                raise SerializationError(f"decrypt: a vector result needs one ciphertext per "
-                                         f"{k} sample(s)")
-            out_slots = plan.steps[plan.output].slots_of
+            results = plan.results
+            if len(groups) != -(-ct.n_samples // k) or \
+                    any(len(g) != len(results) for g in groups):
+                raise SerializationError(f"decrypt: a vector result needs {len(results)} "
+                                         f"ciphertext(s) per {k} sample(s)")
+            post = self.program.lowered.post
             remaining = ct.n_samples
             for g in groups:
                 take = min(remaining, k)
-                vec = _seal_call(lambda g=g: dec(g[0]), "decryption").reshape(-1, k)
-                rows.append(vec[out_slots, :take].T)
+                values = []
+                for c, si in zip(g, results):
+                    vec = _seal_call(lambda c=c: dec(c), "decryption").reshape(-1, k)
+                    values.append(vec[plan.steps[si].slots_of, :take].T)
+                # the program's last map, where the client applies it (in float64)
+                rows.append(values[0] if post is None else post.apply(values))
                 remaining -= take
         y = np.concatenate(rows, axis=0)
         return y.reshape((ct.n_samples,) + self.program.output_shape)
@@ -840,7 +846,7 @@ class Server:
         if len(g) != n_in:
             raise SerializationError(f"server: a sample holds {len(g)} input ciphertexts, "
                                      f"expected {n_in}")
-        return [_seal_call(lambda: run_vector(self.engine, plan, self.kernels, g), "evaluation")]
+        return _seal_call(lambda: run_vector(self.engine, plan, self.kernels, g), "evaluation")
 
     def _group_of(self, ct: Ciphertext, i: int) -> list[Any]:
         """Group ``i`` of a request as :meth:`_run_group` takes it: batch packing loads its own

@@ -45,15 +45,17 @@ from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_se
 from he.wire import ciphertext_bytes
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
-from polynets.ir.lowering import Lowered, affine_is_free, lower, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, client_map, lower, step_levels
 from polynets.ir.program import PolyProgram
 
-__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES",
+__all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES", "FINAL_MAPS",
            "argmax_precision", "ARGMAX_QUANTILE"]
 
 #: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
 PACKINGS = ("vector", "batch", "tokens")
 OBJECTIVES = ("latency", "throughput")
+#: who applies a program's last affine map (:func:`compile`'s ``final_map``)
+FINAL_MAPS = ("auto", "server", "client")
 _OBJECTIVE_WORDS = {"latency": "round trip", "throughput": "seconds per sample"}
 
 
@@ -360,7 +362,8 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
             "seconds_per_sample": (seconds + client) / k, "counts": total,
             "upload_bytes": wire_bytes(params, 0, len(plan.input_layout), 1),
-            "download_bytes": wire_bytes(params, plan.steps[plan.output].level, 1, 2),
+            "download_bytes": sum(wire_bytes(params, plan.steps[si].level, 1, 2)
+                                  for si in plan.results),
             "server_threads": threads,
             # what he.Server.profile sets beside its measurements
             "step_seconds": steps, "planes_at_once_seconds": at_once, "load_seconds": loads,
@@ -547,13 +550,24 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
             "lazy_products": list(mem.lazy)}
 
 
-def _stored_lowering(program: PolyProgram, split: Any, keep: Any = ()) -> Lowered:
+def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
+                     client: Any = False) -> Lowered:
     """The lowered program a stored plan runs on: the program's own (with the nodes ``keep``
-    kept apart, see :func:`polynets.ir.lowering.lower`), or its values split over several
-    ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
+    kept apart, see :func:`polynets.ir.lowering.lower`; with its last map applied by the
+    client where ``client``, :func:`polynets.ir.lowering.client_map`), or its values split
+    over several ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
     if not isinstance(keep, (list, tuple)) or any(type(k) is not int for k in keep):
         raise ValueError(f"kept_apart must be a list of node indices, got {keep!r}")
+    if type(client) is not bool:
+        raise ValueError(f"client_map must be true or false, got {client!r}")
     lowered = lower(program, keep)
+    if client:
+        mapped = client_map(lowered)
+        if mapped is None or split is not None:
+            raise ValueError("client_map: this program does not end with a map the client "
+                             "can apply" if mapped is None else
+                             "client_map: a split program has no client map")
+        return mapped
     if split is None:
         return lowered
     sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
@@ -609,7 +623,11 @@ class CompiledProgram:
         self.degree, self.depth = _degree_depth if _degree_depth is not None else \
             program_degree_depth(program)
         self.lowered = _lowered if _lowered is not None else _stored_lowering(
-            program, self.options.get("split"), self.options.get("kept_apart", []))
+            program, self.options.get("split"), self.options.get("kept_apart", []),
+            self.options.get("client_map", False))
+        if self.lowered.post is not None and packing != "vector":
+            raise ValueError("client_map: only vector packing returns the values the client's "
+                             "map reads")
         self.plan: VectorPlan | BatchPlan | TokenPlan
         if _plan is not None:
             self.plan = _plan
@@ -754,7 +772,9 @@ class CompiledProgram:
                          f"Galois keys), "
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
-                         f"group")
+                         f"group" + (f"; the client applies the last map to the "
+                                     f"{len(self.plan.results)} ciphertexts returned per group"
+                                     if self.lowered.post is not None else ""))
         elif isinstance(self.plan, TokenPlan):
             s = self.plan.op_summary()
             lines.append(f"  tokens plan: {self.plan.interleave} samples per group, "
@@ -1357,9 +1377,11 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
     out: list[tuple[Lowered, list[np.ndarray], Split | None]] = []
     if _dense_widest(lowered) <= slots:
         out.append((lowered, msq, None))
-        if padded_layouts_fit(lowered, slots):
-            return out
+        if padded_layouts_fit(lowered, slots) or lowered.post is not None:
+            return out      # a split keeps one output; the client's map reads several
         targets = [slots // 2]
+    elif lowered.post is not None:
+        return out
     else:
         targets = [slots, slots // 2]
     for axis in SPLIT_AXES:
@@ -1585,7 +1607,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             batch_size: int | None = None, cost_model: CostModel | None = None,
             memory_budget: int | None = None, security: int = 128,
             server_threads: int | None = None,
-            bandwidth: float | None = None, progress: bool = False) -> CompiledProgram:
+            bandwidth: float | None = None, final_map: str = "auto",
+            progress: bool = False) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     The compiler prices its candidates with ``cost_model`` and keeps the cheapest for
@@ -1644,6 +1667,14 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             with a :class:`~he.errors.MemoryBudgetWarning`. A given budget is kept with the
             program (``prog.memory_budget``), and a server given none of its own plans within
             what it leaves beside the keys (:meth:`CompiledProgram.server_room`).
+        final_map: who applies the program's last affine map (a classifier's head, say) when
+            the program ends with one after its last product, in vector packing:
+            ``"server"``; ``"client"``, which decrypts the values that map reads (one
+            ciphertext each) and applies it in float64, so the server's chain is a level
+            shorter on every path through it and the server skips the map; or ``"auto"``: both
+            priced, the cheaper kept (``prog.plan.why`` says which). The client holds the
+            compiled program, weights included, so it learns nothing it could not compute; the
+            server still sees only ciphertexts. Batch and tokens packing keep it on the server.
         progress: show a progress bar of the candidates priced (each packing, chain of maps
             composed or kept apart, ring, and split of values wider than the slots; each a
             layout search under the cost model, seconds apiece for deep models).
@@ -1654,6 +1685,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
         TooDeepError: more levels than any secure parameter set offers.
     """
     argmax = isinstance(precision_bits, str) and precision_bits == "argmax"
+    if final_map not in FINAL_MAPS:
+        raise NotEncryptableError(f"final_map must be one of {FINAL_MAPS}, got {final_map!r}")
     _check_settings(packing, objective, batch_size, security, memory_budget,
                     samples_per_ciphertext, precision_bits=None if argmax else precision_bits,
                     scale_bits=scale_bits, max_input_ciphertexts=max_input_ciphertexts)
@@ -1710,20 +1743,23 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             unfit: TokensUnfit | None = None
             for keep, lowered, msq in _candidate_lowerings(program, calib64, certified, kind,
                                                            lowered_by_keep):
-                opts = {**options, "kept_apart": list(keep)} if keep else options
-                try:
-                    tried.append(_compile_packing(program, lowered, kind, cert, maxabs, msq,
-                                                  opts, rings, costs, precision_bits,
-                                                  scale_bits, samples_per_ciphertext,
-                                                  memory_budget,
-                                                  functools.partial(priced,
-                                                                    kept_apart=bool(keep))))
-                except TooDeepError as exc:
-                    if error is None or not keep:
-                        error = exc
-                except TokensUnfit as exc:
-                    # another lowering may lay out by tokens (one that keeps a shift apart)
-                    unfit = unfit or exc
+                for client, low, m in _final_map_variants(lowered, msq, kind, final_map):
+                    opts = {**options, "kept_apart": list(keep)} if keep else dict(options)
+                    if client:
+                        opts["client_map"] = True
+                    try:
+                        tried.append(_compile_packing(program, low, kind, cert, maxabs, m,
+                                                      opts, rings, costs, precision_bits,
+                                                      scale_bits, samples_per_ciphertext,
+                                                      memory_budget,
+                                                      functools.partial(priced,
+                                                                        kept_apart=bool(keep))))
+                    except TooDeepError as exc:
+                        if error is None or not (keep or client):
+                            error = exc
+                    except TokensUnfit as exc:
+                        # another lowering may lay out by tokens (one that keeps a shift apart)
+                        unfit = unfit or exc
             if not tried and unfit is not None and packing != "auto":
                 raise unfit
             if tried:
@@ -1734,6 +1770,22 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     chosen = _choose(found, packing, objective, batch_size, memory_budget)
     _warn_over_budget(chosen, memory_budget)
     return chosen
+
+
+def _final_map_variants(lowered: Lowered, msq: list[np.ndarray], kind: str, final_map: str
+                        ) -> list[tuple[bool, Lowered, list[np.ndarray]]]:
+    """``(client applies the last map, lowered, per-step mean squares)`` of ``lowered`` as
+    ``final_map`` asks in packing ``kind`` (:func:`compile`): the program as lowered, and in
+    vector packing, where it ends with a weighted map after a product, that map applied by the
+    client (:func:`polynets.ir.lowering.client_map`): both for ``"auto"``, the second alone for
+    ``"client"``."""
+    mapped = client_map(lowered) if kind == "vector" and final_map != "server" else None
+    if mapped is None:
+        return [(False, lowered, msq)]
+    # the same steps but the last (the map), so their mean squares too
+    assert len(mapped.steps) == len(lowered.steps) - 1
+    variant = (True, mapped, [v for i, v in enumerate(msq) if i != lowered.output])
+    return [variant] if final_map == "client" else [(False, lowered, msq), variant]
 
 
 def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
@@ -1867,7 +1919,9 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
         kept = p.options.get("kept_apart")
         return (f"program nodes {kept} kept apart as steps of their own, the rest composed "
                 f"into the maps that read them" if kept else
-                "every value composed into the maps that read it")
+                "every value composed into the maps that read it") + (
+            f", the last map applied by the client to the {len(p.lowered.outputs)} values the "
+            f"server returns" if p.options.get("client_map") else "")
 
     why = (f"; of {len(tried)} lowerings priced, {lowering(best)}: {best.params.levels} levels, "
            f"predicted {best_s:.3g} s against {other_s:.3g} s with {lowering(other)} "

@@ -130,8 +130,14 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
             a, r = f2 * ins[0][0], f2 * ins[0][1]
         v_in.append(a)
         v_rs.append(r)
-    out = lowered.output
-    a, r = v_in[out], v_rs[out]
+    if lowered.post is not None:
+        # the client's map, in float64 on the decrypted values: their noise through its
+        # squared weights, no rescale and no rounding
+        post = lowered.post
+        a = sum(m.multiply(m).tocsr() @ v_in[j] for m, j in zip(post.terms, post.reads))
+        r = sum(m.multiply(m).tocsr() @ v_rs[j] for m, j in zip(post.terms, post.reads))
+    else:
+        a, r = v_in[lowered.output], v_rs[lowered.output]
     if packing != "vector":
         # an output element no input reaches is returned as the server's encryption of a
         # constant, with the public key: noisier than the client's, about a rescale

@@ -817,6 +817,14 @@ class VectorPlan:
     #: per level, what a hoisted fold costs (:data:`FoldWeights`): folds are grouped by
     #: :func:`fold_groups` (None: every fold a rotation of its own)
     fold_weights: FoldWeights | None = None
+    #: the steps whose values the server returns where the client applies the program's last
+    #: map (:attr:`polynets.ir.lowering.Lowered.post`); empty: ``output`` alone
+    outputs: tuple[int, ...] = ()
+
+    @property
+    def results(self) -> tuple[int, ...]:
+        """The steps the server returns, one ciphertext each, in this order."""
+        return self.outputs or (self.output,)
 
     @property
     def levels(self) -> int:
@@ -1495,7 +1503,7 @@ def _stackable(lowered: Lowered, a: int, b: int, mi: int, maps: list[np.ndarray]
             if st.kind == "affine" and not is_identity(st.terms[t]):
                 continue                         # a map reads only the first half
             if st.kind not in ("affine", "mul", "mul_int") or c in taken or \
-                    c == lowered.output or periods[c] != p:
+                    c in lowered.outputs or periods[c] != p:
                 return None
             reach.add(c)
             todo.append(c)
@@ -1649,11 +1657,15 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     plan = VectorPlan(vsteps, lowered.output, [], tuple(output_shape), slots, k, orders,
                       stacked=sorted(pairs.items()), hoisted_sources=sorted(hoisted),
                       shares_rotations=hoist_weights is not None and share_rotations,
-                      fold_weights=fold_weights)
+                      fold_weights=fold_weights,
+                      outputs=lowered.outputs if lowered.post is not None else ())
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))
-    if any(0 in s.inputs and s.kind != "planes" for s in vsteps) or not plan.input_layout:
+    # the input in its own layout, for the steps that rotate it and where the server returns
+    # it to the client's last map
+    if any(0 in s.inputs and s.kind != "planes" for s in vsteps) or 0 in plan.results or \
+            not plan.input_layout:
         base = np.full(periods[0], -1, dtype=np.int64)
         base[maps[0]] = np.arange(steps[0].n)
         plan.input_layout.insert(0, np.tile(base, vslots // periods[0]))
@@ -1882,7 +1894,7 @@ def lazy_candidates(lowered: Lowered) -> list[int]:
         return max(levels[j] for j in lowered.steps[r].inputs) == levels[si]
 
     return [si for si, st in enumerate(lowered.steps)
-            if st.kind == "mul" and si != lowered.output and readers.get(si)
+            if st.kind == "mul" and si not in lowered.outputs and readers.get(si)
             and all(lowered.steps[r].kind == "affine"
                     and not affine_is_free(lowered.steps[r], "batch")
                     and reads_at_its_level(si, r) for r in readers[si])]

@@ -1256,11 +1256,12 @@ def _planes(eng: Engine, kern: VectorKernels, si: int, st: Any, inputs: Sequence
 
 
 def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Sequence[Any],
-               timings: dict[Any, float] | None = None) -> Any:
+               timings: dict[Any, float] | None = None) -> list[Any]:
     """Evaluate a vector plan on one ciphertext group (``plan.interleave`` samples); returns the
-    output ciphertext. The planes steps, which read only the inputs, run first, all at once on
-    the engine's threads (:meth:`VectorPlan.concurrent_planes`). ``timings``: filled with
-    each step's wall-clock seconds (lifts of its inputs included) by step index, and those of
+    ciphertexts of the steps it returns (:attr:`VectorPlan.results`: the output, or the values
+    the client's last map reads). The planes steps, which read only the inputs, run first, all
+    at once on the engine's threads (:meth:`VectorPlan.concurrent_planes`). ``timings``: filled
+    with each step's wall-clock seconds (lifts of its inputs included) by step index, and those of
     the planes steps run at once under the key ``"planes"``."""
     clock = time.perf_counter
     vals: list[Any] = [None] * len(plan.steps)
@@ -1309,4 +1310,4 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         vals[si] = out
         if timings is not None and si not in ready_at_once:
             timings[si] = clock() - start
-    return vals[plan.output]
+    return [vals[o] for o in plan.results]

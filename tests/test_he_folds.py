@@ -92,8 +92,9 @@ def pooled():
         pytest.skip("no hoisting on this platform")
     x = torch.rand(16, 1, 8, 8)
     model = _pooled_model()
-    # the shipped table, so that the choice does not depend on a table this machine cached
-    return he.compile(model, x[:1], calibration=x, packing="vector",
+    # the shipped table, so that the choice does not depend on a table this machine cached;
+    # the head (the folds of its mean over the tokens) on the server
+    return he.compile(model, x[:1], calibration=x, packing="vector", final_map="server",
                       cost_model=shipped_model()), x, model
 
 
@@ -113,7 +114,7 @@ def test_grouped_folds_have_keys_and_counts_and_the_baseline_has_none(pooled):
         set(plan.hoisted_steps())
     with folds_one_at_a_time():
         single = he.compile(model, x[:1], calibration=x, packing="vector",
-                            cost_model=shipped_model())
+                            final_map="server", cost_model=shipped_model())
     assert "fold_hoist" not in single.options and not single.plan.hoisted_folds()
     assert single.plan.predicted["counts"].get("fold_groups", 0) == 0
 

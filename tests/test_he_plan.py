@@ -21,7 +21,7 @@ from he.costmodel import CostModel, default_model, measure
 from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, dense,
                      layout_groups, layout_shapes, make_matvec,
                      search_layouts, shared_splits, slot_map)
-from polynets.ir.lowering import integer_factor, lower
+from polynets.ir.lowering import client_map, integer_factor, lower
 from _models import Square
 
 
@@ -77,10 +77,15 @@ def test_integer_factor_is_the_level_free_rule():
 def test_constant_scaling_levels_agree_between_certify_and_both_packings(factor, levels):
     model = nn.Sequential(Square(), Scale(factor)).eval()
     x = torch.rand(4, 3) * 0.9
-    assert pn.certify(model, x).levels == levels
-    for packing in ("vector", "batch"):
-        prog = he.compile(model, x, packing=packing)
-        assert prog.params.levels == levels
+    cert = pn.certify(model, x)
+    assert cert.levels == levels
+    # a scaling that costs a level is a last map the client can apply instead (vector packing)
+    assert cert.client_levels == (levels - 1 if levels == 2 else None)
+    for packing, final_map in (("vector", "server"), ("vector", "client"), ("batch", "auto")):
+        prog = he.compile(model, x, packing=packing, final_map=final_map)
+        client = prog.options.get("client_map", False)
+        assert client == (final_map == "client" and levels == 2)
+        assert prog.params.levels == (cert.client_levels if client else levels)
         y = _roundtrip(prog, x.numpy())
         assert np.max(np.abs(y - prog.simulate(x))) <= prog.params.expected_error
 
@@ -122,10 +127,16 @@ def test_certify_levels_equal_the_compilers_on_random_programs(stack, seed):
     # maps the cost model kept apart (a level more each, said in plan.why) are counted on the
     # lowering that keeps them so; certify counts the fewest levels
     kept = prog.options.get("kept_apart", [])
-    assert prog.params.levels == lower(cert.program, kept).depth_levels("vector")
-    assert prog.plan.levels == prog.params.levels >= cert.levels
+    client = prog.options.get("client_map", False)
+    low = lower(cert.program, kept)
+    if client:      # the last map applied by the client: a level less where it cost one
+        low = client_map(low)
+        assert low is not None and cert.client_levels is not None
+    assert prog.params.levels == low.depth_levels("vector")
+    assert prog.plan.levels == prog.params.levels >= (cert.client_levels if client
+                                                      else cert.levels)
     if not kept:
-        assert prog.params.levels == cert.levels
+        assert prog.params.levels == (cert.client_levels if client else cert.levels)
     batch = he.compile(model, x, packing="batch")
     kept = batch.options.get("kept_apart", [])
     assert batch.params.levels == lower(cert.program, kept).depth_levels("batch")
@@ -300,7 +311,8 @@ def test_one_map_on_several_inputs_runs_once_on_their_sum():
     torch.manual_seed(3)
     model = SharedHead().eval()
     x = torch.rand(4, 8) * 2 - 1
-    prog = he.compile(model, x, calibration=x, packing="vector")
+    # the head on the server (the client could apply it: every term is then a value it reads)
+    prog = he.compile(model, x, calibration=x, packing="vector", final_map="server")
     summed = [s for s in prog.plan.steps if any(len(g) > 1 for g in s.sums)]
     assert summed, "the head's terms were not merged"
     last = prog.plan.steps[prog.plan.output]

@@ -49,8 +49,10 @@ def _token_model(depth: int = 2) -> tuple[nn.Module, torch.Tensor]:
 def _wide_program(model: nn.Module, x: torch.Tensor) -> he.CompiledProgram:
     """The model compiled as usual, then re-planned on the wide chain of the same ring."""
     # N=16384: at N=8192 two Mu-Layers' wide primes exceed the 218-bit budget
+    # the head on the server: applied by the client it would end the chain on the products'
+    # parity, which leaves no level pending
     prog = he.compile(model, x, calibration=x, packing="vector", samples_per_ciphertext=1,
-                      scale_bits=26, ring_degree=16384)
+                      scale_bits=26, ring_degree=16384, final_map="server")
     phases = wide_phases(prog.lowered)
     assert phases, "the model's products should all start from one parity"
     wide = wide_variant(prog.params, phases[0], lambda p: (1.0, 1.0), 1.0)

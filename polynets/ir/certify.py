@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polynets.ir.lowering import EXACT_LOWERING_LIMIT, Lowered, affine_is_free, lower, node_cost
+from polynets.ir.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, client_map, lower,
+                                  node_cost)
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
@@ -117,7 +118,7 @@ def lowered_levels(lowered: Lowered, packing: str = "vector") -> tuple[int, int]
         elif st.kind == "affine" and not affine_is_free(st, packing):
             top = (top[0] + 1, top[1] + 1)
         best.append(top)
-    return best[lowered.output]
+    return max(best[j] for j in lowered.outputs)
 
 
 @dataclass
@@ -127,7 +128,10 @@ class Certificate:
     ``is_polynomial``: every op is an addition, a multiplication or affine; ``degree``: total
     degree of the output in the input; ``depth``: ciphertext-ciphertext multiplicative depth;
     ``levels``: CKKS levels (rescales) on the longest path; ``plain_mults``: plaintext
-    multiplications on that path; ``offending``: the modules that break polynomiality.
+    multiplications on that path; ``client_levels``: the levels where the client applies the
+    program's last map (vector packing's ``final_map``, :func:`polynets.ir.lowering.client_map`;
+    None where it ends with no such map or the count is an upper bound); ``offending``: the
+    modules that break polynomiality.
     """
 
     model: str
@@ -139,6 +143,7 @@ class Certificate:
     levels: int | None = None
     levels_exact: bool = True
     plain_mults: int | None = None
+    client_levels: int | None = None
     offending: list[Any] = field(default_factory=list)
     program: PolyProgram | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
@@ -163,7 +168,9 @@ class Certificate:
             f"  CKKS levels:  {self.levels} on the longest path "
             f"({self.depth} products + {self.plain_mults} plaintext multiplications)" +
             ("" if self.levels_exact else " -- an upper bound: the model is too large to "
-             "lower exactly (and to encrypt)"),
+             "lower exactly (and to encrypt)") +
+            ("" if self.client_levels is None else f"; {self.client_levels} where the client "
+             f"applies the last map (vector packing)"),
             f"  program:      {sum(self.op_counts.values())} ops ({ops})",
         ])
 
@@ -200,9 +207,12 @@ def certify_lowered(model: nn.Module, example_input: Any, max_depth: int | None 
     info = _Analysis().run(program)[program.output]
     exact = levels_exact(program) and (max_depth is None or info.depth <= max_depth)
     lowered = lower(program) if exact else None
+    client = None
     if lowered is not None:
         info = _counted_on(info, lowered)
+        mapped = client_map(lowered)
+        client = None if mapped is None else lowered_levels(mapped)[0]
     return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
-                       levels=info.levels, levels_exact=exact,
+                       levels=info.levels, levels_exact=exact, client_levels=client,
                        plain_mults=info.plain_mults, program=program,
                        op_counts=program.op_counts()), lowered

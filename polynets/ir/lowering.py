@@ -38,7 +38,11 @@ and the CKKS compiler:
 * a map that reads the input only through a local affine map (each output reads at most
   :data:`LOCAL_ROW_NNZ` input elements: a convolution, a patch embedding) is composed with it and
   reads the input directly, one level earlier -- the client can then pre-arrange the input for it
-  (vector packing's input planes); steps left without readers are dropped.
+  (vector packing's input planes); steps left without readers are dropped;
+* :func:`client_map`: where the program ends with a weighted affine map, the client, which
+  holds the compiled program, may apply it to the decrypted values it reads
+  (:attr:`Lowered.post`): the server returns those values, and its chain is one level shorter
+  on every path through that map.
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ import scipy.sparse as sp
 
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
-__all__ = ["Step", "Lowered", "lower", "integer_factor", "node_cost", "affine_is_free",
-           "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
+__all__ = ["Step", "Lowered", "ClientMap", "client_map", "lower", "integer_factor", "node_cost",
+           "affine_is_free", "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
            "PACKING_KINDS", "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, one per slot, or one
@@ -137,6 +141,10 @@ class Lowered:
     its readers, maybe a level more or (batch packing) inputs lifted to sum them.
 
     ``kept_steps``: the step each node kept (``keep``) was materialised as.
+
+    ``post``: the program's last affine map where the client applies it (:func:`client_map`);
+    the server then returns the values of every step it reads (:attr:`outputs`), and
+    ``output`` is the one of them on the longest path.
     """
 
     steps: list[Step]
@@ -144,6 +152,12 @@ class Lowered:
     dense_joins: tuple[int, ...] = ()
     shared: tuple[int, ...] = ()
     kept_steps: dict[int, int] = field(default_factory=dict)
+    post: "ClientMap | None" = None
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        """The steps whose values the server returns: the output, or what ``post`` reads."""
+        return self.post.reads if self.post is not None else (self.output,)
 
     def levels(self, packing: str = "vector") -> list[int]:
         return step_levels(self.steps, packing)
@@ -153,11 +167,62 @@ class Lowered:
         return max(self.levels(packing), default=0)
 
 
+@dataclass
+class ClientMap:
+    """``y = sum_k terms[k] @ value(reads[k]) + bias``: the program's last affine map, applied
+    by the client in float64 to the decrypted values of the steps ``reads``
+    (:func:`client_map`); ``shape``: the program output's sample shape."""
+
+    reads: tuple[int, ...]
+    terms: list[sp.csr_matrix]
+    bias: np.ndarray | None
+    shape: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def apply(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """``(B, n)`` from the values of ``reads`` (each ``(B, n_k)``), in float64."""
+        y = sum((m @ np.asarray(v, dtype=np.float64).T).T for m, v in zip(self.terms, values))
+        if self.bias is not None:
+            y = y + np.asarray(self.bias, dtype=np.float64)[None, :]
+        return np.asarray(y, dtype=np.float64)
+
+
+def client_map(lowered: Lowered, packing: str = "vector") -> Lowered | None:
+    """``lowered`` with its last step, a weighted affine map, applied by the client
+    (:attr:`Lowered.post`) to the values the server returns (the steps that map reads); None
+    where the output is no such map (a product, a free map: nothing to save) or reads only
+    the input. The server's chain loses the level that map cost on every path through it."""
+    if lowered.post is not None:
+        return None
+    out = lowered.steps[lowered.output]
+    if out.kind != "affine" or affine_is_free(out, packing) or set(out.inputs) <= {0}:
+        return None
+    levels = step_levels(lowered.steps, packing)
+    primary = max(out.inputs, key=lambda j: (levels[j], j))
+    steps = [st for i, st in enumerate(lowered.steps) if i != lowered.output]
+    new = np.arange(len(lowered.steps)) - (np.arange(len(lowered.steps)) > lowered.output)
+    steps = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
+                  st.factor) for st in steps]
+    reads = tuple(int(new[j]) for j in out.inputs)
+    low = _drop_unread(steps, reads, {n: int(new[j]) for n, j in lowered.kept_steps.items()
+                                      if j != lowered.output})
+    index = {old: k for k, old in enumerate(_kept_indices(steps, reads))}
+    low.output = index[int(new[primary])]
+    low.post = ClientMap(tuple(index[j] for j in reads), list(out.terms), out.bias,
+                         tuple(out.shape))
+    low.dense_joins, low.shared = lowered.dense_joins, lowered.shared
+    return low
+
+
 def evaluate_steps(lowered: Lowered, x: np.ndarray,
                    visit: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
     """Float64 evaluation of the steps on a batch ``x`` (``(B, n_input)``, flattened inputs):
-    the output step's value ``(B, n)``. ``visit(i, value)`` sees every step's value as it is
-    computed; a value is released once its last reader has run."""
+    the program's output ``(B, n)`` (the output step's value, or the client's map of the
+    values it reads, :attr:`Lowered.post`). ``visit(i, value)`` sees every step's value as it
+    is computed; a value is released once its last reader has run."""
     steps = lowered.steps
     last = [0] * len(steps)
     for si, st in enumerate(steps):
@@ -182,8 +247,10 @@ def evaluate_steps(lowered: Lowered, x: np.ndarray,
         if visit is not None:
             visit(si, v)
         for j in st.inputs:
-            if last[j] == si and j != lowered.output:
+            if last[j] == si and j not in lowered.outputs:
                 vals[j] = None
+    if lowered.post is not None:
+        return lowered.post.apply([vals[j] for j in lowered.post.reads])  # type: ignore[misc]
     out = vals[lowered.output]
     assert out is not None
     return out
@@ -516,17 +583,30 @@ def _local_product(m: sp.csr_matrix, inner: sp.csr_matrix) -> sp.csr_matrix | No
     return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
-def _drop_unread(steps: list[Step], out: int, named: dict[int, int] | None = None) -> Lowered:
-    """Remove steps no other step (nor the output) reads; renumber the rest (and the steps
-    ``named`` maps program nodes to, as :attr:`Lowered.kept_steps`)."""
+def _read_steps(steps: list[Step], outs: Sequence[int]) -> np.ndarray:
+    """Which steps the outputs ``outs`` read, directly or not (the input always)."""
     keep = np.zeros(len(steps), dtype=bool)
-    keep[out] = True
+    keep[list(outs)] = True
     keep[0] = True                      # the input stays, read or not
     for i in range(len(steps) - 1, -1, -1):
         if keep[i]:
             keep[list(steps[i].inputs)] = True
+    return keep
+
+
+def _kept_indices(steps: list[Step], outs: Sequence[int]) -> list[int]:
+    return [int(i) for i in np.flatnonzero(_read_steps(steps, outs))]
+
+
+def _drop_unread(steps: list[Step], out: int | Sequence[int],
+                 named: dict[int, int] | None = None) -> Lowered:
+    """Remove steps no other step (nor an output: ``out``, one or several) reads; renumber the
+    rest (and the steps ``named`` maps program nodes to, as :attr:`Lowered.kept_steps`). With
+    several outputs the result's ``output`` is the last of them, renumbered."""
+    outs = [out] if isinstance(out, (int, np.integer)) else list(out)
+    keep = _read_steps(steps, outs)
     new = np.cumsum(keep) - 1
     kept = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
                  st.factor) for st, k in zip(steps, keep) if k]
-    return Lowered(kept, int(new[out]), kept_steps={
+    return Lowered(kept, int(new[outs[-1]]), kept_steps={
         n: int(new[j]) for n, j in (named or {}).items() if keep[j]})

@@ -1,0 +1,184 @@
+"""The program's last map applied by the client: the lowering, the compiler's choice, the round
+trip, the stored program and the errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import he
+import polynets as pn
+from he.compiler import CompiledProgram
+from he.errors import NotEncryptableError
+from polynets.ir.lowering import client_map, evaluate_steps, lower
+
+
+class MuTokens(nn.Module):
+    """Tokens through two residual Mu-Layers and a flattened linear head: the head, after the
+    last product, is a weighted map that reads the product, its operand and the residual."""
+
+    def __init__(self, tokens: int = 4, dim: int = 8, classes: int = 3, depth: int = 2):
+        super().__init__()
+        self.mus = nn.ModuleList(pn.MuLayer(dim) for _ in range(depth))
+        self.head = nn.Linear(tokens * dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mu in self.mus:
+            x = x + mu(x)
+        return self.head(x.flatten(1))
+
+
+def _model(seed: int = 0, depth: int = 2) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    return MuTokens(depth=depth).eval(), torch.rand(16, 4, 8) * 2 - 1
+
+
+def _roundtrip(prog: he.CompiledProgram, x: np.ndarray) -> tuple[np.ndarray, he.Ciphertext]:
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    out = server.run(client.encrypt(x).to_bytes())
+    return client.decrypt(out.to_bytes()), out
+
+
+# ----------------------------------------------------------------------------- lowering
+@pytest.mark.parametrize("seed,depth", [(0, 1), (1, 2), (2, 3)])
+def test_the_client_map_computes_the_same_function_a_level_shorter(seed, depth):
+    model, x = _model(seed, depth)
+    program = pn.trace(model, x[:1])
+    low = lower(program)
+    mapped = client_map(low)
+    assert mapped is not None and mapped.post is not None
+    flat = x.numpy().reshape(len(x), -1).astype(np.float64)
+    want = program.simulate(x.numpy()).reshape(len(x), -1)
+    np.testing.assert_allclose(evaluate_steps(mapped, flat), want, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(evaluate_steps(low, flat), want, rtol=1e-9, atol=1e-12)
+    assert mapped.depth_levels() == low.depth_levels() - 1
+    # the server returns what the map read; the output is the deepest of them
+    head = low.steps[low.output]
+    assert len(mapped.outputs) == len(head.inputs) == len(mapped.post.terms)
+    levels = mapped.levels()
+    assert levels[mapped.output] == max(levels[j] for j in mapped.outputs)
+    assert len(mapped.steps) == len(low.steps) - 1
+    assert client_map(mapped) is None          # applied once
+
+
+def test_no_client_map_for_a_map_that_reads_only_the_input():
+    program = pn.trace(nn.Sequential(nn.Linear(4, 3)).eval(), torch.rand(1, 4))
+    low = lower(program)
+    assert low.steps[low.output].inputs == (0,) and client_map(low) is None
+
+
+def test_a_program_ending_with_a_product_has_no_client_map():
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    program = pn.trace(nn.Sequential(nn.Linear(4, 4), Square()).eval(), torch.rand(1, 4))
+    low = lower(program)
+    assert low.steps[low.output].kind == "mul" and client_map(low) is None
+
+
+# ----------------------------------------------------------------------------- compiler
+def test_decrypt_equals_simulate_and_the_model_with_the_client_map():
+    model, x = _model()
+    server_side = he.compile(model, x[:1], calibration=x, final_map="server")
+    prog = he.compile(model, x[:1], calibration=x, final_map="client")
+    assert prog.options["client_map"] is True and "client_map" not in server_side.options
+    assert prog.params.levels == server_side.params.levels - 1
+    assert prog.lowered.post is not None
+    sample = x[:5].numpy()
+    y, out = _roundtrip(prog, sample)
+    want = prog.simulate(sample)
+    assert y.shape == want.shape == (5, 3)
+    assert np.max(np.abs(y - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x[:5]).double().numpy(), rtol=1e-5, atol=1e-5)
+    # one ciphertext per value the map reads, for every group of interleaved samples
+    k = prog.plan.interleave
+    groups = out._groups
+    assert len(groups) == -(-5 // k)
+    assert all(len(g) == len(prog.plan.results) == len(prog.lowered.outputs) for g in groups)
+    assert prog.plan.predicted["download_bytes"] > 0
+
+
+def test_auto_keeps_the_cheaper_and_says_so():
+    model, x = _model()
+    prog = he.compile(model, x[:1], calibration=x)          # final_map="auto"
+    server_side = he.compile(model, x[:1], calibration=x, final_map="server")
+    client_side = he.compile(model, x[:1], calibration=x, final_map="client")
+    cost = {p.options.get("client_map", False): p.plan.predicted["round_trip_seconds"]
+            for p in (server_side, client_side)}
+    assert prog.options.get("client_map", False) == (cost[True] < cost[False])
+    assert "applied by the client" in prog.plan.why
+    assert prog.plan.predicted["round_trip_seconds"] == pytest.approx(min(cost.values()))
+
+
+def test_batch_and_tokens_packing_keep_the_last_map_on_the_server():
+    model, x = _model()
+    prog = he.compile(model, x[:1], calibration=x, packing="batch", final_map="client")
+    assert "client_map" not in prog.options and prog.lowered.post is None
+
+
+def test_the_stored_program_rebuilds_the_client_map(tmp_path):
+    model, x = _model()
+    prog = he.compile(model, x[:1], calibration=x, final_map="client")
+    path = tmp_path / "p.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.options["client_map"] is True and loaded.fingerprint == prog.fingerprint
+    assert loaded.lowered.post is not None
+    assert loaded.plan.results == prog.plan.results
+    assert loaded.plan.op_counts() == prog.plan.op_counts()
+    sample = x[:2].numpy()
+    y, _ = _roundtrip(loaded, sample)
+    assert np.max(np.abs(y - prog.simulate(sample))) <= prog.params.expected_error
+
+
+# ----------------------------------------------------------------------------- errors
+def test_an_unknown_final_map_is_refused():
+    model, x = _model()
+    with pytest.raises(NotEncryptableError, match="final_map must be one of"):
+        he.compile(model, x[:1], final_map="both")
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_stored_client_map_that_is_not_a_bool_is_refused(bad):
+    model, x = _model()
+    prog = he.compile(model, x[:1], calibration=x, final_map="client")
+    with pytest.raises(ValueError, match="client_map must be true or false"):
+        CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                        {**prog.options, "client_map": bad})
+
+
+def test_a_stored_client_map_on_a_program_without_one_is_refused():
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    model = nn.Sequential(nn.Linear(4, 4), Square()).eval()
+    x = torch.rand(8, 4)
+    prog = he.compile(model, x[:1], calibration=x)
+    with pytest.raises(ValueError, match="does not end with a map the client can apply"):
+        CompiledProgram(prog.program, prog.params, "vector", prog.calibration,
+                        {**prog.options, "client_map": True})
+
+
+def test_a_result_with_the_wrong_number_of_ciphertexts_is_refused():
+    model, x = _model()
+    prog = he.compile(model, x[:1], calibration=x, final_map="client")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    out = server.run(client.encrypt(x[:1].numpy()))
+    out._groups[0] = out._groups[0][:1]
+    with pytest.raises(he.SerializationError, match="ciphertext\\(s\\) per"):
+        client.decrypt(out)
+
+
+def test_certify_reports_the_levels_with_the_client_map():
+    model, x = _model()
+    cert = pn.certify(model, x[:1])
+    low = lower(cert.program)
+    assert cert.client_levels == client_map(low).depth_levels() == cert.levels - 1
+    assert f"{cert.client_levels} where the client applies the last map" in str(cert)
