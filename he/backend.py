@@ -282,6 +282,17 @@ class Engine:
         self.rescale_into(res, res)
         return self._canon(res, level)
 
+    def drop_to(self, ct: Any, level: int) -> Any:
+        """``ct`` on the primes of ``level`` (at or below its own), its value and scale
+        unchanged: a modulus switch, no rescale (:func:`he.params.returned_level` says where
+        the value still fits). ``ct`` itself where it is on them already."""
+        target = self.params.chain_index(level)
+        if self.chain(ct) >= target:
+            return ct
+        out = seal.Ciphertext()
+        self.evaluator.mod_switch_to(ct, self._chain_ids[target], out)
+        return out
+
     def rescale_into(self, ct: Any, dst: Any) -> None:
         """``dst <- ct`` rescaled by its last prime (``dst`` may be ``ct``): natively where
         :mod:`he.native` accepts it, else through ``tenseal.sealapi`` (same words)."""

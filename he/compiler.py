@@ -29,7 +29,8 @@ from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError
                        SerializationError, TooDeepError, batch_of)
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, ROTATION_BITS, SECURITY_LEVELS, CKKSParams, check_products,
-                       choose_params, error_target, fitting_precision, most_levels, wide_variant)
+                       choose_params, error_target, fitting_precision, most_levels,
+                       returned_level, wide_variant)
 from he.hoist import expected as hoist_expected
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, batch_lifts,
                      build_vector_plan, choose_fanin, choose_lazy, choose_plane_packing, key_basis,
@@ -358,12 +359,18 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     seconds = loads + at_once + sum(t for si, t in enumerate(steps) if si not in early)
     k = plan.interleave
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
+    # the client's decryptions, each a product by the key and a decoding, about a plaintext
+    # product and an encoding, on the primes each result travels on
+    returned = [returned_level(plan.steps[si].level, plan.levels, params.pending)
+                for si in plan.results]
+    decrypt = sum(costs.seconds("mul_plain", ring, params.limbs(lv)) +
+                  costs.seconds("encode", ring, params.limbs(lv)) for lv in returned)
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
-            "round_trip_seconds": seconds + client, "samples_per_ciphertext": k,
-            "seconds_per_sample": (seconds + client) / k, "counts": total,
+            "client_decrypt_seconds": decrypt,
+            "round_trip_seconds": seconds + client + decrypt, "samples_per_ciphertext": k,
+            "seconds_per_sample": (seconds + client + decrypt) / k, "counts": total,
             "upload_bytes": wire_bytes(params, 0, len(plan.input_layout), 1),
-            "download_bytes": sum(wire_bytes(params, plan.steps[si].level, 1, 2)
-                                  for si in plan.results),
+            "download_bytes": sum(wire_bytes(params, lv, 1, 2) for lv in returned),
             "server_threads": threads,
             # what he.Server.profile sets beside its measurements
             "step_seconds": steps, "planes_at_once_seconds": at_once, "load_seconds": loads,

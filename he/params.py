@@ -289,6 +289,14 @@ def level_pending(level: int, pending: int) -> bool:
     return pending >= 0 and int(level) % 2 == pending
 
 
+def returned_level(level: int, last: int, pending: int) -> int:
+    """The level whose primes a value the server returns at ``level`` travels on, ``last``
+    being the program's deepest: the last level's, whose first prime holds any calibrated value
+    at the scale (a modulus switch, no rescale), unless ``level`` is pending (its values carry
+    the squared scale, which needs their own primes)."""
+    return int(level) if level_pending(level, pending) else max(int(level), int(last))
+
+
 def level_drops(level: int, pending: int) -> bool:
     """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime) on such a chain:
     from a pending level, or from every level where each has a prime of its own."""

@@ -100,7 +100,14 @@ def test_decrypt_equals_simulate_and_the_model_with_the_client_map():
     groups = out._groups
     assert len(groups) == -(-5 // k)
     assert all(len(g) == len(prog.plan.results) == len(prog.lowered.outputs) for g in groups)
-    assert prog.plan.predicted["download_bytes"] > 0
+    # each travels on the last level's primes (the returned values shallower than the product
+    # switched down to them), as the compiler predicts; the client's decryptions are priced
+    assert len(prog.plan.results) > 1
+    one = he.Ciphertext.from_bytes(out.to_bytes())
+    sizes = {len(b) for b in one._groups[0]}
+    assert len(sizes) == 1
+    assert prog.plan.predicted["download_bytes"] == sum(sizes) * len(prog.plan.results)
+    assert prog.plan.predicted["client_decrypt_seconds"] > 0
 
 
 def test_auto_keeps_the_cheaper_and_says_so():
