@@ -570,11 +570,10 @@ def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
     lowered = lower(program, keep)
     if client:
         mapped = client_map(lowered)
-        if mapped is None or split is not None:
+        if mapped is None:
             raise ValueError("client_map: this program does not end with a map the client "
-                             "can apply" if mapped is None else
-                             "client_map: a split program has no client map")
-        return mapped
+                             "can apply")
+        lowered = mapped
     if split is None:
         return lowered
     sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
@@ -1384,11 +1383,9 @@ def _lowerings(lowered: Lowered, msq: list[np.ndarray], packing: str, slots: int
     out: list[tuple[Lowered, list[np.ndarray], Split | None]] = []
     if _dense_widest(lowered) <= slots:
         out.append((lowered, msq, None))
-        if padded_layouts_fit(lowered, slots) or lowered.post is not None:
-            return out      # a split keeps one output; the client's map reads several
+        if padded_layouts_fit(lowered, slots):
+            return out
         targets = [slots // 2]
-    elif lowered.post is not None:
-        return out
     else:
         targets = [slots, slots // 2]
     for axis in SPLIT_AXES:

@@ -20,7 +20,9 @@ terms. Baby steps and giant steps of a ``c``-channel map number about ``2 sqrt(c
 blocks they number ``2 sqrt(k c)`` at half (for ``k = 2``) the price each, so a channel split in
 the smaller ring is cheaper where it is possible, and the compiler prices both
 (:func:`he.compiler.compile`). The program's input and output are never split: the client's
-ciphertexts and the decryption stay as they are.
+ciphertexts and the decryption stay as they are; where the client applies the program's last map
+(:func:`polynets.ir.lowering.client_map`), the values it reads may be, and it reads each block
+through its columns.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from he.plan import layout_groups, layout_shapes
-from polynets.ir.lowering import Lowered, Step
+from polynets.ir.lowering import ClientMap, Lowered, Step
 
 __all__ = ["Split", "split_lowered", "SPLIT_AXES", "MAX_BLOCKS"]
 
@@ -104,7 +106,7 @@ def split_lowered(lowered: Lowered, slots: int, axis: int) -> Split | None:
         if st.n <= slots or g in parts:
             continue
         members = [i for i in range(len(steps)) if group[i] == g]
-        if 0 in members or lowered.output in members:
+        if 0 in members or (lowered.post is None and lowered.output in members):
             return None
         shape = max((shapes[i] for i in members), key=lambda s: sum(n > 1 for n in s))
         part = _partition(shape, axis, slots)
@@ -149,4 +151,16 @@ def split_lowered(lowered: Lowered, slots: int, axis: int) -> Split | None:
             new.append(step)
             origin.append((si, blk))
     widest = max(len(p[0]) for p in parts.values())
-    return Split(Lowered(new, index[lowered.output][0]), origin, axis, slots, widest)
+    out = Lowered(new, index[lowered.output][0])
+    if lowered.post is not None:
+        # the client's map reads every block of a value it read, through its columns
+        reads, terms = [], []
+        for j, m in zip(lowered.post.reads, lowered.post.terms):
+            for jb, jblk in zip(index[j], blocks_of[j]):
+                sub = (m.tocsr() if jblk is None else m.tocsr()[:, jblk]).tocsr()
+                sub.eliminate_zeros()
+                if sub.nnz:
+                    reads.append(jb)
+                    terms.append(sub)
+        out.post = ClientMap(tuple(reads), terms, lowered.post.bias, lowered.post.shape)
+    return Split(out, origin, axis, slots, widest)

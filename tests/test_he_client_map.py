@@ -189,3 +189,61 @@ def test_certify_reports_the_levels_with_the_client_map():
     low = lower(cert.program)
     assert cert.client_levels == client_map(low).depth_levels() == cert.levels - 1
     assert f"{cert.client_levels} where the client applies the last map" in str(cert)
+
+
+# ----------------------------------------------------------------------------- split values
+class WideTokens(nn.Module):
+    """8 x 8 tokens of 80 channels (5,120 elements: more than N=8192's 4,096 slots), a shifted
+    Mu-Layer, a flattened head."""
+
+    def __init__(self, side: int = 8, dim: int = 80):
+        super().__init__()
+        self.embed = pn.PatchEmbed(side, 1, 1, dim)
+        self.mu = pn.MuLayer(dim, norm="batch", spatial_shift=True)
+        self.head = nn.Linear(side * side * dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x)
+        return self.head((t + self.mu(t)).flatten(1))
+
+
+def _wide() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(3)
+    x = torch.rand(24, 1, 8, 8)
+    model = WideTokens()
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_a_split_lowering_keeps_the_client_map_reading_every_block(axis):
+    from he.split import split_lowered
+
+    model, x = _wide()
+    mapped = client_map(lower(pn.trace(model, x[:1])))
+    split = split_lowered(mapped, 4096, axis)
+    assert split is not None and split.lowered.post is not None
+    new = split.lowered
+    assert all(s.n <= 4096 for s in new.steps)
+    assert len(new.outputs) > len(mapped.outputs)       # a wide value read in blocks
+    flat = x[:4].numpy().reshape(4, -1).astype(np.float64)
+    np.testing.assert_allclose(evaluate_steps(new, flat), evaluate_steps(mapped, flat),
+                               rtol=1e-12, atol=1e-12)
+    assert new.depth_levels() == mapped.depth_levels()
+
+
+def test_a_split_program_with_the_client_map_decrypts_within_its_promise(tmp_path):
+    model, x = _wide()
+    prog = he.compile(model, x, calibration=x, ring_degree=8192, precision_bits=8,
+                      final_map="client")
+    assert prog.options["client_map"] is True and prog.options["split"]["slots"] == 4096
+    assert len(prog.plan.results) == len(prog.lowered.outputs) > 1
+    path = tmp_path / "p.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.plan.results == prog.plan.results
+    sample = x[:2].numpy()
+    y, _ = _roundtrip(loaded, sample)
+    assert np.max(np.abs(y - prog.simulate(sample))) <= prog.params.expected_error
