@@ -247,3 +247,37 @@ def test_a_split_program_with_the_client_map_decrypts_within_its_promise(tmp_pat
     sample = x[:2].numpy()
     y, _ = _roundtrip(loaded, sample)
     assert np.max(np.abs(y - prog.simulate(sample))) <= prog.params.expected_error
+
+
+# ----------------------------------------------------------------------------- returned values
+def test_a_returned_value_travels_on_the_last_levels_primes_unless_its_level_is_pending():
+    from he.params import returned_level
+
+    assert returned_level(1, 4, -1) == 4              # one prime per level: the last's
+    assert returned_level(4, 4, -1) == 4
+    assert returned_level(1, 4, 0) == 4               # canonical on a wide chain: the last's
+    assert returned_level(2, 5, 0) == 2               # pending (squared scale): its own
+
+
+def test_a_value_switched_down_to_the_last_level_decrypts_the_same():
+    import tenseal.sealapi as seal
+
+    from he.backend import Engine
+    from he.params import CKKSParams
+
+    params = CKKSParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(40, 30, 30, 30, 50),
+                        scale_bits=30, levels=3, security_bits=128, expected_error=1e-3,
+                        max_abs=8.0, why="")
+    eng = Engine(params)
+    keys = seal.KeyGenerator(eng.context)
+    pk = seal.PublicKey()
+    keys.create_public_key(pk)
+    values = np.linspace(-8.0, 8.0, eng.slots)
+    ct = seal.Ciphertext()
+    seal.Encryptor(eng.context, pk).encrypt(eng.encode_vector(values, 0, eng.scales[0]), ct)
+    low = eng.drop_to(ct, 3)
+    assert eng.chain(low) == params.chain_index(3) and eng.chain(ct) == 0
+    assert eng.drop_to(low, 3) is low                    # already there
+    pt = seal.Plaintext()
+    seal.Decryptor(eng.context, keys.secret_key()).decrypt(low, pt)
+    np.testing.assert_allclose(eng.encoder.decode_double(pt), values, atol=1e-4)

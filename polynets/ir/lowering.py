@@ -56,8 +56,9 @@ import scipy.sparse as sp
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
 __all__ = ["Step", "Lowered", "ClientMap", "client_map", "lower", "integer_factor", "node_cost",
-           "affine_is_free", "evaluate_steps", "is_identity", "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ",
-           "PACKING_KINDS", "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
+           "affine_is_free", "evaluate_steps", "is_identity", "step_levels",
+           "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ", "PACKING_KINDS", "MAX_INTEGER_FACTOR",
+           "DENSE_JOIN_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, one per slot, or one
 #: channel per ciphertext with tokens and samples in its slots (``"tokens"``, whose maps rotate
