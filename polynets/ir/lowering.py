@@ -203,18 +203,12 @@ def client_map(lowered: Lowered, packing: str = "vector") -> Lowered | None:
         return None
     levels = step_levels(lowered.steps, packing)
     primary = max(out.inputs, key=lambda j: (levels[j], j))
-    steps = [st for i, st in enumerate(lowered.steps) if i != lowered.output]
-    new = np.arange(len(lowered.steps)) - (np.arange(len(lowered.steps)) > lowered.output)
-    steps = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
-                  st.factor) for st in steps]
-    reads = tuple(int(new[j]) for j in out.inputs)
-    low = _drop_unread(steps, reads, {n: int(new[j]) for n, j in lowered.kept_steps.items()
-                                      if j != lowered.output})
-    index = {old: k for k, old in enumerate(_kept_indices(steps, reads))}
-    low.output = index[int(new[primary])]
-    low.post = ClientMap(tuple(index[j] for j in reads), list(out.terms), out.bias,
-                         tuple(out.shape))
-    low.dense_joins, low.shared = lowered.dense_joins, lowered.shared
+    # the output is the last step (every step before it is read, :func:`_drop_unread`), so the
+    # others keep their indices and every one of them is still read, by a step or the client
+    assert lowered.output == len(lowered.steps) - 1
+    low = Lowered(lowered.steps[:-1], primary, lowered.dense_joins, lowered.shared,
+                  {n: j for n, j in lowered.kept_steps.items() if j != lowered.output})
+    low.post = ClientMap(tuple(out.inputs), list(out.terms), out.bias, tuple(out.shape))
     return low
 
 
@@ -584,30 +578,17 @@ def _local_product(m: sp.csr_matrix, inner: sp.csr_matrix) -> sp.csr_matrix | No
     return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
-def _read_steps(steps: list[Step], outs: Sequence[int]) -> np.ndarray:
-    """Which steps the outputs ``outs`` read, directly or not (the input always)."""
+def _drop_unread(steps: list[Step], out: int, named: dict[int, int] | None = None) -> Lowered:
+    """Remove steps no other step (nor the output) reads; renumber the rest (and the steps
+    ``named`` maps program nodes to, as :attr:`Lowered.kept_steps`)."""
     keep = np.zeros(len(steps), dtype=bool)
-    keep[list(outs)] = True
+    keep[out] = True
     keep[0] = True                      # the input stays, read or not
     for i in range(len(steps) - 1, -1, -1):
         if keep[i]:
             keep[list(steps[i].inputs)] = True
-    return keep
-
-
-def _kept_indices(steps: list[Step], outs: Sequence[int]) -> list[int]:
-    return [int(i) for i in np.flatnonzero(_read_steps(steps, outs))]
-
-
-def _drop_unread(steps: list[Step], out: int | Sequence[int],
-                 named: dict[int, int] | None = None) -> Lowered:
-    """Remove steps no other step (nor an output: ``out``, one or several) reads; renumber the
-    rest (and the steps ``named`` maps program nodes to, as :attr:`Lowered.kept_steps`). With
-    several outputs the result's ``output`` is the last of them, renumbered."""
-    outs = [out] if isinstance(out, (int, np.integer)) else list(out)
-    keep = _read_steps(steps, outs)
     new = np.cumsum(keep) - 1
     kept = [Step(st.kind, tuple(int(new[j]) for j in st.inputs), st.shape, st.terms, st.bias,
                  st.factor) for st, k in zip(steps, keep) if k]
-    return Lowered(kept, int(new[outs[-1]]), kept_steps={
+    return Lowered(kept, int(new[out]), kept_steps={
         n: int(new[j]) for n, j in (named or {}).items() if keep[j]})
