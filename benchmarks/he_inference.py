@@ -368,11 +368,12 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     step_profile = _profile(client, server, x)
     folds = _folds_baseline(model, xcal, prog, client, server, x, n, precision_bits, costs,
                             **compile_kwargs) if "fold_hoist" in prog.options else {}
-    final_map = _final_map_baseline(model, xcal, client, server, x, n, precision_bits, costs,
-                                    **compile_kwargs) if prog.options.get("client_map") else {}
+    # forked while this process holds one server, not two: a fork's memory adds to this one's
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
                                             **compile_kwargs)) \
         if prog.plan.uses_hoister else {}
+    final_map = _final_map_baseline(model, xcal, client, server, x, n, precision_bits, costs,
+                                    **compile_kwargs) if prog.options.get("client_map") else {}
     pred = prog.plan.predicted
     # the cost model's seconds on the threads the server kept (it times the compiler's
     # against one as it starts: he.Server.warm)
@@ -446,6 +447,8 @@ def isolated(fn: Callable[[], dict]) -> dict:
         _own_progress_locks()
         try:
             send.send(("ok", fn()))
+        except ProcessDied as exc:               # a process of its own died: so did this
+            send.send(("died", str(exc)))
         except BaseException as exc:             # noqa: BLE001 - reported to the parent
             send.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -461,6 +464,8 @@ def isolated(fn: Callable[[], dict]) -> dict:
     finally:
         receive.close()
     process.join()
+    if status == "died":
+        raise ProcessDied(value)
     if status == "error":
         raise RuntimeError(f"in the model's process: {value}")
     return value
