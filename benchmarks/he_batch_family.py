@@ -152,12 +152,14 @@ def _each_in_a_process(args: argparse.Namespace, names: list[str],
         if skip:
             skip = False
             continue
-        if a in ("--models", "--output"):
+        if a in ("--models", "--output", "--final-map"):
             skip = True
             continue
-        if a.startswith(("--models=", "--output=")):
+        if a.startswith(("--models=", "--output=", "--final-map=")) or \
+                a == "--final-map-baseline":
             continue
         keep.append(a)
+    keep += ["--final-map", args.final_map]
     result: dict = {"benchmark": "he_batch_family", "machine": {
         "platform": platform.platform(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "tenseal": ts.__version__,
@@ -177,8 +179,50 @@ def _each_in_a_process(args: argparse.Namespace, names: list[str],
                 child = json.load(f)
             result["data"] = child.get("data")
             result["models"].update(child["models"])
+            row = result["models"][name]
+            if args.final_map_baseline and row.get("client_map") and "server_s" in row:
+                _final_map_baseline(name, row, keep, tmp)
             atomic_write_bytes(args.output, json.dumps(result, indent=1).encode())
     return _finish(result, args.output)
+
+
+def _final_map_baseline(name: str, row: dict, keep: list[str], tmp: str) -> None:
+    """The same model compiled with the last map on the server, in a process of its own right
+    after: its images/s on the server's threads and end to end (the client's encryption and
+    decryption of a group included) against the client map's, into ``row``."""
+    import subprocess
+
+    out = os.path.join(tmp, f"{name}_server_map.json")
+    args = list(keep)
+    args[args.index("--final-map") + 1] = "server"
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args,
+                           "--models", name, "--output", out])
+    if done.returncode != 0 or not os.path.exists(out):
+        row["server_map_skipped"] = f"its process ended with status {done.returncode}"
+        return
+    with open(out) as f:
+        base = json.load(f)["models"][name]
+    if "server_s" not in base:
+        row["server_map_skipped"] = base.get("skipped", "not run")
+        return
+
+    def end_to_end(r: dict) -> float:
+        return r["slots"] / (r["client_encrypt_s"] + r["server_s"] + r["client_decrypt_s"])
+
+    row["server_map"] = {k: base[k] for k in (
+        "ring", "levels", "slots", "server_s", "images_per_s", "predicted_group_s",
+        "client_encrypt_s", "client_decrypt_s", "download_bytes", "prediction_error",
+        "within_promise")}
+    row.update({"client_map_server_speedup": row["images_per_s"] / base["images_per_s"],
+                "end_to_end_images_per_s": end_to_end(row),
+                "server_map_end_to_end_images_per_s": end_to_end(base),
+                "client_map_end_to_end_speedup": end_to_end(row) / end_to_end(base)})
+    print(f"{'':12s} the last map on the server: N={base['ring']} {base['levels']} levels, "
+          f"{base['images_per_s']:.0f} img/s on the server, {end_to_end(base):.0f} end to end "
+          f"-> the client's map {row['client_map_server_speedup']:.2f}x on the server, "
+          f"{row['client_map_end_to_end_speedup']:.2f}x end to end ({end_to_end(row):.0f} "
+          f"img/s; download {row['download_bytes'] / 2 ** 20:.0f} MiB per group against "
+          f"{base['download_bytes'] / 2 ** 20:.0f})", flush=True)
 
 
 def _finish(result: dict, output: str) -> dict:
@@ -203,7 +247,10 @@ def _summarise(result: dict) -> None:
             "prediction_error_unscaled_range": [
                 min(r.get("prediction_error_unscaled", r["prediction_error"]) for r in ran),
                 max(r.get("prediction_error_unscaled", r["prediction_error"]) for r in ran)],
-            "all_within_promise": all(r["within_promise"] for r in ran)}
+            "all_within_promise": all(r["within_promise"] for r in ran),
+            "client_map_end_to_end_speedups": {
+                k: r["client_map_end_to_end_speedup"] for k, r in result["models"].items()
+                if "client_map_end_to_end_speedup" in r}}
         print(json.dumps(result["summary"], indent=1))
 
 
@@ -235,12 +282,19 @@ def main(argv: list[str] | None = None) -> dict:
                          "each of them (polynets.ir.lowering.Lowered.shared), also time it "
                          "compiled with them kept as steps of their own "
                          "(he.compiler.shared_values_as_steps): the baseline of composing them")
+    ap.add_argument("--final-map", choices=he.compiler.FINAL_MAPS, default="auto",
+                    help="who applies the program's last map (he.compile's final_map)")
+    ap.add_argument("--final-map-baseline", action="store_true",
+                    help="where the compiler gives the last map to the client, the same model "
+                         "compiled with final_map='server' in a process of its own right after "
+                         "(its own keys and request): images/s against it, the client's "
+                         "encryption and decryption of a group included")
     ap.add_argument("--in-process", action="store_true",
                     help="run every model in this process (default: each in a process of its "
                          "own, since SEAL's memory pool keeps what a model's groups allocated)")
     args = ap.parse_args(argv)
     names = chosen_models(args.models)
-    if len(names) > 1 and not args.in_process:
+    if (len(names) > 1 or args.final_map_baseline) and not args.in_process:
         return _each_in_a_process(args, names, argv)
     torch.set_num_threads(2)
     xtr, ytr, xte, _ = load_mnist(args.data_dir)
@@ -257,7 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = train(MODELS[name](), xtr, ytr, args.epochs, augment=False, lr=2e-3)
         t0 = time.perf_counter()
         try:
-            prog = he.compile(model, xte[:1], calibration=xtr[:2048], packing=args.packing)
+            prog = he.compile(model, xte[:1], calibration=xtr[:2048], packing=args.packing,
+                              final_map=args.final_map)
         except he.NotEncryptableError as exc:   # no token structure, for tokens packing
             result["models"][name] = {"skipped": str(exc)}
             print(f"{name:12s} {exc}", flush=True)
@@ -274,7 +329,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "predicted_server_memory_mib":
                      prog.plan.predicted["server_memory_bytes"] / 2 ** 20,
                      "slots": slots, "compile_s": compile_s, "predicted_group_s": pred,
-                     "counts": prog.plan.predicted["counts"]}
+                     "counts": prog.plan.predicted["counts"],
+                     "client_map": bool(prog.options.get("client_map")),
+                     "predicted_download_bytes": prog.plan.predicted["download_bytes"]}
         if pred > args.budget:
             row["skipped"] = f"predicted {pred:.0f} s per group > --budget {args.budget:.0f} s"
             result["models"][name] = row
@@ -288,7 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "threads_note": servers["threads"].threads_note,
                     "predicted_one_thread_s": _one_thread_prediction(prog)})
         images = xte[torch.arange(slots) % len(xte)]
+        t0 = time.perf_counter()
         request = client.encrypt(images).to_bytes()
+        row["client_encrypt_s"] = time.perf_counter() - t0
         if args.tiled is not None and prog.packing == "batch":
             whole = servers["threads"]._group_memory(servers["threads"]._free_memory(),
                                                      keep=False).working
@@ -338,7 +397,11 @@ def main(argv: list[str] | None = None) -> dict:
             result["models"][name] = row
             print(f"{name:12s} {exc}", flush=True)
             continue
-        got = client.decrypt(servers["threads"].run(request).to_bytes())
+        result_bytes = servers["threads"].run(request).to_bytes()
+        t0 = time.perf_counter()
+        got = client.decrypt(result_bytes)
+        row.update({"client_decrypt_s": time.perf_counter() - t0,
+                    "download_bytes": len(result_bytes)})
         want = prog.simulate(images[:64].numpy())
         err = float(np.max(np.abs(got[:64] - want)))
         fast, one = min(times["threads"]), min(times["one_thread"])

@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['client_map_speedup']:.2f}x as fast a round trip as the server "
                       f"(N={row['server_map_ring']}, {row['server_map_levels']} levels, "
                       f"{row['server_map_median_s'] * 1e3:.0f} ms, alternated)", flush=True)
+            if "client_map_baseline_skipped" in row:
+                print(f"{'':12s} no server-map baseline: "
+                      f"{row['client_map_baseline_skipped']}", flush=True)
             if "folds_grouping_speedup" in row:
                 print(f"{'':12s} folds a group at a time {row['folds_grouping_speedup']:.2f}x as "
                       f"fast as one rotation at a time (server "

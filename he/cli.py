@@ -347,9 +347,9 @@ def register(subparsers: Any) -> None:
                    help="link between client and server, Mbit/s: the objective then counts "
                         "the ciphertexts' time on it (default: not counted)")
     p.add_argument("--final-map", choices=("auto", "server", "client"), default="auto",
-                   help="who applies the model's last linear map in vector packing: the "
-                        "client after decrypting (a level less for the server), the server, or "
-                        "auto: the cheaper (default)")
+                   help="who applies the model's last linear map in vector and batch packing: "
+                        "the client after decrypting (a level less for the server), the "
+                        "server, or auto: the cheaper (default)")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
 

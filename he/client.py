@@ -399,14 +399,23 @@ class Client:
 
         rows = []
         if self.program.packing == "batch":
+            post = self.program.lowered.post
+            # the output's elements, or the sums the client's last map reads (per value)
+            counts = [out_n] if post is None else post.returned()
             remaining = ct.n_samples
             for g in groups:
-                if len(g) != out_n:
+                if len(g) != sum(counts):
                     raise SerializationError(f"decrypt: a result group holds {len(g)} "
-                                             f"ciphertexts, expected {out_n}")
+                                             f"ciphertexts, expected {sum(counts)}")
                 take = min(remaining, eng.slots)
                 cols = [_seal_call(lambda c=c: dec(c), "decryption")[:take] for c in g]
-                rows.append(np.stack(cols, axis=1))
+                if post is None:
+                    rows.append(np.stack(cols, axis=1))
+                else:
+                    ends = np.cumsum(counts)
+                    rows.append(post.apply_returned(
+                        [np.stack(cols[e - c:e], axis=1).reshape(take, c)
+                         for e, c in zip(ends, counts)]))
                 remaining -= take
         elif self.program.packing == "tokens":
             plan = self.program.plan

@@ -57,6 +57,8 @@ PACKINGS = ("vector", "batch", "tokens")
 OBJECTIVES = ("latency", "throughput")
 #: who applies a program's last affine map (:func:`compile`'s ``final_map``)
 FINAL_MAPS = ("auto", "server", "client")
+#: packings in which the client may apply that map (tokens packing keeps it on the server)
+CLIENT_MAP_PACKINGS = ("vector", "batch")
 _OBJECTIVE_WORDS = {"latency": "round trip", "throughput": "seconds per sample"}
 
 
@@ -359,12 +361,9 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     seconds = loads + at_once + sum(t for si, t in enumerate(steps) if si not in early)
     k = plan.interleave
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
-    # the client's decryptions, each a product by the key and a decoding, about a plaintext
-    # product and an encoding, on the primes each result travels on
     returned = [returned_level(plan.steps[si].level, plan.levels, params.pending)
                 for si in plan.results]
-    decrypt = sum(costs.seconds("mul_plain", ring, params.limbs(lv)) +
-                  costs.seconds("encode", ring, params.limbs(lv)) for lv in returned)
+    decrypt = _decrypt_seconds(costs, params, returned)
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "client_decrypt_seconds": decrypt,
             "round_trip_seconds": seconds + client + decrypt, "samples_per_ciphertext": k,
@@ -377,6 +376,34 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "server_memory_bytes": _server_memory(
                 params, plaintexts, len(plan.galois_steps()) + len(plan.hoisted_steps()),
                 _vector_held(plan, counts), total.get("plaintexts_ext", 0))}
+
+
+def _decrypt_seconds(costs: CostModel, params: CKKSParams, returned: Sequence[int]) -> float:
+    """The client's decryptions of results on the primes of the levels ``returned`` (one per
+    ciphertext): each a product by the key and a decoding, about a plaintext product and an
+    encoding."""
+    ring = params.poly_modulus_degree
+    return sum(costs.seconds("mul_plain", ring, params.limbs(lv)) +
+               costs.seconds("encode", ring, params.limbs(lv)) for lv in returned)
+
+
+def _batch_returned(lowered: Lowered, live: list[np.ndarray], params: CKKSParams
+                    ) -> tuple[list[int], dict[int, int]]:
+    """``(levels, additions)``: the level each ciphertext a batch group returns travels on
+    (:func:`he.params.returned_level`), and by level the additions of the server's sums for
+    the client's map (:attr:`polynets.ir.lowering.ClientMap.sums`)."""
+    levels = step_levels(lowered.steps, "batch")
+    post = lowered.post
+    if post is None:
+        return [levels[lowered.output]] * int(live[lowered.output].sum()), {}
+    assert post.sums is not None
+    last = max(levels, default=0)
+    out: list[int] = []
+    adds: dict[int, int] = {}
+    for j, s in zip(post.reads, post.sums):
+        out += [returned_level(levels[j], last, params.pending)] * s.shape[0]
+        adds[levels[j]] = adds.get(levels[j], 0) + int(s.nnz) - s.shape[0]
+    return out, adds
 
 
 def _level_moduli(params: CKKSParams) -> list[list[int]]:
@@ -541,13 +568,21 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     # a row spilled is written out and read back, checksummed each way, at its level's size
     total["spill"] = sum(n for _, n in mem.spills)
     seconds += sum(n * costs.seconds("spill", ring, params.limbs(levels[s])) for s, n in mem.spills)
+    # the sums returned for the client's map (additions on the server's main thread), and the
+    # client's decryptions of what comes back
+    returned, adds = _batch_returned(lowered, live, params)
+    for lv, n in adds.items():
+        total["add"] = total.get("add", 0) + n
+        seconds += n * costs.seconds("add", ring, params.limbs(lv))
+    decrypt = _decrypt_seconds(costs, params, returned)
     client = costs.client_seconds(int(live[0].sum()), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
-            "round_trip_seconds": seconds + client, "samples_per_ciphertext": params.slots,
-            "seconds_per_sample": (seconds + client) / params.slots, "counts": total,
+            "client_decrypt_seconds": decrypt,
+            "round_trip_seconds": seconds + client + decrypt,
+            "samples_per_ciphertext": params.slots,
+            "seconds_per_sample": (seconds + client + decrypt) / params.slots, "counts": total,
             "upload_bytes": wire_bytes(params, 0, int(live[0].sum()), 1),
-            "download_bytes": wire_bytes(params, levels[lowered.output],
-                                         int(live[lowered.output].sum()), 2),
+            "download_bytes": sum(wire_bytes(params, lv, 1, 2) for lv in returned),
             "server_threads": threads,
             "server_memory_bytes": _server_memory(params, [], 0) + working,
             # what evaluating one group adds to a server whose keys are loaded
@@ -558,7 +593,7 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
 
 
 def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
-                     client: Any = False) -> Lowered:
+                     client: Any = False, packing: str = "vector") -> Lowered:
     """The lowered program a stored plan runs on: the program's own (with the nodes ``keep``
     kept apart, see :func:`polynets.ir.lowering.lower`; with its last map applied by the
     client where ``client``, :func:`polynets.ir.lowering.client_map`), or its values split
@@ -569,7 +604,10 @@ def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
         raise ValueError(f"client_map must be true or false, got {client!r}")
     lowered = lower(program, keep)
     if client:
-        mapped = client_map(lowered)
+        if packing not in CLIENT_MAP_PACKINGS:
+            raise ValueError(f"client_map: only {' and '.join(CLIENT_MAP_PACKINGS)} packing "
+                             f"return the values the client's map reads")
+        mapped = client_map(lowered, packing)
         if mapped is None:
             raise ValueError("client_map: this program does not end with a map the client "
                              "can apply")
@@ -630,10 +668,7 @@ class CompiledProgram:
             program_degree_depth(program)
         self.lowered = _lowered if _lowered is not None else _stored_lowering(
             program, self.options.get("split"), self.options.get("kept_apart", []),
-            self.options.get("client_map", False))
-        if self.lowered.post is not None and packing != "vector":
-            raise ValueError("client_map: only vector packing returns the values the client's "
-                             "map reads")
+            self.options.get("client_map", False), packing)
         self.plan: VectorPlan | BatchPlan | TokenPlan
         if _plan is not None:
             self.plan = _plan
@@ -789,10 +824,14 @@ class CompiledProgram:
                          f"keys), {s['scalar_weights']} scalar and {s['vector_weights']} "
                          f"slot-vector weights")
         else:
+            post = self.lowered.post
             lines.append(f"  batch plan: {self.params.slots} samples per ciphertext, "
                          f"{self.batch_inputs.size} input ciphertexts per group (of "
                          f"{int(np.prod(self.input_shape))} input elements, the others never "
-                         f"reach the output)")
+                         f"reach the output)" + (
+                             f"; the client applies the last map to the "
+                             f"{sum(post.returned())} ciphertexts (sums of the elements it "
+                             f"weighs alike) returned per group" if post is not None else ""))
         if p:
             threads = p.get("server_threads", 1)
             on = f" on {threads} server threads" if threads > 1 else ""
@@ -1672,13 +1711,15 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             program (``prog.memory_budget``), and a server given none of its own plans within
             what it leaves beside the keys (:meth:`CompiledProgram.server_room`).
         final_map: who applies the program's last affine map (a classifier's head, say) when
-            the program ends with one after its last product, in vector packing:
-            ``"server"``; ``"client"``, which decrypts the values that map reads (one
-            ciphertext each) and applies it in float64, so the server's chain is a level
-            shorter on every path through it and the server skips the map; or ``"auto"``: both
-            priced, the cheaper kept (``prog.plan.why`` says which). The client holds the
-            compiled program, weights included, so it learns nothing it could not compute; the
-            server still sees only ciphertexts. Batch and tokens packing keep it on the server.
+            the program ends with one after its last product, in vector and batch packing:
+            ``"server"``; ``"client"``, which decrypts the values that map reads (vector
+            packing: one ciphertext each; batch packing: a ciphertext per sum of the elements
+            the map weighs alike, e.g. a channel's tokens under a mean pooling) and applies it
+            in float64, so the server's chain is a level shorter on every path through it and
+            the server skips the map; or ``"auto"``: both priced, the cheaper kept
+            (``prog.plan.why`` says which). The client holds the compiled program, weights
+            included, so it learns nothing it could not compute; the server still sees only
+            ciphertexts. Tokens packing keeps it on the server.
         progress: show a progress bar of the candidates priced (each packing, chain of maps
             composed or kept apart, ring, and split of values wider than the slots; each a
             layout search under the cost model, seconds apiece for deep models).
@@ -1780,10 +1821,11 @@ def _final_map_variants(lowered: Lowered, msq: list[np.ndarray], kind: str, fina
                         ) -> list[tuple[bool, Lowered, list[np.ndarray]]]:
     """``(client applies the last map, lowered, per-step mean squares)`` of ``lowered`` as
     ``final_map`` asks in packing ``kind`` (:func:`compile`): the program as lowered, and in
-    vector packing, where it ends with a weighted map after a product, that map applied by the
-    client (:func:`polynets.ir.lowering.client_map`): both for ``"auto"``, the second alone for
-    ``"client"``."""
-    mapped = client_map(lowered) if kind == "vector" and final_map != "server" else None
+    vector and batch packing, where it ends with a weighted map after a product, that map
+    applied by the client (:func:`polynets.ir.lowering.client_map`): both for ``"auto"``, the
+    second alone for ``"client"``."""
+    mapped = client_map(lowered, kind) \
+        if kind in CLIENT_MAP_PACKINGS and final_map != "server" else None
     if mapped is None:
         return [(False, lowered, msq)]
     # the same steps but the last (the map), so their mean squares too
@@ -1925,7 +1967,9 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
                 f"into the maps that read them" if kept else
                 "every value composed into the maps that read it") + (
             f", the last map applied by the client to the {len(p.lowered.outputs)} values the "
-            f"server returns" if p.options.get("client_map") else "")
+            f"server returns" + (f" ({sum(p.lowered.post.returned())} ciphertexts per group)"
+                                 if p.packing == "batch" and p.lowered.post else "")
+            if p.options.get("client_map") else "")
 
     why = (f"; of {len(tried)} lowerings priced, {lowering(best)}: {best.params.levels} levels, "
            f"predicted {best_s:.3g} s against {other_s:.3g} s with {lowering(other)} "

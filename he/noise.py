@@ -133,9 +133,11 @@ def noise_gain(lowered: Lowered, msq: Sequence[np.ndarray], packing: str,
     if lowered.post is not None:
         # the client's map, in float64 on the decrypted values: their noise through its
         # squared weights, no rescale and no rounding
+        # squared weights of each element (a sum the server returns adds its elements' noise)
         post = lowered.post
-        a = sum(m.multiply(m).tocsr() @ v_in[j] for m, j in zip(post.terms, post.reads))
-        r = sum(m.multiply(m).tocsr() @ v_rs[j] for m, j in zip(post.terms, post.reads))
+        maps = post.step_terms()
+        a = sum(m.multiply(m).tocsr() @ v_in[j] for m, j in zip(maps, post.reads))
+        r = sum(m.multiply(m).tocsr() @ v_rs[j] for m, j in zip(maps, post.reads))
     else:
         a, r = v_in[lowered.output], v_rs[lowered.output]
     if packing != "vector":

@@ -158,7 +158,13 @@ def live_rows(lowered: Lowered) -> list[np.ndarray]:
     """
     steps = lowered.steps
     live = [np.zeros(st.n, dtype=bool) for st in steps]
-    live[lowered.output][:] = True
+    if lowered.post is None:
+        live[lowered.output][:] = True
+    else:
+        # the elements the client's map weighs (those the server sums for it)
+        post = lowered.post
+        for j, m in zip(post.reads, post.sums or post.terms):
+            live[j] |= np.asarray(abs(m.tocsc()).sum(axis=0)).ravel() > 0
     for si in range(len(steps) - 1, -1, -1):
         st, rows = steps[si], live[si]
         if not rows.any():
@@ -849,7 +855,7 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
         ran = end_of[si][0].steps if si in end_of else (si,)
         for j in {j for s in ran for j in steps[s].inputs if j not in ever_inner}:
             remaining[j] -= sum(j in set(steps[s].inputs) for s in ran)
-            if remaining[j] == 0 and j != lowered.output:
+            if remaining[j] == 0 and j not in lowered.outputs:
                 dead, vals[j] = vals[j], None
                 if steps[j].kind == "input" and own_inputs:
                     inputs[:] = [0.0] * len(inputs)
@@ -857,12 +863,54 @@ def run_batch(eng: Engine, lowered: Lowered, live: list[np.ndarray], inputs: lis
                     continue
                 if dead is not None:
                     buffers.release(dead, vals, pinned)
-    result = vals[lowered.output]
-    assert result is not None
+    if lowered.post is None:
+        result = vals[lowered.output]
+        assert result is not None
+    else:
+        result = _returned_sums(eng, lowered, vals, levels)
     if spare is not None:
         keep = {id(e) for e in result if _is_ct(e)} | pinned
         spare.extend(ct for pool in buffers.free.values() for ct in pool if id(ct) not in keep)
     return result
+
+
+def _returned_sums(eng: Engine, lowered: Lowered, vals: list[list[Elem] | None],
+                   levels: Sequence[int]) -> list[Elem]:
+    """What a batch group returns for the client's last map (:attr:`Lowered.post`): per value
+    it reads, the sums of its elements that map weighs alike
+    (:attr:`~polynets.ir.lowering.ClientMap.sums`), additions only, each on the fewest primes
+    that hold it (:func:`he.params.returned_level`), in the order of the reads."""
+    post = lowered.post
+    assert post is not None and post.sums is not None
+    last = max(levels, default=0)
+    out: list[Elem] = []
+    for j, s in zip(post.reads, post.sums):
+        value = vals[j]
+        assert value is not None
+        level = returned_level(levels[j], last, eng.params.pending)
+        s = s.tocsr()
+        for g in range(s.shape[0]):
+            cts = [value[e] for e in s.indices[s.indptr[g]:s.indptr[g + 1]]]
+            const = sum(float(e) for e in cts if not _is_ct(e))
+            cts = [e for e in cts if _is_ct(e)]
+            if not cts:
+                out.append(const)
+                continue
+            if len(cts) == 1 and not const:
+                out.append(eng.drop_to(cts[0], level))
+                continue
+            # a new ciphertext: an element may be another's too (a selection copies none)
+            if len(cts) > 1:
+                acc = eng.add(cts[0], cts[1])
+            else:
+                acc = eng.new_ciphertext()
+                eng.copy_into(cts[0], acc)
+            for e in cts[2:]:
+                eng.add_inplace(acc, e)
+            if const:
+                eng.add_scalar_inplace(acc, const)
+            out.append(eng.drop_to(acc, level))
+    return out
 
 
 #: per process and parameter set, the most ciphertext memory a batch group evaluated in this

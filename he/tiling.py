@@ -140,7 +140,7 @@ def weighted(lowered: Lowered, s: int) -> bool:
 def _kept(lowered: Lowered, reads: "_Reads", s: int, end: int) -> bool:
     """Whether step ``s`` of a segment ending at ``end`` is kept whole: read after the segment,
     the output, or the end itself."""
-    return s == end or s == lowered.output or any(k > end for k in reads.readers[s])
+    return s == end or s in lowered.outputs or any(k > end for k in reads.readers[s])
 
 
 def _tile_indices(seg: Segment, tiles: int) -> tuple[int, dict[int, np.ndarray],
@@ -411,7 +411,8 @@ def _last_use(lowered: Lowered, keep_inputs: bool, at: dict[int, int] | None = N
     for si, st in enumerate(lowered.steps):
         for j in st.inputs:
             last[j] = max(last[j], at.get(si, si))
-    last[lowered.output] = n
+    for o in lowered.outputs:
+        last[o] = n
     if keep_inputs:
         last[0] = n
     return last
@@ -717,7 +718,7 @@ def allocations(lowered: Lowered, live: Sequence[np.ndarray],
                 vals[seg.end] = take(row_bytes(seg.end), n_end)
                 release(sums)
             ran = seg.steps
-        for j in [j for j in vals if last[j] <= si and j != lowered.output and j not in ran]:
+        for j in [j for j in vals if last[j] <= si and j not in lowered.outputs and j not in ran]:
             release(vals.pop(j))
     return made
 

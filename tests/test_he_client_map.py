@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 from torch import nn
 
@@ -12,7 +13,7 @@ import he
 import polynets as pn
 from he.compiler import CompiledProgram
 from he.errors import NotEncryptableError
-from polynets.ir.lowering import client_map, evaluate_steps, lower
+from polynets.ir.lowering import ClientMap, client_map, evaluate_steps, lower, summed_columns
 
 
 class MuTokens(nn.Module):
@@ -122,10 +123,100 @@ def test_auto_keeps_the_cheaper_and_says_so():
     assert prog.plan.predicted["round_trip_seconds"] == pytest.approx(min(cost.values()))
 
 
-def test_batch_and_tokens_packing_keep_the_last_map_on_the_server():
-    model, x = _model()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch", final_map="client")
+class MeanTokens(MuTokens):
+    """:class:`MuTokens` with a mean-pooled head: the map weighs a channel's tokens alike."""
+
+    def __init__(self, tokens: int = 4, dim: int = 8, classes: int = 3, depth: int = 2):
+        super().__init__(tokens, dim, classes, depth)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mu in self.mus:
+            x = x + mu(x)
+        return self.head(x.mean(1))
+
+
+def test_tokens_packing_keeps_the_last_map_on_the_server():
+    torch.manual_seed(0)
+    model = pn.MONet(img_size=8, in_chans=1, num_classes=10, patch_size=2, embed="patch",
+                     embed_dim=8, depth=1, expansion=2, norm="batch").eval()
+    x = torch.rand(16, 1, 8, 8)
+    prog = he.compile(model, x[:1], calibration=x, packing="tokens", final_map="client",
+                      precision_bits=10)
+    assert prog.packing == "tokens"
     assert "client_map" not in prog.options and prog.lowered.post is None
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_batch_packing_returns_sums_the_client_maps(mean):
+    """Batch packing: the server returns, per value the head reads, the sums of the elements
+    it weighs alike (a channel's tokens under a mean pooling; every element of a flattened
+    head); decrypt == simulate == model, a level shorter, the download as predicted."""
+    torch.manual_seed(3)
+    model = (MeanTokens() if mean else MuTokens()).eval()
+    x = torch.rand(16, 4, 8) * 2 - 1
+    server_side = he.compile(model, x[:1], calibration=x, packing="batch", final_map="server")
+    prog = he.compile(model, x[:1], calibration=x, packing="batch", final_map="client")
+    assert prog.options["client_map"] is True and prog.lowered.post is not None
+    assert prog.params.levels == server_side.params.levels - 1
+    post = prog.lowered.post
+    assert post.sums is not None
+    flat = x.numpy().reshape(len(x), -1).astype(np.float64)
+    np.testing.assert_allclose(evaluate_steps(prog.lowered, flat),
+                               evaluate_steps(server_side.lowered, flat), rtol=1e-9, atol=1e-12)
+    # a mean weighs the 4 tokens of a channel alike: 8 sums per value, not 32 elements
+    per_value = {post.sums[k].shape[1]: post.returned()[k] for k in range(len(post.reads))}
+    if mean:
+        assert per_value.get(32) == 8
+    else:
+        assert per_value.get(32) == 32
+    sample = x[:5].numpy()
+    y, out = _roundtrip(prog, sample)
+    want = prog.simulate(sample)
+    assert y.shape == want.shape == (5, 3)
+    assert np.max(np.abs(y - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x[:5]).double().numpy(), rtol=1e-5, atol=1e-5)
+    one = he.Ciphertext.from_bytes(out.to_bytes())
+    assert len(one._groups[0]) == sum(post.returned())
+    assert prog.plan.predicted["download_bytes"] == sum(len(b) for b in one._groups[0])
+    assert prog.plan.predicted["client_decrypt_seconds"] > 0
+    assert f"{sum(post.returned())} ciphertexts" in prog.summary()
+
+
+def test_summed_columns_groups_equal_columns_only():
+    m = sp.csr_matrix(np.array([[1.0, 2.0, 1.0, 0.0, 2.0, 3.0],
+                                [4.0, 5.0, 4.0, 0.0, 5.0, 4.0]]))
+    post = ClientMap((1,), [m], np.array([0.5, -0.5]), (2,))
+    summed = summed_columns(post)
+    # columns 0 and 2 alike, 1 and 4 alike, 5 alone; 3 read by nothing
+    assert summed.returned() == [3]
+    np.testing.assert_array_equal(summed.sums[0].toarray(),
+                                  [[1, 0, 1, 0, 0, 0], [0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1]])
+    np.testing.assert_array_equal(summed.step_terms()[0].toarray(), m.toarray())
+    v = np.random.default_rng(0).normal(size=(4, 6))
+    np.testing.assert_allclose(summed.apply([v]), post.apply([v]), rtol=1e-12)
+    assert summed_columns(summed) is summed
+
+
+def test_a_batch_program_with_the_client_map_round_trips_through_a_file(tmp_path):
+    torch.manual_seed(4)
+    model = MeanTokens().eval()
+    x = torch.rand(16, 4, 8) * 2 - 1
+    prog = he.compile(model, x[:1], calibration=x, packing="batch", final_map="client")
+    path = tmp_path / "b.he"
+    prog.save(path)
+    loaded = he.load_program(path)
+    assert loaded.options["client_map"] is True and loaded.lowered.post is not None
+    assert loaded.lowered.post.returned() == prog.lowered.post.returned()
+    sample = x[:3].numpy()
+    client = he.Client(loaded)
+    out = he.Server(loaded, client.public_context()).run(client.encrypt(sample))
+    y = client.decrypt(out)
+    assert np.max(np.abs(y - prog.simulate(sample))) <= prog.params.expected_error
+    out._groups[0] = out._groups[0][:-1]
+    with pytest.raises(he.SerializationError, match="a result group holds"):
+        client.decrypt(out)
 
 
 def test_the_stored_program_rebuilds_the_client_map(tmp_path):

@@ -153,7 +153,8 @@ def test_the_compiler_prices_input_planes_against_one_input_ciphertext():
     assert found, prog.plan.why
     planes, single = (float(v) for v in found.groups())
     chosen = prog.plan.predicted["round_trip_seconds"]
-    assert chosen == pytest.approx(min(planes, single), rel=2e-3)
+    # the reason prints three significant digits: within half a unit of the third
+    assert chosen == pytest.approx(min(planes, single), rel=5e-3)
     no_planes = prog.options.get("max_planes") == 0
     if single != planes:            # (the reason prints three digits: a near tie reads equal)
         assert no_planes == (single < planes)

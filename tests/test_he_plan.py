@@ -79,9 +79,10 @@ def test_constant_scaling_levels_agree_between_certify_and_both_packings(factor,
     x = torch.rand(4, 3) * 0.9
     cert = pn.certify(model, x)
     assert cert.levels == levels
-    # a scaling that costs a level is a last map the client can apply instead (vector packing)
+    # a scaling that costs a level is a last map the client can apply instead
     assert cert.client_levels == (levels - 1 if levels == 2 else None)
-    for packing, final_map in (("vector", "server"), ("vector", "client"), ("batch", "auto")):
+    for packing, final_map in (("vector", "server"), ("vector", "client"), ("batch", "server"),
+                               ("batch", "client")):
         prog = he.compile(model, x, packing=packing, final_map=final_map)
         client = prog.options.get("client_map", False)
         assert client == (final_map == "client" and levels == 2)
@@ -139,9 +140,14 @@ def test_certify_levels_equal_the_compilers_on_random_programs(stack, seed):
         assert prog.params.levels == (cert.client_levels if client else cert.levels)
     batch = he.compile(model, x, packing="batch")
     kept = batch.options.get("kept_apart", [])
-    assert batch.params.levels == lower(cert.program, kept).depth_levels("batch")
+    low = lower(cert.program, kept)
+    client = batch.options.get("client_map", False)
+    if client:
+        low = client_map(low, "batch")
+        assert low is not None
+    assert batch.params.levels == low.depth_levels("batch")
     if not kept:
-        assert batch.params.levels <= cert.levels
+        assert batch.params.levels <= (cert.client_levels if client else cert.levels)
 
 
 def test_certify_counts_exactly_through_large_linear_intermediates():

@@ -113,7 +113,8 @@ def compiled():
     with torch.no_grad():
         model(x)
     model.eval()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    prog = he.compile(model, x[:1], calibration=x, packing="batch",
+                    final_map="server")
     rb = row_bytes_of(prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs)
     return model, x, prog, rb
 
@@ -193,7 +194,8 @@ def test_a_shifted_token_model_runs_as_a_wavefront_in_a_fraction_of_its_memory()
     model = pn.MONet(img_size=16, in_chans=1, num_classes=3, patch_size=2, embed_dim=8,
                      depth=2, merges=1, norm="batch").eval()
     x = torch.rand(8, 1, 16, 16)
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    prog = he.compile(model, x[:1], calibration=x, packing="batch",
+                    final_map="server")
     low, live = prog.lowered, prog.plan.live
     rb = row_bytes_of(low, prog.params.poly_modulus_degree, prog.params.limbs)
     segments = find_segments(low, live, rb, keep_inputs=False)
@@ -400,7 +402,8 @@ def test_compile_reports_the_tiles_a_tight_budget_needs(compiled):
         roomy["untiled_memory_bytes"]
     from he.compiler import _server_memory
     budget = int(_server_memory(prog.params, [], 0) + 0.6 * roomy["untiled_memory_bytes"])
-    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
+    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget,
+                    final_map="server")
     p = tight.plan.predicted
     assert p["tiles"] and p["working_memory_bytes"] < p["untiled_memory_bytes"]
     assert "run in tiles" in tight.plan.why
@@ -439,7 +442,8 @@ def test_lazy_products_run_in_tiles_where_the_cost_model_prices_them_below_a_who
         low, params.poly_modulus_degree, params.limbs, lazy), keep_inputs=False)
     keys = _server_memory(params, [], 0)
     budget = int(keys + PLAIN_CACHE_BYTES + (eager + lazy_whole) / 2)
-    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
+    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget,
+                    final_map="server")
     costs = he.costmodel.default_model()
     room = budget - keys
     whole, in_tiles = (_predict_batch(low, live, params, costs, tight.options["fused_fanin"],
@@ -483,7 +487,8 @@ def test_a_server_plans_its_tiles_for_the_budget_the_program_was_compiled_for(co
     assert prog.memory_budget is None and prog.server_room() is None
     keys = _server_memory(prog.params, [], 0)
     budget = int(keys + 0.6 * roomy["untiled_memory_bytes"])
-    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget)
+    tight = he.compile(model, x[:1], calibration=x, packing="batch", memory_budget=budget,
+                    final_map="server")
     assert tight.memory_budget == budget and tight.server_room() == budget - keys
     assert tight.key_bytes() == keys
     predicted = {int(e): k for e, k in tight.plan.predicted["tiles"].items()}
@@ -713,7 +718,8 @@ def _random_tokens_compiled(seed: int, patch: int, dim: int, shifts: tuple[bool,
     with torch.no_grad():
         model(x)
     model.eval()
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    prog = he.compile(model, x[:1], calibration=x, packing="batch",
+                    final_map="server")
     return x, prog, row_bytes_of(prog.lowered, prog.params.poly_modulus_degree,
                                  prog.params.limbs)
 
@@ -770,7 +776,8 @@ def shifted_monet():
     model = pn.MONet(img_size=12, in_chans=1, num_classes=3, patch_size=2, embed_dim=8,
                      depth=2, merges=1, norm="batch").eval()
     x = torch.rand(8, 1, 12, 12)
-    prog = he.compile(model, x[:1], calibration=x, packing="batch")
+    prog = he.compile(model, x[:1], calibration=x, packing="batch",
+                    final_map="server")
     rb = row_bytes_of(prog.lowered, prog.params.poly_modulus_degree, prog.params.limbs)
     return model, x, prog, rb
 
@@ -911,7 +918,8 @@ def test_the_lifts_a_group_runs_are_the_lifts_its_price_counts(compiled, monkeyp
     assert composed.options.get("kept_apart") or not any(
         batch_lifts(composed.lowered, composed.plan.live, composed.options["lazy_products"]))
     with shared_values_as_steps():
-        prog = he.compile(model, x[:1], calibration=x, packing="batch")
+        prog = he.compile(model, x[:1], calibration=x, packing="batch",
+                    final_map="server")
     low, live = prog.lowered, prog.plan.live
     want = batch_lifts(low, live, prog.options["lazy_products"])
     n_lifts = sum(n for lifts in want for n in lifts.values())

@@ -42,7 +42,8 @@ and the CKKS compiler:
 * :func:`client_map`: where the program ends with a weighted affine map, the client, which
   holds the compiled program, may apply it to the decrypted values it reads
   (:attr:`Lowered.post`): the server returns those values, and its chain is one level shorter
-  on every path through that map.
+  on every path through that map (in batch packing, one ciphertext per element, it first sums
+  the elements that map weighs alike: :func:`summed_columns`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ import scipy.sparse as sp
 
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
-__all__ = ["Step", "Lowered", "ClientMap", "client_map", "lower", "integer_factor", "node_cost",
-           "affine_is_free", "evaluate_steps", "is_identity", "step_levels",
-           "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ", "PACKING_KINDS", "MAX_INTEGER_FACTOR",
-           "DENSE_JOIN_FACTOR"]
+__all__ = ["Step", "Lowered", "ClientMap", "client_map", "summed_columns", "lower",
+           "integer_factor", "node_cost", "affine_is_free", "evaluate_steps", "is_identity",
+           "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ", "PACKING_KINDS",
+           "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
 
 #: Packings whose level rules differ: one sample per ciphertext vector, one per slot, or one
 #: channel per ciphertext with tokens and samples in its slots (``"tokens"``, whose maps rotate
@@ -172,30 +173,87 @@ class Lowered:
 class ClientMap:
     """``y = sum_k terms[k] @ value(reads[k]) + bias``: the program's last affine map, applied
     by the client in float64 to the decrypted values of the steps ``reads``
-    (:func:`client_map`); ``shape``: the program output's sample shape."""
+    (:func:`client_map`); ``shape``: the program output's sample shape.
+
+    ``sums`` (batch packing, one ciphertext per element): per read, a 0/1 matrix
+    ``(G_k, n_k)`` whose rows sum the elements the map weighs alike (its equal columns, e.g.
+    the tokens of a mean pooling); the server returns those sums, additions only, and
+    ``terms[k]`` is then ``(n, G_k)``, over them (:func:`summed_columns`)."""
 
     reads: tuple[int, ...]
     terms: list[sp.csr_matrix]
     bias: np.ndarray | None
     shape: tuple[int, ...]
+    sums: tuple[sp.csr_matrix, ...] | None = None
 
     @property
     def n(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def step_terms(self) -> list[sp.csr_matrix]:
+        """Per read, the map ``(n, n_k)`` from that step's value (``terms[k] @ sums[k]``)."""
+        if self.sums is None:
+            return list(self.terms)
+        return [(m @ s).tocsr() for m, s in zip(self.terms, self.sums)]
+
+    def returned(self) -> list[int]:
+        """Per read, how many values the server returns: its sums, or its elements."""
+        if self.sums is None:
+            return [m.shape[1] for m in self.terms]
+        return [s.shape[0] for s in self.sums]
+
     def apply(self, values: Sequence[np.ndarray]) -> np.ndarray:
         """``(B, n)`` from the values of ``reads`` (each ``(B, n_k)``), in float64."""
+        if self.sums is not None:
+            values = [(s @ np.asarray(v, dtype=np.float64).T).T
+                      for s, v in zip(self.sums, values)]
+        return self.apply_returned(values)
+
+    def apply_returned(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """``(B, n)`` from what the server returns for each read (``(B, returned()[k])``)."""
         y = sum((m @ np.asarray(v, dtype=np.float64).T).T for m, v in zip(self.terms, values))
         if self.bias is not None:
             y = y + np.asarray(self.bias, dtype=np.float64)[None, :]
         return np.asarray(y, dtype=np.float64)
 
 
+def summed_columns(post: ClientMap) -> ClientMap:
+    """``post`` with its equal columns summed by the server (:attr:`ClientMap.sums`): per read,
+    the elements its map weighs alike (bitwise equal columns) make one returned sum, and
+    elements it does not read (zero columns) none. The same map of the same values."""
+    if post.sums is not None:
+        return post
+    sums, terms = [], []
+    for m in post.terms:
+        csc = m.tocsc()
+        csc.sort_indices()
+        group: dict[bytes, int] = {}
+        rows: list[int] = []
+        cols: list[int] = []
+        firsts: list[int] = []
+        for j in range(csc.shape[1]):
+            lo, hi = csc.indptr[j], csc.indptr[j + 1]
+            if hi == lo or not np.any(csc.data[lo:hi]):
+                continue
+            key = csc.indices[lo:hi].tobytes() + csc.data[lo:hi].tobytes()
+            g = group.setdefault(key, len(group))
+            if g == len(firsts):
+                firsts.append(j)
+            rows.append(g)
+            cols.append(j)
+        s = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(firsts), m.shape[1]))
+        sums.append(s)
+        terms.append(csc[:, firsts].tocsr())
+    return ClientMap(post.reads, terms, post.bias, post.shape, tuple(sums))
+
+
 def client_map(lowered: Lowered, packing: str = "vector") -> Lowered | None:
     """``lowered`` with its last step, a weighted affine map, applied by the client
     (:attr:`Lowered.post`) to the values the server returns (the steps that map reads); None
     where the output is no such map (a product, a free map: nothing to save) or reads only
-    the input. The server's chain loses the level that map cost on every path through it."""
+    the input. The server's chain loses the level that map cost on every path through it.
+    In batch packing the server returns the sums of the elements the map weighs alike
+    (:func:`summed_columns`)."""
     if lowered.post is not None:
         return None
     out = lowered.steps[lowered.output]
@@ -208,7 +266,9 @@ def client_map(lowered: Lowered, packing: str = "vector") -> Lowered | None:
     assert lowered.output == len(lowered.steps) - 1
     low = Lowered(lowered.steps[:-1], primary, lowered.dense_joins, lowered.shared,
                   {n: j for n, j in lowered.kept_steps.items() if j != lowered.output})
-    low.post = ClientMap(tuple(out.inputs), list(out.terms), out.bias, tuple(out.shape))
+    post = ClientMap(tuple(out.inputs), list(out.terms), out.bias, tuple(out.shape))
+    # batch packing returns a ciphertext per element: the server sums those weighed alike
+    low.post = summed_columns(post) if packing == "batch" else post
     return low
 
 
