@@ -282,12 +282,16 @@ class Engine:
         self.rescale_into(res, res)
         return self._canon(res, level)
 
-    def drop_to(self, ct: Any, level: int) -> Any:
+    def drop_to(self, ct: Any, level: int, inplace: bool = False) -> Any:
         """``ct`` on the primes of ``level`` (at or below its own), its value and scale
         unchanged: a modulus switch, no rescale (:func:`he.params.returned_level` says where
-        the value still fits). ``ct`` itself where it is on them already."""
+        the value still fits). ``ct`` itself where it is on them already, or where
+        ``inplace`` (switched in its own storage)."""
         target = self.params.chain_index(level)
         if self.chain(ct) >= target:
+            return ct
+        if inplace:
+            self.evaluator.mod_switch_to_inplace(ct, self._chain_ids[target])
             return ct
         out = seal.Ciphertext()
         self.evaluator.mod_switch_to(ct, self._chain_ids[target], out)

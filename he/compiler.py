@@ -363,6 +363,9 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
     returned = [returned_level(plan.steps[si].level, plan.levels, params.pending)
                 for si in plan.results]
+    # each result switched down to the primes it travels on and written, on the main thread
+    seconds += _return_seconds(costs, params, [plan.steps[si].level for si in plan.results],
+                               returned)
     decrypt = _decrypt_seconds(costs, params, returned)
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "client_decrypt_seconds": decrypt,
@@ -380,30 +383,44 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
 
 def _decrypt_seconds(costs: CostModel, params: CKKSParams, returned: Sequence[int]) -> float:
     """The client's decryptions of results on the primes of the levels ``returned`` (one per
-    ciphertext): each a product by the key and a decoding, about a plaintext product and an
-    encoding."""
+    ciphertext): each read from its bytes (a load), a product by the key and a decoding
+    (about a plaintext product and an encoding)."""
     ring = params.poly_modulus_degree
-    return sum(costs.seconds("mul_plain", ring, params.limbs(lv)) +
-               costs.seconds("encode", ring, params.limbs(lv)) for lv in returned)
+    return sum(costs.seconds(op, ring, params.limbs(lv))
+               for lv in returned for op in ("load", "mul_plain", "encode"))
+
+
+def _return_seconds(costs: CostModel, params: CKKSParams, levels: Sequence[int],
+                    returned: Sequence[int]) -> float:
+    """The server's work on its results: each switched from its level (``levels``) down to
+    the primes of the one it travels on (``returned``,
+    :meth:`he.params.CKKSParams.switch_primitives`), then written to bytes (about a load)."""
+    ring = params.poly_modulus_degree
+    return sum(costs.seconds(op, ring, limbs) for lv, to in zip(levels, returned)
+               for op, limbs in [*params.switch_primitives(lv, to), ("load", params.limbs(to))])
 
 
 def _batch_returned(lowered: Lowered, live: list[np.ndarray], params: CKKSParams
-                    ) -> tuple[list[int], dict[int, int]]:
-    """``(levels, additions)``: the level each ciphertext a batch group returns travels on
-    (:func:`he.params.returned_level`), and by level the additions of the server's sums for
-    the client's map (:attr:`polynets.ir.lowering.ClientMap.sums`)."""
+                    ) -> tuple[list[int], list[int], dict[int, int]]:
+    """``(levels, returned, additions)``: per ciphertext a batch group returns, the level it
+    is computed at and the one it travels on (:func:`he.params.returned_level`), and by level
+    the additions of the server's sums for the client's map
+    (:attr:`polynets.ir.lowering.ClientMap.sums`)."""
     levels = step_levels(lowered.steps, "batch")
     post = lowered.post
     if post is None:
-        return [levels[lowered.output]] * int(live[lowered.output].sum()), {}
+        n = int(live[lowered.output].sum())
+        return [levels[lowered.output]] * n, [levels[lowered.output]] * n, {}
     assert post.sums is not None
     last = max(levels, default=0)
+    at: list[int] = []
     out: list[int] = []
     adds: dict[int, int] = {}
     for j, s in zip(post.reads, post.sums):
+        at += [levels[j]] * s.shape[0]
         out += [returned_level(levels[j], last, params.pending)] * s.shape[0]
         adds[levels[j]] = adds.get(levels[j], 0) + int(s.nnz) - s.shape[0]
-    return out, adds
+    return at, out, adds
 
 
 def _level_moduli(params: CKKSParams) -> list[list[int]]:
@@ -570,10 +587,11 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
     seconds += sum(n * costs.seconds("spill", ring, params.limbs(levels[s])) for s, n in mem.spills)
     # the sums returned for the client's map (additions on the server's main thread), and the
     # client's decryptions of what comes back
-    returned, adds = _batch_returned(lowered, live, params)
+    at, returned, adds = _batch_returned(lowered, live, params)
     for lv, n in adds.items():
         total["add"] = total.get("add", 0) + n
         seconds += n * costs.seconds("add", ring, params.limbs(lv))
+    seconds += _return_seconds(costs, params, at, returned)
     decrypt = _decrypt_seconds(costs, params, returned)
     client = costs.client_seconds(int(live[0].sum()), ring, params.limbs(0), client_threads())
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
@@ -1958,6 +1976,12 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
     if len(tried) == 1:
         return tried[0]
     budget = _server_budget(memory_budget)
+    unit = "s"
+    groups = {int(p.plan.predicted["samples_per_ciphertext"]) for p in tried}
+    if batch_size is None and len(groups) > 1 and all(p.packing == "batch" for p in tried):
+        # batch programs of groups of several sizes (rings) compared on requests of the same
+        # samples, the largest group's: a smaller group's round trip is not a faster answer
+        objective, batch_size, unit = "throughput", max(groups), "s per sample"
     ((*_, best_s), best), ((*_, other_s), other) = sorted(
         ((_rank(p, objective, batch_size, budget), p) for p in tried), key=lambda t: t[0])[:2]
 
@@ -1972,6 +1996,6 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
             if p.options.get("client_map") else "")
 
     why = (f"; of {len(tried)} lowerings priced, {lowering(best)}: {best.params.levels} levels, "
-           f"predicted {best_s:.3g} s against {other_s:.3g} s with {lowering(other)} "
+           f"predicted {best_s:.3g} {unit} against {other_s:.3g} {unit} with {lowering(other)} "
            f"({other.params.levels} levels)")
     return _with_why(best, str(best.options.get("why", "")) + why)

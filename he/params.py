@@ -167,6 +167,13 @@ class CKKSParams:
         above = self.limbs(target) + 1
         return [("mul_plain", above), ("rescale", above)]
 
+    def switch_primitives(self, level: int, target: int) -> list[tuple[str, int]]:
+        """The primitives a modulus switch of a value at ``level`` down to the primes of
+        ``target`` takes (:meth:`he.backend.Engine.drop_to`): one per prime dropped, each
+        about a rescale on the primes it starts from."""
+        return [("rescale", limbs) for limbs in range(self.limbs(level),
+                                                      self.limbs(target), -1)]
+
     def is_pending(self, level: int) -> bool:
         """Whether ``level`` is pending (:func:`level_pending`)."""
         return level_pending(level, self.pending)

@@ -909,7 +909,7 @@ def _returned_sums(eng: Engine, lowered: Lowered, vals: list[list[Elem] | None],
                 eng.add_inplace(acc, e)
             if const:
                 eng.add_scalar_inplace(acc, const)
-            out.append(eng.drop_to(acc, level))
+            out.append(eng.drop_to(acc, level, inplace=True))
     return out
 
 

@@ -184,6 +184,20 @@ def test_batch_packing_returns_sums_the_client_maps(mean):
     assert f"{sum(post.returned())} ciphertexts" in prog.summary()
 
 
+def test_batch_auto_compares_groups_of_two_rings_per_sample():
+    """With the head on the server the program needs N=16384, with it on the client N=8192:
+    half the samples per group, so ``auto`` compares them per sample, not per round trip."""
+    model, x = _model()
+    server_side = he.compile(model, x[:1], calibration=x, packing="batch", final_map="server")
+    client_side = he.compile(model, x[:1], calibration=x, packing="batch", final_map="client")
+    assert server_side.params.slots != client_side.params.slots
+    auto = he.compile(model, x[:1], calibration=x, packing="batch")
+    per_sample = {p.options.get("client_map", False): p.plan.predicted["seconds_per_sample"]
+                  for p in (server_side, client_side)}
+    assert auto.options.get("client_map", False) == (per_sample[True] < per_sample[False])
+    assert "s per sample against" in auto.plan.why
+
+
 def test_summed_columns_groups_equal_columns_only():
     m = sp.csr_matrix(np.array([[1.0, 2.0, 1.0, 0.0, 2.0, 3.0],
                                 [4.0, 5.0, 4.0, 0.0, 5.0, 4.0]]))
