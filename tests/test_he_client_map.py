@@ -43,6 +43,19 @@ def _roundtrip(prog: he.CompiledProgram, x: np.ndarray) -> tuple[np.ndarray, he.
     return client.decrypt(out.to_bytes()), out
 
 
+def _decrypts_as_simulated_and_modelled(prog: he.CompiledProgram, model: nn.Module,
+                                        x: torch.Tensor) -> he.Ciphertext:
+    """decrypt == simulate (within the promise) == model on ``x``; the server's result."""
+    sample = x.numpy()
+    y, out = _roundtrip(prog, sample)
+    want = prog.simulate(sample)
+    assert y.shape == want.shape == (len(x), 3)
+    assert np.max(np.abs(y - want)) <= prog.params.expected_error
+    with torch.no_grad():
+        np.testing.assert_allclose(want, model(x).double().numpy(), rtol=1e-5, atol=1e-5)
+    return out
+
+
 # ----------------------------------------------------------------------------- lowering
 @pytest.mark.parametrize("seed,depth", [(0, 1), (1, 2), (2, 3)])
 def test_the_client_map_computes_the_same_function_a_level_shorter(seed, depth):
@@ -89,13 +102,7 @@ def test_decrypt_equals_simulate_and_the_model_with_the_client_map():
     assert prog.options["client_map"] is True and "client_map" not in server_side.options
     assert prog.params.levels == server_side.params.levels - 1
     assert prog.lowered.post is not None
-    sample = x[:5].numpy()
-    y, out = _roundtrip(prog, sample)
-    want = prog.simulate(sample)
-    assert y.shape == want.shape == (5, 3)
-    assert np.max(np.abs(y - want)) <= prog.params.expected_error
-    with torch.no_grad():
-        np.testing.assert_allclose(want, model(x[:5]).double().numpy(), rtol=1e-5, atol=1e-5)
+    out = _decrypts_as_simulated_and_modelled(prog, model, x[:5])
     # one ciphertext per value the map reads, for every group of interleaved samples
     k = prog.plan.interleave
     groups = out._groups
@@ -170,13 +177,7 @@ def test_batch_packing_returns_sums_the_client_maps(mean):
         assert per_value.get(32) == 8
     else:
         assert per_value.get(32) == 32
-    sample = x[:5].numpy()
-    y, out = _roundtrip(prog, sample)
-    want = prog.simulate(sample)
-    assert y.shape == want.shape == (5, 3)
-    assert np.max(np.abs(y - want)) <= prog.params.expected_error
-    with torch.no_grad():
-        np.testing.assert_allclose(want, model(x[:5]).double().numpy(), rtol=1e-5, atol=1e-5)
+    out = _decrypts_as_simulated_and_modelled(prog, model, x[:5])
     one = he.Ciphertext.from_bytes(out.to_bytes())
     assert len(one._groups[0]) == sum(post.returned())
     assert prog.plan.predicted["download_bytes"] == sum(len(b) for b in one._groups[0])
