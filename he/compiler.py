@@ -363,9 +363,6 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
     returned = [returned_level(plan.steps[si].level, plan.levels, params.pending)
                 for si in plan.results]
-    # each result switched down to the primes it travels on and written, on the main thread
-    seconds += _return_seconds(costs, params, [plan.steps[si].level for si in plan.results],
-                               returned)
     decrypt = _decrypt_seconds(costs, params, returned)
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "client_decrypt_seconds": decrypt,
@@ -394,7 +391,9 @@ def _return_seconds(costs: CostModel, params: CKKSParams, levels: Sequence[int],
                     returned: Sequence[int]) -> float:
     """The server's work on its results: each switched from its level (``levels``) down to
     the primes of the one it travels on (``returned``,
-    :meth:`he.params.CKKSParams.switch_primitives`), then written to bytes (about a load)."""
+    :meth:`he.params.CKKSParams.switch_primitives`), then written to bytes (about a load).
+    Priced for batch groups, which may return thousands; a vector program's prediction is the
+    sum of its steps' (:meth:`he.Server.profile`), its one to few results left out."""
     ring = params.poly_modulus_degree
     return sum(costs.seconds(op, ring, limbs) for lv, to in zip(levels, returned)
                for op, limbs in [*params.switch_primitives(lv, to), ("load", params.limbs(to))])
