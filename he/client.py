@@ -414,7 +414,7 @@ class Client:
                 else:
                     ends = np.cumsum(counts)
                     rows.append(post.apply_returned(
-                        [np.stack(cols[e - c:e], axis=1).reshape(take, c)
+                        [np.stack(cols[e - c:e], axis=1)
                          for e, c in zip(ends, counts)]))
                 remaining -= take
         elif self.program.packing == "tokens":
