@@ -30,7 +30,7 @@ from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, ROTATION_BITS, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels,
-                       returned_level, wide_variant)
+                       read_levels, returned_level, wide_variant)
 from he.hoist import expected as hoist_expected
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, batch_lifts,
                      build_vector_plan, choose_fanin, choose_lazy, choose_plane_packing, key_basis,
@@ -411,14 +411,13 @@ def _batch_returned(lowered: Lowered, live: list[np.ndarray], params: CKKSParams
         n = int(live[lowered.output].sum())
         return [levels[lowered.output]] * n, [levels[lowered.output]] * n, {}
     assert post.sums is not None
-    last = max(levels, default=0)
     at: list[int] = []
     out: list[int] = []
     adds: dict[int, int] = {}
-    for j, s in zip(post.reads, post.sums):
-        at += [levels[j]] * s.shape[0]
-        out += [returned_level(levels[j], last, params.pending)] * s.shape[0]
-        adds[levels[j]] = adds.get(levels[j], 0) + int(s.nnz) - s.shape[0]
+    for s, (lv, to) in zip(post.sums, read_levels(post.reads, levels, params.pending)):
+        at += [lv] * s.shape[0]
+        out += [to] * s.shape[0]
+        adds[lv] = adds.get(lv, 0) + int(s.nnz) - s.shape[0]
     return at, out, adds
 
 

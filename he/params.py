@@ -304,6 +304,14 @@ def returned_level(level: int, last: int, pending: int) -> int:
     return int(level) if level_pending(level, pending) else max(int(level), int(last))
 
 
+def read_levels(reads: Sequence[int], levels: Sequence[int], pending: int
+                ) -> list[tuple[int, int]]:
+    """Per step of ``reads`` whose values the server returns, the level it is computed at and
+    the one it travels on (:func:`returned_level`), ``levels`` being every step's."""
+    last = max(levels, default=0)
+    return [(int(levels[j]), returned_level(levels[j], last, pending)) for j in reads]
+
+
 def level_drops(level: int, pending: int) -> bool:
     """Whether a product from ``level`` to ``level + 1`` rescales (drops a prime) on such a chain:
     from a pending level, or from every level where each has a prime of its own."""

@@ -27,7 +27,7 @@ from he.backend import Engine
 from he.errors import SerializationError
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.hoist import Extended
-from he.params import returned_level
+from he.params import read_levels, returned_level
 from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
@@ -882,12 +882,11 @@ def _returned_sums(eng: Engine, lowered: Lowered, vals: list[list[Elem] | None],
     that hold it (:func:`he.params.returned_level`), in the order of the reads."""
     post = lowered.post
     assert post is not None and post.sums is not None
-    last = max(levels, default=0)
     out: list[Elem] = []
-    for j, s in zip(post.reads, post.sums):
+    for j, s, (_, level) in zip(post.reads, post.sums,
+                                read_levels(post.reads, levels, eng.params.pending)):
         value = vals[j]
         assert value is not None
-        level = returned_level(levels[j], last, eng.params.pending)
         s = s.tocsr()
         for g in range(s.shape[0]):
             cts = [value[e] for e in s.indices[s.indptr[g]:s.indptr[g + 1]]]
