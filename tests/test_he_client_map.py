@@ -365,6 +365,15 @@ def test_a_returned_value_travels_on_the_last_levels_primes_unless_its_level_is_
     assert returned_level(2, 5, 0) == 2               # pending (squared scale): its own
 
 
+def test_read_levels_pairs_each_read_with_its_level_and_the_one_it_travels_on():
+    from he.params import read_levels
+
+    levels = [0, 1, 2, 3, 5]                          # every step's level; the deepest is 5
+    assert read_levels([1, 3], levels, -1) == [(1, 5), (3, 5)]
+    assert read_levels([2, 3], levels, 0) == [(2, 2), (3, 5)]   # level 2 pending: its own
+    assert read_levels([], levels, 0) == []
+
+
 def test_a_value_switched_down_to_the_last_level_decrypts_the_same():
     import tenseal.sealapi as seal
 
