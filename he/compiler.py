@@ -30,7 +30,7 @@ from he.errors import (InputShapeError, MemoryBudgetWarning, NotEncryptableError
 from he.noise import noise_gain, step_values_msq
 from he.params import (RING_DEGREES, ROTATION_BITS, SECURITY_LEVELS, CKKSParams, check_products,
                        choose_params, error_target, fitting_precision, most_levels,
-                       read_levels, returned_level, wide_variant)
+                       read_levels, wide_variant)
 from he.hoist import expected as hoist_expected
 from he.plan import (MAX_PLANES, BatchPlan, VectorPlan, batch_counts, batch_lifts,
                      build_vector_plan, choose_fanin, choose_lazy, choose_plane_packing, key_basis,
@@ -361,8 +361,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     seconds = loads + at_once + sum(t for si, t in enumerate(steps) if si not in early)
     k = plan.interleave
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
-    returned = [returned_level(plan.steps[si].level, plan.levels, params.pending)
-                for si in plan.results]
+    returned = plan.returned_levels(params.pending)
     decrypt = _decrypt_seconds(costs, params, returned)
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "client_decrypt_seconds": decrypt,

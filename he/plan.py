@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
+from he.params import read_levels
 from polynets.ir.lowering import Lowered, affine_is_free, is_identity, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "key_basis",
@@ -829,6 +830,13 @@ class VectorPlan:
     @property
     def levels(self) -> int:
         return max(s.level for s in self.steps)
+
+    def returned_levels(self, pending: int) -> list[int]:
+        """Per result (:attr:`results`), the level whose primes it travels on
+        (:func:`he.params.read_levels`) on a chain whose levels of parity ``pending`` are
+        pending."""
+        return [to for _, to in read_levels(self.results, [s.level for s in self.steps],
+                                            pending)]
 
     def __repr__(self) -> str:
         return _plan_repr("VectorPlan", {

@@ -27,7 +27,7 @@ from he.backend import Engine
 from he.errors import SerializationError
 from he.fused import FUSED_MIN_FANIN, fuse_map, raw_access
 from he.hoist import Extended
-from he.params import read_levels, returned_level
+from he.params import read_levels
 from he.plan import VectorPlan, rows_reading
 from he.tiling import Segment, finish_chunk, release_points, tile_plan
 from polynets.ir.lowering import Lowered, Step, affine_is_free, integer_factor, step_levels
@@ -1362,6 +1362,5 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         return [vals[plan.output]]
     # the values the client's last map reads, on the fewest primes that hold them: they
     # serialise, travel and decrypt as the last one does
-    pending = eng.params.pending
-    return [eng.drop_to(vals[o], returned_level(plan.steps[o].level, plan.levels, pending))
-            for o in plan.outputs]
+    return [eng.drop_to(vals[o], level)
+            for o, level in zip(plan.outputs, plan.returned_levels(eng.params.pending))]
