@@ -372,8 +372,11 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     unhoisted = isolated(lambda: _unhoisted(model, xcal, x, n, precision_bits, costs,
                                             **compile_kwargs)) \
         if prog.plan.uses_hoister else {}
-    final_map = _final_map_baseline(model, xcal, client, server, x, n, precision_bits, costs,
-                                    **compile_kwargs) if prog.options.get("client_map") else {}
+    final_map = _map_baseline(model, xcal, client, server, x, n, precision_bits, costs, "final",
+                              **compile_kwargs) if prog.options.get("client_map") else {}
+    gc.collect()
+    first_map = _map_baseline(model, xcal, client, server, x, n, precision_bits, costs, "first",
+                              **compile_kwargs) if prog.options.get("client_first") else {}
     pred = prog.plan.predicted
     # the cost model's seconds on the threads the server kept (it times the compiler's
     # against one as it starts: he.Server.warm)
@@ -408,7 +411,9 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
             "layouts": prog.plan.orders, **unhoisted, **folds, **blocks, **final_map,
-            "client_map": bool(prog.options.get("client_map")),
+            **first_map, "client_map": bool(prog.options.get("client_map")),
+            "client_first": bool(prog.options.get("client_first")),
+            "input_ciphertexts": len(prog.plan.input_layout),
             "server_returns": len(prog.plan.results),
             "step_profile": step_profile,
             **({"hoisting_speedup": unhoisted["unhoisted_server_median_s"] /
@@ -497,22 +502,31 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             "folds_grouping_speedup": single / grouped}
 
 
-def _final_map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client,
-                        server: he.Server, x: torch.Tensor, n: int, precision_bits: int,
-                        costs: he.costmodel.CostModel | None, **compile_kwargs: Any) -> dict:
-    """Where the client applies the program's last map (``final_map``), the same model
-    compiled with that map on the server, its own keys and server, timed on the same images
-    alternated with the client-map program, round trips (encryption, server, decryption and
-    the client's map) and servers alone: the baseline of the client map."""
+#: per map :func:`_map_baseline` compares: the compile argument, and the names of the results
+#: with the server applying it and with the client
+_MAP_BASELINES = {"final": ("final_map", "server_map", "client_map"),
+                  "first": ("first_map", "server_first", "client_first")}
+
+
+def _map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client, server: he.Server,
+                  x: torch.Tensor, n: int, precision_bits: int,
+                  costs: he.costmodel.CostModel | None, which: str, **compile_kwargs: Any
+                  ) -> dict:
+    """Where the client applies the program's last map (``which="final"``, ``final_map``) or
+    its first maps (``"first"``, ``first_map``), the same model compiled with those on the
+    server, its own keys and server, timed on the same images alternated with the client's
+    program, round trips (encryption, server, decryption and the client's maps) and servers
+    alone: the baseline of the client's maps."""
+    arg, on_server, on_client = _MAP_BASELINES[which]
     base = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
-                      precision_bits=precision_bits, cost_model=costs, final_map="server",
+                      precision_bits=precision_bits, cost_model=costs, **{arg: "server"},
                       **compile_kwargs)
     # a second server beside the first: where this machine's memory would not hold it, no
     # baseline (said in the results) rather than a process killed for memory
     need = float(base.plan.predicted.get("server_memory_bytes", 0))
     free = he.runtime.available_memory()
     if 1.5 * need > free:
-        return {"client_map_baseline_skipped":
+        return {f"{on_client}_baseline_skipped":
                 f"a second server predicted at {need / 2 ** 30:.1f} GiB, "
                 f"{free / 2 ** 30:.1f} GiB available"}
     base_client = he.Client(base)
@@ -531,14 +545,15 @@ def _final_map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client,
             serves[name].append(t2 - t1)
     med = {k: statistics.median(v) for k, v in rounds.items()}
     smed = {k: statistics.median(v) for k, v in serves.items()}
-    return {"server_map_median_s": med["server"], "client_map_median_s": med["client"],
-            "server_map_server_median_s": smed["server"],
-            "client_map_server_median_s": smed["client"],
-            "server_map_ring": base.params.poly_modulus_degree,
-            "server_map_levels": base.params.levels,
-            "server_map_predicted_server_s": base_server.predicted_seconds
+    return {f"{on_server}_median_s": med["server"], f"{on_client}_median_s": med["client"],
+            f"{on_server}_server_median_s": smed["server"],
+            f"{on_client}_server_median_s": smed["client"],
+            f"{on_server}_ring": base.params.poly_modulus_degree,
+            f"{on_server}_levels": base.params.levels,
+            f"{on_server}_input_ciphertexts": len(base.plan.input_layout),
+            f"{on_server}_predicted_server_s": base_server.predicted_seconds
             or base.plan.predicted["seconds_per_ciphertext"],
-            "client_map_speedup": med["server"] / med["client"]}
+            f"{on_client}_speedup": med["server"] / med["client"]}
 
 
 def _block_baseline(client: he.Client, server: he.Server, x: torch.Tensor, n: int) -> dict:

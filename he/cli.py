@@ -160,7 +160,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                       memory_budget=None if args.memory_budget is None
                       else max(1, int(args.memory_budget * 2 ** 30)),
                       bandwidth=None if args.bandwidth is None else args.bandwidth * 1e6 / 8,
-                      final_map=args.final_map,
+                      final_map=args.final_map, first_map=args.first_map,
                       progress=True)
     prog.save(args.output)
     print(prog.summary())
@@ -350,6 +350,11 @@ def register(subparsers: Any) -> None:
                    help="who applies the model's last linear map in vector and batch packing: "
                         "the client after decrypting (a level less for the server), the "
                         "server, or auto: the cheaper (default)")
+    p.add_argument("--first-map", choices=("auto", "server", "client"), default="auto",
+                   help="who applies the model's first linear maps (those of the input alone) "
+                        "in vector packing: the client before encrypting their values (a "
+                        "level less for the server), the server, or auto: the cheaper "
+                        "(default)")
     p.add_argument("--model-args", help="JSON keyword arguments when MODEL is a name")
     p.set_defaults(func=cmd_compile)
 

@@ -33,6 +33,7 @@ from he.runtime import (SpillFile, VectorKernels, available_memory, keep_spare, 
 from he.tiling import buffer_bytes, find_segments, row_bytes_of
 from he.tokens import TokenKernels, decode_outputs, encode_inputs, run_tokens
 from polynets.errors import ConfigError, check_int
+from polynets.ir.lowering import client_inputs
 
 __all__ = ["Ciphertext", "Client", "Server"]
 
@@ -356,8 +357,10 @@ class Client:
         else:
             plan = self.program.plan
             k = plan.interleave
+            # the input, and the values of the first maps where the client applies them
+            values = client_inputs(self.program.lowered, flat)
             for start in range(0, b, k):
-                block = flat[start:start + k]
+                block = values[start:start + k]
                 ext = np.concatenate([block, np.zeros((block.shape[0], 1))], axis=1)
                 for idx in plan.input_layout:
                     vec = np.zeros((idx.size, k))

@@ -46,19 +46,23 @@ from he.tiling import (Segment, allocations, buffer_bytes, choose_tiles, find_se
 from he.wire import ciphertext_bytes
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
-from polynets.ir.lowering import Lowered, affine_is_free, client_map, lower, step_levels
+from polynets.ir.lowering import (CLIENT_FIRST_PACKINGS, CLIENT_MAP_PACKINGS, Lowered,
+                                  affine_is_free, client_first, client_map, client_variants,
+                                  lower, step_levels)
 from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES", "FINAL_MAPS",
-           "argmax_precision", "ARGMAX_QUANTILE"]
+           "FIRST_MAPS", "argmax_precision", "ARGMAX_QUANTILE"]
 
 #: Packings a compiled program can have; ``compile`` also takes ``"auto"``.
 PACKINGS = ("vector", "batch", "tokens")
 OBJECTIVES = ("latency", "throughput")
 #: who applies a program's last affine map (:func:`compile`'s ``final_map``)
 FINAL_MAPS = ("auto", "server", "client")
-#: packings in which the client may apply that map (tokens packing keeps it on the server)
-CLIENT_MAP_PACKINGS = ("vector", "batch")
+#: who applies a program's first affine maps, those of the input alone (:func:`compile`'s
+#: ``first_map``; the packings where the client may apply these maps or the last:
+#: :data:`polynets.ir.lowering.CLIENT_MAP_PACKINGS` and ``CLIENT_FIRST_PACKINGS``)
+FIRST_MAPS = ("auto", "server", "client")
 _OBJECTIVE_WORDS = {"latency": "round trip", "throughput": "seconds per sample"}
 
 
@@ -608,11 +612,14 @@ def _predict_batch(lowered: Lowered, live: list[np.ndarray], params: CKKSParams,
 
 
 def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
-                     client: Any = False, packing: str = "vector") -> Lowered:
+                     client: Any = False, packing: str = "vector", first: Any = False
+                     ) -> Lowered:
     """The lowered program a stored plan runs on: the program's own (with the nodes ``keep``
     kept apart, see :func:`polynets.ir.lowering.lower`; with its last map applied by the
-    client where ``client``, :func:`polynets.ir.lowering.client_map`), or its values split
-    over several ciphertexts as ``split`` (``{"slots": int, "axis": int}``, checked) says."""
+    client where ``client``, :func:`polynets.ir.lowering.client_map`; with its first maps
+    applied by the client where ``first``, :func:`polynets.ir.lowering.client_first`), or its
+    values split over several ciphertexts as ``split`` (``{"slots": int, "axis": int}``,
+    checked) says."""
     if not isinstance(keep, (list, tuple)) or any(type(k) is not int for k in keep):
         raise ValueError(f"kept_apart must be a list of node indices, got {keep!r}")
     if type(client) is not bool:
@@ -627,6 +634,17 @@ def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
             raise ValueError("client_map: this program does not end with a map the client "
                              "can apply")
         lowered = mapped
+    if type(first) is not bool:
+        raise ValueError(f"client_first must be true or false, got {first!r}")
+    if first:
+        if packing not in CLIENT_FIRST_PACKINGS:
+            raise ValueError(f"client_first: only {' and '.join(CLIENT_FIRST_PACKINGS)} "
+                             f"packing encrypts the values of the first maps")
+        firsts = client_first(lowered, packing)
+        if firsts is None:
+            raise ValueError("client_first: this program has no first map the client can "
+                             "apply")
+        lowered = firsts[0]
     if split is None:
         return lowered
     sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
@@ -683,7 +701,8 @@ class CompiledProgram:
             program_degree_depth(program)
         self.lowered = _lowered if _lowered is not None else _stored_lowering(
             program, self.options.get("split"), self.options.get("kept_apart", []),
-            self.options.get("client_map", False), packing)
+            self.options.get("client_map", False), packing,
+            self.options.get("client_first", False))
         self.plan: VectorPlan | BatchPlan | TokenPlan
         if _plan is not None:
             self.plan = _plan
@@ -1666,7 +1685,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             memory_budget: int | None = None, security: int = 128,
             server_threads: int | None = None,
             bandwidth: float | None = None, final_map: str = "auto",
-            progress: bool = False) -> CompiledProgram:
+            first_map: str = "auto", progress: bool = False) -> CompiledProgram:
     """Compile a polynomial model (or a :class:`PolyProgram`) to CKKS.
 
     The compiler prices its candidates with ``cost_model`` and keeps the cheapest for
@@ -1735,6 +1754,16 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             (``prog.plan.why`` says which). The client holds the compiled program, weights
             included, so it learns nothing it could not compute; the server still sees only
             ciphertexts. Tokens packing keeps it on the server.
+        first_map: who applies the program's first affine maps, those that read only the
+            input or what such maps compute (a patch embedding or a convolution, with the
+            first Mu-Layer's projections the lowering composes into it), in vector packing:
+            ``"server"`` (from the client's input, or its input planes); ``"client"``, which
+            computes their values in float64 from the input it holds and encrypts each in the
+            layout the server reads it in (:func:`polynets.ir.lowering.client_first`), so the
+            server's chain is a level shorter on every path through them and the server skips
+            them; or ``"auto"``: both priced (the upload included), the cheaper kept. As for
+            ``final_map``, the client learns nothing it could not compute from the program it
+            holds; a deployment that withholds the weights passes ``"server"`` to both.
         progress: show a progress bar of the candidates priced (each packing, chain of maps
             composed or kept apart, ring, and split of values wider than the slots; each a
             layout search under the cost model, seconds apiece for deep models).
@@ -1747,6 +1776,8 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     argmax = isinstance(precision_bits, str) and precision_bits == "argmax"
     if final_map not in FINAL_MAPS:
         raise NotEncryptableError(f"final_map must be one of {FINAL_MAPS}, got {final_map!r}")
+    if first_map not in FIRST_MAPS:
+        raise NotEncryptableError(f"first_map must be one of {FIRST_MAPS}, got {first_map!r}")
     _check_settings(packing, objective, batch_size, security, memory_budget,
                     samples_per_ciphertext, precision_bits=None if argmax else precision_bits,
                     scale_bits=scale_bits, max_input_ciphertexts=max_input_ciphertexts)
@@ -1803,10 +1834,13 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
             unfit: TokensUnfit | None = None
             for keep, lowered, msq in _candidate_lowerings(program, calib64, certified, kind,
                                                            lowered_by_keep):
-                for client, low, m in _final_map_variants(lowered, msq, kind, final_map):
+                for (client, first), low, m in _client_variants(lowered, msq, kind,
+                                                                 final_map, first_map):
                     opts = {**options, "kept_apart": list(keep)} if keep else dict(options)
                     if client:
                         opts["client_map"] = True
+                    if first:
+                        opts["client_first"] = True
                     try:
                         tried.append(_compile_packing(program, low, kind, cert, maxabs, m,
                                                       opts, rings, costs, precision_bits,
@@ -1815,7 +1849,7 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
                                                       functools.partial(priced,
                                                                         kept_apart=bool(keep))))
                     except TooDeepError as exc:
-                        if error is None or not (keep or client):
+                        if error is None or not (keep or client or first):
                             error = exc
                     except TokensUnfit as exc:
                         # another lowering may lay out by tokens (one that keeps a shift apart)
@@ -1832,21 +1866,22 @@ def compile(model: Any, example_input: Any = None, *, calibration: Any = None,
     return chosen
 
 
-def _final_map_variants(lowered: Lowered, msq: list[np.ndarray], kind: str, final_map: str
-                        ) -> list[tuple[bool, Lowered, list[np.ndarray]]]:
-    """``(client applies the last map, lowered, per-step mean squares)`` of ``lowered`` as
-    ``final_map`` asks in packing ``kind`` (:func:`compile`): the program as lowered, and in
-    vector and batch packing, where it ends with a weighted map after a product, that map
-    applied by the client (:func:`polynets.ir.lowering.client_map`): both for ``"auto"``, the
-    second alone for ``"client"``."""
-    mapped = client_map(lowered, kind) \
-        if kind in CLIENT_MAP_PACKINGS and final_map != "server" else None
-    if mapped is None:
-        return [(False, lowered, msq)]
-    # the same steps but the last (the map), so their mean squares too
-    assert len(mapped.steps) == len(lowered.steps) - 1
-    variant = (True, mapped, [v for i, v in enumerate(msq) if i != lowered.output])
-    return [variant] if final_map == "client" else [(False, lowered, msq), variant]
+def _client_variants(lowered: Lowered, msq: list[np.ndarray], kind: str, final_map: str,
+                     first_map: str) -> list[tuple[tuple[bool, bool], Lowered, list[np.ndarray]]]:
+    """``((the client applies the last map, the client applies the first maps), lowered,
+    per-step mean squares)`` of ``lowered`` in packing ``kind`` as ``final_map`` and
+    ``first_map`` ask (:func:`compile`; the lowerings:
+    :func:`polynets.ir.lowering.client_variants`): for ``"auto"`` both ways, for
+    ``"client"`` the client's where it applies, for ``"server"`` the server's."""
+    variants = client_variants(lowered, kind)
+
+    def asked(on: bool, ask: str, clients: tuple[bool, bool]) -> bool:
+        # "client": the server's way only where the client's does not apply
+        return not on if ask == "server" else on or ask == "auto" or clients not in variants
+
+    return [((last, first), low, [msq[i] for i in kept])
+            for (last, first), (low, kept) in variants.items()
+            if asked(last, final_map, (True, first)) and asked(first, first_map, (last, True))]
 
 
 def _warn_over_budget(prog: CompiledProgram, memory_budget: int | None) -> None:
@@ -1990,7 +2025,9 @@ def _keep_or_compose(tried: list["CompiledProgram"], objective: str, batch_size:
             f", the last map applied by the client to the {len(p.lowered.outputs)} values the "
             f"server returns" + (f" ({sum(p.lowered.post.returned())} ciphertexts per group)"
                                  if p.packing == "batch" and p.lowered.post else "")
-            if p.options.get("client_map") else "")
+            if p.options.get("client_map") else "") + (
+            ", the first maps applied by the client, which encrypts their values"
+            if p.options.get("client_first") else "")
 
     why = (f"; of {len(tried)} lowerings priced, {lowering(best)}: {best.params.levels} levels, "
            f"predicted {best_s:.3g} {unit} against {other_s:.3g} {unit} with {lowering(other)} "

@@ -40,7 +40,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from he.params import read_levels
-from polynets.ir.lowering import Lowered, affine_is_free, is_identity, step_levels
+from polynets.ir.lowering import Lowered, affine_is_free, input_offsets, is_identity, step_levels
 
 __all__ = ["MatVec", "VStep", "VectorPlan", "BatchPlan", "next_pow2", "slot_map", "key_basis",
            "rotation_path",
@@ -1597,6 +1597,8 @@ def _vector_steps(lowered: Lowered, pairs: dict[int, int], maps: list[np.ndarray
         elif st.kind in ("mul", "mul_int"):
             if any(not np.array_equal(maps[j], maps[si]) for j in st.inputs):
                 raise ValueError(f"step {si}: operands of a product in different layouts")
+        if st.kind == "input":
+            continue                # a value the client computes carries its bias already
         biases = [(st.bias, maps[si])]
         if si in pairs:
             biases.append((steps[pairs[si]].bias, maps[pairs[si]] + periods[si] // 2))
@@ -1670,17 +1672,33 @@ def build_vector_plan(lowered: Lowered, slots: int, orders: Sequence[Order] | No
     for si in planes_at:
         _input_planes(plan, steps[si].terms[0], si, vslots, max_input_ciphertexts,
                       (planes_per_ct or {}).get(si))
+    # the values the client computes from the input (client_first), each in its own layout,
+    # their elements at their offsets in what it encrypts (client_inputs)
+    offsets = input_offsets(lowered)
+    read = {j for s in vsteps if s.kind != "planes" for j in s.inputs} | set(plan.results)
+    for si, st in enumerate(steps):
+        if si and st.kind == "input" and si in read:
+            vsteps[si].plane_cts = [len(plan.input_layout)]
+            plan.input_layout.append(_value_layout(maps[si], periods[si], vslots,
+                                                   offsets[si]))
     # the input in its own layout, for the steps that rotate it and where the server returns
     # it to the client's last map
-    if any(0 in s.inputs and s.kind != "planes" for s in vsteps) or 0 in plan.results or \
-            not plan.input_layout:
-        base = np.full(periods[0], -1, dtype=np.int64)
-        base[maps[0]] = np.arange(steps[0].n)
-        plan.input_layout.insert(0, np.tile(base, vslots // periods[0]))
+    if 0 in read or not plan.input_layout:
+        plan.input_layout.insert(0, _value_layout(maps[0], periods[0], vslots, 0))
         for s in vsteps:
             s.plane_cts = [c + 1 for c in s.plane_cts]
+        vsteps[0].plane_cts = [0]
     plan.order()                    # every step's inputs run before it
     return plan
+
+
+def _value_layout(slots_of: np.ndarray, period: int, vslots: int, offset: int) -> np.ndarray:
+    """An input ciphertext holding one value as its step's layout lays it out (``slots_of``:
+    element -> slot of a ``period``), repeated over ``vslots``: per slot, the element's index
+    in what the client encrypts, ``offset`` the value's first (-1: zero)."""
+    base = np.full(period, -1, dtype=np.int64)
+    base[slots_of] = offset + np.arange(len(slots_of))
+    return np.tile(base, vslots // period)
 
 
 def _input_planes(plan: VectorPlan, m: sp.csr_matrix, si: int, vslots: int,

@@ -1335,7 +1335,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
     for si in plan.order():
         st = plan.steps[si]
         if st.kind == "input":
-            vals[si] = inputs[0]
+            # the input, or a value the client computed from it: its own ciphertext, where a
+            # step reads it (the planes steps read the input's arrangements instead)
+            vals[si] = inputs[st.plane_cts[0]] if st.plane_cts else None
             continue
         start = clock()
         if st.kind == "planes":

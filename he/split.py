@@ -22,7 +22,8 @@ the smaller ring is cheaper where it is possible, and the compiler prices both
 (:func:`he.compiler.compile`). The program's input and output are never split: the client's
 ciphertexts and the decryption stay as they are; where the client applies the program's last map
 (:func:`polynets.ir.lowering.client_map`), the values it reads may be, and it reads each block
-through its columns.
+through its columns; a value the client computes from the input
+(:func:`polynets.ir.lowering.client_first`) may be too, each block from its rows.
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ def split_lowered(lowered: Lowered, slots: int, axis: int) -> Split | None:
                 bias = None if st.bias is None else \
                     np.asarray(st.bias)[blk] if blk is not None else st.bias
                 step = Step("affine", tuple(inputs), shape, terms, bias, st.factor)
+            elif st.kind == "input" and st.terms:
+                # a value the client computes (polynets.ir.lowering.client_first): its rows
+                m = st.terms[0].tocsr()
+                bias = st.bias if st.bias is None or blk is None else np.asarray(st.bias)[blk]
+                step = Step("input", (), shape, [m if blk is None else m[blk]], bias)
             else:
                 inputs = tuple(index[j][b] if len(index[j]) > 1 else index[j][0]
                                for j in st.inputs)

@@ -64,9 +64,10 @@ def test_a_slow_link_makes_the_compiler_send_fewer_input_ciphertexts(monkeypatch
     monkeypatch.setenv("POLYNETS_NO_HOISTING", "1")
     # the head on the server (by the client, the chain is shorter, N=8192, and one input
     # ciphertext wins on compute too)
-    fast = he.compile(model, x[:1], calibration=x, final_map="server")
+    # and the first maps on the server too: the subject is how it reads the client's input
+    fast = he.compile(model, x[:1], calibration=x, final_map="server", first_map="server")
     slow = he.compile(model, x[:1], calibration=x, bandwidth=1e6,     # 8 Mbit/s
-                      final_map="server")
+                      final_map="server", first_map="server")
     assert fast.plan.cost()["input_ciphertexts"] > 1    # the planes win on compute alone
     assert slow.plan.cost()["input_ciphertexts"] == 1
     assert slow.plan.predicted["upload_bytes"] < fast.plan.predicted["upload_bytes"]

@@ -86,7 +86,7 @@ def test_a_program_compiled_with_maps_kept_apart_decrypts_to_the_model_output(tm
     # 24 channels: at 16, the composed maps' four levels take a wide chain, which the cost
     # model prefers to keeping them apart
     model, x = _model_and_data(dim=24)
-    prog = he.compile(model, x[:1], calibration=x, final_map="server")
+    prog = he.compile(model, x[:1], calibration=x, final_map="server", first_map="server")
     kept = prog.options.get("kept_apart")
     assert kept, prog.plan.why       # the cost model prefers the maps apart here
     cert = pn.certify(model, x[:1])

@@ -86,7 +86,8 @@ def test_a_program_with_its_input_laid_out_by_patches_decrypts_to_the_model_outp
     torch.manual_seed(0)
     model = ColorPatches(img=16, patch=8, dim=8).eval()
     x = torch.rand(32, 3, 16, 16)
-    prog = he.compile(model, x[:1], calibration=x)
+    # the server applies the embedding (the client could: its input is then not encrypted)
+    prog = he.compile(model, x[:1], calibration=x, first_map="server")
     assert prog.plan.orders[0] in input_patches(prog.lowered)[1]
     loaded = _stored_and_run(prog, model, x[:2], tmp_path)
     assert loaded.plan.orders[0] == prog.plan.orders[0]
@@ -113,7 +114,7 @@ def test_a_stored_input_layout_outside_its_candidates_is_refused():
     torch.manual_seed(0)
     model = ColorPatches(img=16, patch=8, dim=8).eval()
     x = torch.rand(8, 3, 16, 16)
-    prog = he.compile(model, x[:1], calibration=x)
+    prog = he.compile(model, x[:1], calibration=x, first_map="server")
     bad = [list(o) if o is not None else None for o in prog.plan.orders]
     bad[0] = [2, 1, 3, 4, 5]
     with pytest.raises(ValueError, match="not an order"):
@@ -141,6 +142,8 @@ def _small(**compile_kwargs: Any) -> tuple[he.CompiledProgram, nn.Module, torch.
     torch.manual_seed(0)
     model = SmallTokens().eval()
     x = torch.rand(32, 1, 8, 8)
+    # the server's first maps: from the client's input planes or one input ciphertext
+    compile_kwargs.setdefault("first_map", "server")
     return he.compile(model, x[:1], calibration=x, **compile_kwargs), model, x
 
 

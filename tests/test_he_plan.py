@@ -21,7 +21,7 @@ from he.costmodel import CostModel, default_model, measure
 from he.plan import (_bsgs, _rotations_of, build_vector_plan, candidate_orders, dense,
                      layout_groups, layout_shapes, make_matvec,
                      search_layouts, shared_splits, slot_map)
-from polynets.ir.lowering import client_map, integer_factor, lower
+from polynets.ir.lowering import client_map, client_variants, integer_factor, lower
 from _models import Square
 
 
@@ -128,16 +128,16 @@ def test_certify_levels_equal_the_compilers_on_random_programs(stack, seed):
     # maps the cost model kept apart (a level more each, said in plan.why) are counted on the
     # lowering that keeps them so; certify counts the fewest levels
     kept = prog.options.get("kept_apart", [])
-    client = prog.options.get("client_map", False)
-    low = lower(cert.program, kept)
-    if client:      # the last map applied by the client: a level less where it cost one
-        low = client_map(low)
-        assert low is not None and cert.client_levels is not None
+    # the last map, the first maps applied by the client: a level less each where they cost one
+    key = (prog.options.get("client_map", False), prog.options.get("client_first", False))
+    low = client_variants(lower(cert.program, kept))[key][0]
+    certified = {(False, False): cert.levels, (True, False): cert.client_levels,
+                 (False, True): cert.first_levels, (True, True): cert.first_client_levels}[key]
+    assert certified is not None
     assert prog.params.levels == low.depth_levels("vector")
-    assert prog.plan.levels == prog.params.levels >= (cert.client_levels if client
-                                                      else cert.levels)
+    assert prog.plan.levels == prog.params.levels >= certified
     if not kept:
-        assert prog.params.levels == (cert.client_levels if client else cert.levels)
+        assert prog.params.levels == certified
     batch = he.compile(model, x, packing="batch")
     kept = batch.options.get("kept_apart", [])
     low = lower(cert.program, kept)

@@ -37,8 +37,9 @@ def _token_model() -> nn.Module:
 @pytest.fixture(scope="module")
 def served():
     x = torch.rand(8, 1, 8, 8)
+    # the first maps on the server, so that affine steps and planes are profiled too
     prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector",
-                      cost_model=shipped_model())
+                      cost_model=shipped_model(), first_map="server")
     client = he.Client(prog)
     server = he.Server(prog, client.public_context())
     return prog, client, server, client.encrypt(x[:1].numpy()), x

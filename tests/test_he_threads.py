@@ -89,7 +89,8 @@ def test_planes_steps_run_at_once_and_are_priced_by_their_makespan(monkeypatch):
     # rotations at SEAL's price, so that the first maps read the client's input planes (with
     # hoisted baby steps the cost model has them rotate the input instead)
     monkeypatch.setenv("POLYNETS_NO_HOISTING", "1")
-    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2)
+    prog = he.compile(model, x[:1], calibration=x, packing="vector", server_threads=2,
+                      first_map="server")
     monkeypatch.delenv("POLYNETS_NO_HOISTING")
     plan, params = prog.plan, prog.params
     early = plan.concurrent_planes()
@@ -571,7 +572,8 @@ def _planes_program(packing: str = "vector") -> tuple[nn.Module, torch.Tensor,
         # one, which leaves the threads nothing to share)
         d = default_model().to_dict()
         d["client_parallel_efficiency"] = {str(r): 1.0 for r in d["table"]}
-        options = {"samples_per_ciphertext": 1, "cost_model": CostModel.from_dict(d)}
+        options = {"samples_per_ciphertext": 1, "cost_model": CostModel.from_dict(d),
+                   "first_map": "server"}
     # rotations at SEAL's price: with hoisted baby steps the plan may rotate one input
     # ciphertext rather than read planes from several
     saved = os.environ.get(ENV_NO_HOISTING)

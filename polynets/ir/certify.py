@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polynets.ir.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, client_map, lower,
-                                  node_cost)
+from polynets.ir.lowering import (EXACT_LOWERING_LIMIT, Lowered, affine_is_free, client_variants,
+                                  lower, node_cost)
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
 if TYPE_CHECKING:  # the program analysis runs without torch (a ciphertext server loads it)
@@ -130,8 +130,11 @@ class Certificate:
     ``levels``: CKKS levels (rescales) on the longest path; ``plain_mults``: plaintext
     multiplications on that path; ``client_levels``: the levels where the client applies the
     program's last map (vector packing's ``final_map``, :func:`polynets.ir.lowering.client_map`;
-    None where it ends with no such map or the count is an upper bound); ``offending``: the
-    modules that break polynomiality.
+    None where it ends with no such map or the count is an upper bound); ``first_levels``:
+    where the client applies the program's first maps (vector packing's ``first_map``,
+    :func:`polynets.ir.lowering.client_first`; None where it has none), and
+    ``first_client_levels`` where it applies both; ``offending``: the modules that break
+    polynomiality.
     """
 
     model: str
@@ -144,6 +147,8 @@ class Certificate:
     levels_exact: bool = True
     plain_mults: int | None = None
     client_levels: int | None = None
+    first_levels: int | None = None
+    first_client_levels: int | None = None
     offending: list[Any] = field(default_factory=list)
     program: PolyProgram | None = None
     op_counts: dict[str, int] = field(default_factory=dict)
@@ -170,7 +175,10 @@ class Certificate:
             ("" if self.levels_exact else " -- an upper bound: the model is too large to "
              "lower exactly (and to encrypt)") +
             ("" if self.client_levels is None else f"; {self.client_levels} where the client "
-             f"applies the last map (vector packing)"),
+             f"applies the last map (vector packing)") +
+            ("" if self.first_levels is None else f"; {self.first_levels} where it applies the "
+             f"first maps" + ("" if self.first_client_levels is None else
+                              f", {self.first_client_levels} with the last as well")),
             f"  program:      {sum(self.op_counts.values())} ops ({ops})",
         ])
 
@@ -207,12 +215,15 @@ def certify_lowered(model: nn.Module, example_input: Any, max_depth: int | None 
     info = _Analysis().run(program)[program.output]
     exact = levels_exact(program) and (max_depth is None or info.depth <= max_depth)
     lowered = lower(program) if exact else None
-    client = None
+    clients: dict[tuple[bool, bool], int] = {}
     if lowered is not None:
         info = _counted_on(info, lowered)
-        mapped = client_map(lowered)
-        client = None if mapped is None else lowered_levels(mapped)[0]
+        clients = {key: lowered_levels(low)[0]
+                   for key, (low, _) in client_variants(lowered, "vector").items()}
     return Certificate(name, in_shape, out_shape, True, degree=info.degree, depth=info.depth,
-                       levels=info.levels, levels_exact=exact, client_levels=client,
+                       levels=info.levels, levels_exact=exact,
+                       client_levels=clients.get((True, False)),
+                       first_levels=clients.get((False, True)),
+                       first_client_levels=clients.get((True, True)),
                        plain_mults=info.plain_mults, program=program,
                        op_counts=program.op_counts()), lowered

@@ -8,7 +8,9 @@ flat values (row-major order of each node's sample shape):
 ============  ===============================================================================
 step          meaning
 ============  ===============================================================================
-``input``     the encrypted input, level 0
+``input``     the encrypted input, level 0; or, where the client applies the first maps
+              (:func:`client_first`), a value it computes from the input as ``terms[0] @ x
+              + bias`` and encrypts, level 0 too
 ``affine``    ``y = sum_k M_k x_k + b``: every linear map, layout op (gather), constant scaling
               and addition between two products composed into one map (scipy CSR ``M_k``)
 ``mul``       ``y = x_a * x_b``, element-wise ciphertext product (``a == b``: a square)
@@ -43,7 +45,12 @@ and the CKKS compiler:
   holds the compiled program, may apply it to the decrypted values it reads
   (:attr:`Lowered.post`): the server returns those values, and its chain is one level shorter
   on every path through that map (in batch packing, one ciphertext per element, it first sums
-  the elements that map weighs alike: :func:`summed_columns`).
+  the elements that map weighs alike: :func:`summed_columns`);
+* :func:`client_first`: the weighted maps that read only the input (a patch embedding with the
+  first Mu-Layer's projections composed into it, a convolution), and the maps that read only
+  what those compute, are affine functions of the input, which the client holds in the clear:
+  it may compute them in float64 and encrypt their values, which the server reads as inputs;
+  every path through such a map is a level shorter and the server skips it.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ import scipy.sparse as sp
 
 from polynets.ir.program import Interpreter, Node, PolyProgram
 
-__all__ = ["Step", "Lowered", "ClientMap", "client_map", "summed_columns", "lower",
+__all__ = ["Step", "Lowered", "ClientMap", "client_map", "client_first", "client_inputs",
+           "client_variants", "input_offsets", "summed_columns", "lower",
+           "CLIENT_MAP_PACKINGS", "CLIENT_FIRST_PACKINGS",
            "integer_factor", "node_cost", "affine_is_free", "evaluate_steps", "is_identity",
            "step_levels", "EXACT_LOWERING_LIMIT", "LOCAL_ROW_NNZ", "PACKING_KINDS",
            "MAX_INTEGER_FACTOR", "DENSE_JOIN_FACTOR"]
@@ -85,6 +94,16 @@ SHARED_ROW_NNZ = 4
 #: packing; the level count is then the per-node upper bound, see
 #: :func:`polynets.ir.certify.levels_exact`).
 EXACT_LOWERING_LIMIT = 2 ** 16
+#: Packings in which the client may apply the program's last map (:func:`client_map`; tokens
+#: packing keeps it on the server) and its first maps (:func:`client_first`: vector packing,
+#: which encrypts each of their values in one ciphertext where batch packing would need one
+#: per element)
+CLIENT_MAP_PACKINGS = ("vector", "batch")
+CLIENT_FIRST_PACKINGS = ("vector",)
+#: Most nonzero weights of one map the client applies to its input (:func:`client_first`): maps
+#: that read only what such maps compute are composed with them, which can make them dense (a
+#: token-mixing map after a patch embedding: 1,568 x 784); a denser one stays on the server
+CLIENT_MAP_NNZ = 1 << 24
 
 
 def integer_factor(value: np.ndarray | float) -> int | None:
@@ -272,6 +291,125 @@ def client_map(lowered: Lowered, packing: str = "vector") -> Lowered | None:
     return low
 
 
+def client_first(lowered: Lowered, packing: str = "vector"
+                 ) -> tuple[Lowered, list[int]] | None:
+    """``lowered`` with its first maps applied by the client, and the index in ``lowered`` of
+    each step it keeps; None where no map becomes one.
+
+    An affine step that reads only the input, or only values computed so, is an affine function
+    of the input (its terms composed with theirs, at most :data:`CLIENT_MAP_NNZ` weights): it
+    becomes an ``input`` step whose ``terms[0]`` (``(n, n_input)``) and ``bias`` the client
+    applies to the input in float64 before encrypting the value (:func:`client_inputs`), at
+    level 0 where the server's map would have left it at level 1. The program's output stays
+    the server's (a program that is one affine map has nothing to give the client); a value the
+    server returns to the client's last map may be one the client computed, which the server
+    returns as it got it. Steps only the client's maps read are dropped; the input stays step
+    0, read or not. ``packing`` decides which maps are free (:func:`affine_is_free`): a free
+    map of the input is left to the server (it costs no level there)."""
+    steps = lowered.steps
+    n_in = steps[0].n
+    # the program's output stays the server's; a value the server returns to the client's last
+    # map may be one the client computed (the server returns its ciphertext, switched down)
+    returned = {lowered.output} if lowered.post is None else set()
+    maps: dict[int, tuple[sp.csr_matrix, np.ndarray | None]] = {}
+    for si, st in enumerate(steps):
+        if st.kind == "input":
+            if si == 0:
+                maps[si] = (_eye(n_in), None)
+            elif st.terms:
+                maps[si] = (st.terms[0].tocsr(), st.bias)
+            continue
+        if st.kind != "affine" or si in returned or affine_is_free(st, packing) or \
+                any(j not in maps for j in st.inputs):
+            continue
+        m = sp.csr_matrix((st.n, n_in))
+        bias = np.zeros(st.n) if st.bias is None else np.asarray(st.bias, dtype=np.float64)
+        for t, j in zip(st.terms, st.inputs):
+            w, b = maps[j]
+            m = m + (t @ w).tocsr()
+            if b is not None:
+                bias = bias + t @ b
+        if m.nnz > CLIENT_MAP_NNZ:
+            continue
+        m.eliminate_zeros()
+        maps[si] = (m, bias if np.any(bias) else None)
+    converted = [si for si in maps if si != 0 and steps[si].kind == "affine"]
+    if not converted:
+        return None
+    new = [Step("input", (), st.shape, [maps[si][0]], maps[si][1]) if si in converted else st
+           for si, st in enumerate(steps)]
+    read = np.zeros(len(new), dtype=bool)
+    read[0] = True
+    read[list({lowered.output, *lowered.outputs})] = True
+    for i in range(len(new) - 1, -1, -1):
+        if read[i]:
+            read[list(new[i].inputs)] = True
+    kept = [i for i in range(len(new)) if read[i]]
+    index = {old: k for k, old in enumerate(kept)}
+    out = Lowered([Step(new[i].kind, tuple(index[j] for j in new[i].inputs), new[i].shape,
+                        new[i].terms, new[i].bias, new[i].factor) for i in kept],
+                  index[lowered.output], lowered.dense_joins, lowered.shared,
+                  {n: index[j] for n, j in lowered.kept_steps.items() if j in index})
+    if lowered.post is not None:
+        post = lowered.post
+        out.post = ClientMap(tuple(index[j] for j in post.reads), post.terms, post.bias,
+                             post.shape, post.sums)
+    return out, kept
+
+
+def client_variants(lowered: Lowered, packing: str = "vector"
+                    ) -> dict[tuple[bool, bool], tuple[Lowered, list[int]]]:
+    """The lowerings of ``lowered`` in ``packing`` keyed ``(the client applies the last map,
+    the client applies the first maps)``, each with the index in ``lowered`` of every step it
+    keeps: ``(False, False)`` is ``lowered`` itself; the others where they apply
+    (:func:`client_map` in :data:`CLIENT_MAP_PACKINGS`, :func:`client_first` in
+    :data:`CLIENT_FIRST_PACKINGS`, the first maps after the last)."""
+    out = {(False, False): (lowered, list(range(len(lowered.steps))))}
+    mapped = client_map(lowered, packing) if packing in CLIENT_MAP_PACKINGS else None
+    if mapped is not None:
+        # the same steps but the last (the map)
+        out[True, False] = (mapped, [i for i in range(len(lowered.steps))
+                                     if i != lowered.output])
+    if packing in CLIENT_FIRST_PACKINGS:
+        for last in (False, True):
+            if (last, False) in out:
+                base, idx = out[last, False]
+                firsts = client_first(base, packing)
+                if firsts is not None:
+                    out[last, True] = (firsts[0], [idx[i] for i in firsts[1]])
+    return out
+
+
+def _client_value(st: Step, x: np.ndarray) -> np.ndarray:
+    """The value of an input step the client computes (:func:`client_first`) on ``x``
+    (``(B, n_input)``), ``(B, n)`` in float64."""
+    v = np.asarray((st.terms[0] @ np.asarray(x, dtype=np.float64).T).T)
+    if st.bias is not None:
+        v = v + np.asarray(st.bias, dtype=np.float64)[None, :]
+    return v
+
+
+def input_offsets(lowered: Lowered) -> dict[int, int]:
+    """Per input step, where its value starts in :func:`client_inputs`' rows."""
+    out, at = {}, 0
+    for si, st in enumerate(lowered.steps):
+        if st.kind == "input":
+            out[si] = at
+            at += st.n
+    return out
+
+
+def client_inputs(lowered: Lowered, x: np.ndarray) -> np.ndarray:
+    """What the client encrypts from ``x`` (``(B, n_input)``): the values of the program's input
+    steps one after the other (:func:`input_offsets`), the input itself first and the values
+    of the maps it applies (:func:`client_first`) after it; ``x`` itself where there are none."""
+    x = np.asarray(x)
+    parts = [x if not st.terms else _client_value(st, x)
+             for st in lowered.steps if st.kind == "input"]
+    return parts[0] if len(parts) == 1 else np.concatenate(
+        [np.asarray(p, dtype=np.float64) for p in parts], axis=1)
+
+
 def evaluate_steps(lowered: Lowered, x: np.ndarray,
                    visit: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
     """Float64 evaluation of the steps on a batch ``x`` (``(B, n_input)``, flattened inputs):
@@ -288,7 +426,7 @@ def evaluate_steps(lowered: Lowered, x: np.ndarray,
     for si, st in enumerate(steps):
         ins = [vals[j] for j in st.inputs]
         if st.kind == "input":
-            v = x
+            v = x if not st.terms else _client_value(st, x)
         elif st.kind == "affine":
             v = sum((m @ a.T).T for m, a in zip(st.terms, ins))
             if st.bias is not None:
