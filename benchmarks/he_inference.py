@@ -377,6 +377,10 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
     gc.collect()
     first_map = _map_baseline(model, xcal, client, server, x, n, precision_bits, costs, "first",
                               **compile_kwargs) if prog.options.get("client_first") else {}
+    gc.collect()
+    both = _map_baseline(model, xcal, client, server, x, n, precision_bits, costs, "both",
+                         **compile_kwargs) \
+        if prog.options.get("client_first") and prog.options.get("client_map") else {}
     pred = prog.plan.predicted
     # the cost model's seconds on the threads the server kept (it times the compiler's
     # against one as it starts: he.Server.warm)
@@ -411,7 +415,7 @@ def ours_vector(model: nn.Module, xcal: torch.Tensor, x: torch.Tensor, n: int,
             "plan": plan_line(prog),
             "why": prog.plan.why, "counts": pred["counts"],
             "layouts": prog.plan.orders, **unhoisted, **folds, **blocks, **final_map,
-            **first_map, "client_map": bool(prog.options.get("client_map")),
+            **first_map, **both, "client_map": bool(prog.options.get("client_map")),
             "client_first": bool(prog.options.get("client_first")),
             "input_ciphertexts": len(prog.plan.input_layout),
             "server_returns": len(prog.plan.results),
@@ -502,25 +506,27 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             "folds_grouping_speedup": single / grouped}
 
 
-#: per map :func:`_map_baseline` compares: the compile argument, and the names of the results
-#: with the server applying it and with the client
-_MAP_BASELINES = {"final": ("final_map", "server_map", "client_map"),
-                  "first": ("first_map", "server_first", "client_first")}
+#: per map :func:`_map_baseline` compares: the compile arguments, and the names of the results
+#: with the server applying it and with the client (``"both"``: every map on the server, the
+#: whole network evaluated there, as Orion and the recipe do)
+_MAP_BASELINES = {"final": (("final_map",), "server_map", "client_map"),
+                  "first": (("first_map",), "server_first", "client_first"),
+                  "both": (("final_map", "first_map"), "server_all", "client_maps")}
 
 
 def _map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client, server: he.Server,
                   x: torch.Tensor, n: int, precision_bits: int,
                   costs: he.costmodel.CostModel | None, which: str, **compile_kwargs: Any
                   ) -> dict:
-    """Where the client applies the program's last map (``which="final"``, ``final_map``) or
-    its first maps (``"first"``, ``first_map``), the same model compiled with those on the
-    server, its own keys and server, timed on the same images alternated with the client's
-    program, round trips (encryption, server, decryption and the client's maps) and servers
-    alone: the baseline of the client's maps."""
-    arg, on_server, on_client = _MAP_BASELINES[which]
+    """Where the client applies the program's last map (``which="final"``, ``final_map``), its
+    first maps (``"first"``, ``first_map``) or either (``"both"``), the same model compiled
+    with those on the server, its own keys and server, timed on the same images alternated
+    with the client's program, round trips (encryption, server, decryption and the client's
+    maps) and servers alone: the baseline of the client's maps."""
+    args, on_server, on_client = _MAP_BASELINES[which]
     base = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
-                      precision_bits=precision_bits, cost_model=costs, **{arg: "server"},
-                      **compile_kwargs)
+                      precision_bits=precision_bits, cost_model=costs,
+                      **{arg: "server" for arg in args}, **compile_kwargs)
     # a second server beside the first: where this machine's memory would not hold it, no
     # baseline (said in the results) rather than a process killed for memory
     need = float(base.plan.predicted.get("server_memory_bytes", 0))
@@ -885,14 +891,19 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
               f"{v['unhoisted_server_median_s']:.3f} s (predicted "
               f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
               f"{v['hoisting_speedup']:.2f}x")
-    if "client_map_speedup" in v:
-        print(f"   the last map on the server (compiled in the same run, alternated): round "
-              f"trip {v['server_map_median_s'] * 1e3:.0f} ms at N={v['server_map_ring']}, "
-              f"{v['server_map_levels']} levels (server {v['server_map_server_median_s']:.3f} s, "
-              f"predicted {v['server_map_predicted_server_s']:.3f} s) against "
-              f"{v['client_map_median_s'] * 1e3:.0f} ms with the client applying it "
-              f"(server {v['client_map_server_median_s']:.3f} s) -> "
-              f"{v['client_map_speedup']:.2f}x")
+    for _, on_server, on_client in _MAP_BASELINES.values():
+        if f"{on_client}_speedup" not in v:
+            continue
+        what = {"server_map": "the last map", "server_first": "the first maps",
+                "server_all": "every map"}[on_server]
+        print(f"   {what} on the server (compiled in the same run, alternated): round "
+              f"trip {v[f'{on_server}_median_s'] * 1e3:.0f} ms at N={v[f'{on_server}_ring']}, "
+              f"{v[f'{on_server}_levels']} levels (server "
+              f"{v[f'{on_server}_server_median_s']:.3f} s, predicted "
+              f"{v[f'{on_server}_predicted_server_s']:.3f} s) against "
+              f"{v[f'{on_client}_median_s'] * 1e3:.0f} ms with the client applying them "
+              f"(server {v[f'{on_client}_server_median_s']:.3f} s) -> "
+              f"{v[f'{on_client}_speedup']:.2f}x")
     if "products_block_speedup" in v:
         print(f"   hoisted loops in blocks of 512 words (the same server, alternated): "
               f"{v['block512_server_median_s']:.3f} s against "

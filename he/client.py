@@ -357,10 +357,9 @@ class Client:
         else:
             plan = self.program.plan
             k = plan.interleave
-            # the input, and the values of the first maps where the client applies them
-            values = client_inputs(self.program.lowered, flat)
             for start in range(0, b, k):
-                block = values[start:start + k]
+                # the input, and the values of the first maps where the client applies them
+                block = client_inputs(self.program.lowered, flat[start:start + k])
                 ext = np.concatenate([block, np.zeros((block.shape[0], 1))], axis=1)
                 for idx in plan.input_layout:
                     vec = np.zeros((idx.size, k))

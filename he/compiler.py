@@ -47,8 +47,7 @@ from he.wire import ciphertext_bytes
 from polynets._io import atomic_write_bytes, read_bytes_limited
 from polynets.errors import ProgramFormatError, TraceError, check_int
 from polynets.ir.lowering import (CLIENT_FIRST_PACKINGS, CLIENT_MAP_PACKINGS, Lowered,
-                                  affine_is_free, client_first, client_map, client_variants,
-                                  lower, step_levels)
+                                  affine_is_free, client_variants, lower, step_levels)
 from polynets.ir.program import PolyProgram
 
 __all__ = ["CompiledProgram", "compile", "load_program", "PACKINGS", "OBJECTIVES", "FINAL_MAPS",
@@ -622,29 +621,21 @@ def _stored_lowering(program: PolyProgram, split: Any, keep: Any = (),
     checked) says."""
     if not isinstance(keep, (list, tuple)) or any(type(k) is not int for k in keep):
         raise ValueError(f"kept_apart must be a list of node indices, got {keep!r}")
-    if type(client) is not bool:
-        raise ValueError(f"client_map must be true or false, got {client!r}")
+    for name, on in (("client_map", client), ("client_first", first)):
+        if type(on) is not bool:
+            raise ValueError(f"{name} must be true or false, got {on!r}")
     lowered = lower(program, keep)
-    if client:
-        if packing not in CLIENT_MAP_PACKINGS:
-            raise ValueError(f"client_map: only {' and '.join(CLIENT_MAP_PACKINGS)} packing "
-                             f"return the values the client's map reads")
-        mapped = client_map(lowered, packing)
-        if mapped is None:
-            raise ValueError("client_map: this program does not end with a map the client "
-                             "can apply")
-        lowered = mapped
-    if type(first) is not bool:
-        raise ValueError(f"client_first must be true or false, got {first!r}")
-    if first:
-        if packing not in CLIENT_FIRST_PACKINGS:
-            raise ValueError(f"client_first: only {' and '.join(CLIENT_FIRST_PACKINGS)} "
-                             f"packing encrypts the values of the first maps")
-        firsts = client_first(lowered, packing)
-        if firsts is None:
-            raise ValueError("client_first: this program has no first map the client can "
-                             "apply")
-        lowered = firsts[0]
+    variants = client_variants(lowered, packing, {(client, first)})
+    for name, on, key, packings, missing in (
+            ("client_map", client, (True, False), CLIENT_MAP_PACKINGS,
+             "does not end with a map the client can apply"),
+            ("client_first", first, (client, True), CLIENT_FIRST_PACKINGS,
+             "has no first map the client can apply")):
+        if on and key not in variants:
+            raise ValueError(f"{name}: " + (f"this program {missing}" if packing in packings
+                                            else f"only {' and '.join(packings)} packing has "
+                                                 f"the client apply that map"))
+    lowered = variants[client, first][0]
     if split is None:
         return lowered
     sizes = sorted({r // d for r in RING_DEGREES for d in (2, 4)})   # slots, or half of them
@@ -847,7 +838,9 @@ class CompiledProgram:
                          f"Galois keys), "
                          f"{s['plain_mults']} plaintext and {s['ct_mults']} ciphertext "
                          f"multiplications, {s['input_ciphertexts']} input ciphertext(s) per "
-                         f"group" + (f"; the client applies the last map to the "
+                         f"group" + (" (the client computes the first maps' values)"
+                                     if self.options.get("client_first") else "") +
+                         (f"; the client applies the last map to the "
                                      f"{len(self.plan.results)} ciphertexts returned per group"
                                      if self.lowered.post is not None else ""))
         elif isinstance(self.plan, TokenPlan):

@@ -220,6 +220,18 @@ def test_the_stored_program_rebuilds_the_first_maps(tmp_path):
     _within_promise(loaded, model, x[:2])
 
 
+def test_the_profile_times_every_step_the_server_runs():
+    model, x = _model(8, depth=2)
+    prog = he.compile(model, x[:1], calibration=x, first_map="client")
+    client = he.Client(prog)
+    server = he.Server(prog, client.public_context())
+    profile = server.profile(client.encrypt(x[:1].numpy()))
+    timed = sorted(s for r in profile.rows for s in r.steps)
+    assert timed == [si for si, st in enumerate(prog.plan.steps) if st.kind != "input"]
+    assert profile.rows[0].kind == "load"
+    assert f"{len(prog.plan.input_layout)} input ciphertext(s)" in profile.rows[0].work
+
+
 def test_a_program_left_with_one_product_needs_no_rotation_key():
     """Linear, square, linear: the client applies both maps; the server squares."""
     torch.manual_seed(0)

@@ -357,22 +357,27 @@ def client_first(lowered: Lowered, packing: str = "vector"
     return out, kept
 
 
-def client_variants(lowered: Lowered, packing: str = "vector"
+def client_variants(lowered: Lowered, packing: str = "vector",
+                    wanted: Collection[tuple[bool, bool]] | None = None
                     ) -> dict[tuple[bool, bool], tuple[Lowered, list[int]]]:
     """The lowerings of ``lowered`` in ``packing`` keyed ``(the client applies the last map,
     the client applies the first maps)``, each with the index in ``lowered`` of every step it
     keeps: ``(False, False)`` is ``lowered`` itself; the others where they apply
     (:func:`client_map` in :data:`CLIENT_MAP_PACKINGS`, :func:`client_first` in
-    :data:`CLIENT_FIRST_PACKINGS`, the first maps after the last)."""
+    :data:`CLIENT_FIRST_PACKINGS`, the first maps after the last) and are ``wanted`` (default:
+    all)."""
     out = {(False, False): (lowered, list(range(len(lowered.steps))))}
-    mapped = client_map(lowered, packing) if packing in CLIENT_MAP_PACKINGS else None
+    wanted = {(a, b) for a in (False, True) for b in (False, True)} if wanted is None \
+        else set(wanted)
+    mapped = client_map(lowered, packing) if packing in CLIENT_MAP_PACKINGS and any(
+        last for last, _ in wanted) else None
     if mapped is not None:
         # the same steps but the last (the map)
         out[True, False] = (mapped, [i for i in range(len(lowered.steps))
                                      if i != lowered.output])
     if packing in CLIENT_FIRST_PACKINGS:
         for last in (False, True):
-            if (last, False) in out:
+            if (last, False) in out and (last, True) in wanted:
                 base, idx = out[last, False]
                 firsts = client_first(base, packing)
                 if firsts is not None:
