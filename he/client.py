@@ -977,7 +977,12 @@ class Server:
         g = _load_group(self.engine.context, ct, group)
         loaded = time.perf_counter() - start
         timings: dict[Any, float] = {}
-        _seal_call(lambda: run_vector(self.engine, plan, self.kernels, g, timings), "evaluation")
+        out = _seal_call(lambda: run_vector(self.engine, plan, self.kernels, g, timings),
+                         "evaluation")
+        start = time.perf_counter()
+        for c in out:
+            wire.dumps(c)
+        saved = time.perf_counter() - start
         predicted = prog.options.get("predicted", {})
         threads = self.engine.pool.threads
         if "step_seconds" not in predicted:
@@ -1010,6 +1015,11 @@ class Server:
                 st = plan.steps[si]
                 rows.append(ProfileRow((si,), st.kind, plan.runs_at(si), work_words(counts[si]),
                                        said("step_seconds", si), timings[si]))
+        # programs compiled before the results were priced leave them out of the prediction
+        if pred is None or "return_seconds" in pred:
+            rows.append(ProfileRow((), "return", plan.levels, f"{len(out)} result ciphertext(s) "
+                                   f"switched down and serialised", said("return_seconds"),
+                                   timings.get("return", 0.0) + saved))
         return StepProfile(rows, threads, note)
 
     def decrypt(self, *args: Any, **kwargs: Any) -> None:

@@ -366,6 +366,12 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
     client = costs.client_seconds(len(plan.input_layout), ring, params.limbs(0), client_threads())
     returned = plan.returned_levels(params.pending)
     decrypt = _decrypt_seconds(costs, params, returned)
+    # the results switched down to the primes they travel on and serialised (about a load)
+    back = sum(costs.seconds(op, ring, limbs)
+               for j, to in zip(plan.results, returned)
+               for op, limbs in params.switch_primitives(plan.steps[j].level, to)) + \
+        sum(costs.seconds("load", ring, params.limbs(to)) for to in returned)
+    seconds += back
     return {"seconds_per_ciphertext": seconds, "client_seconds": client,
             "client_decrypt_seconds": decrypt,
             "round_trip_seconds": seconds + client + decrypt, "samples_per_ciphertext": k,
@@ -375,6 +381,7 @@ def _predict_vector(plan: VectorPlan, params: CKKSParams, costs: CostModel,
             "server_threads": threads,
             # what he.Server.profile sets beside its measurements
             "step_seconds": steps, "planes_at_once_seconds": at_once, "load_seconds": loads,
+            "return_seconds": back,
             "server_memory_bytes": _server_memory(
                 params, plaintexts, len(plan.galois_steps()) + len(plan.hoisted_steps()),
                 _vector_held(plan, counts), total.get("plaintexts_ext", 0))}

@@ -1364,5 +1364,9 @@ def run_vector(eng: Engine, plan: VectorPlan, kern: VectorKernels, inputs: Seque
         return [vals[plan.output]]
     # the values the client's last map reads, on the fewest primes that hold them: they
     # serialise, travel and decrypt as the last one does
-    return [eng.drop_to(vals[o], level)
-            for o, level in zip(plan.outputs, plan.returned_levels(eng.params.pending))]
+    start = clock()
+    out = [eng.drop_to(vals[o], level)
+           for o, level in zip(plan.outputs, plan.returned_levels(eng.params.pending))]
+    if timings is not None:
+        timings["return"] = clock() - start
+    return out

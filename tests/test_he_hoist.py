@@ -159,6 +159,8 @@ def test_cheap_baby_steps_get_more_of_them_and_fewer_giants():
 
 
 def _token_model():
+    """A patch embedding, a Mu-Layer, a flattened head: its maps rotate where the server applies
+    the first ones (compiled so below; by the client, the server would only multiply)."""
     torch.manual_seed(0)
 
     class Tokens(torch.nn.Module):
@@ -179,7 +181,7 @@ def _token_model():
 @pytest.fixture(scope="module")
 def token_program():
     x = torch.rand(16, 1, 8, 8)
-    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector")
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector", first_map="server")
     return prog, x
 
 
@@ -218,7 +220,7 @@ def test_a_saved_hoisted_program_rebuilds_the_same_plan(token_program, tmp_path)
 def test_a_program_compiled_without_hoisting_hoists_nothing(monkeypatch):
     monkeypatch.setenv(ENV_NO_HOISTING, "1")
     x = torch.rand(8, 1, 8, 8)
-    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector")
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector", first_map="server")
     assert "hoist" not in prog.options and not prog.plan.hoisted_sources
     assert prog.plan.predicted["counts"].get("rotate_hoisted", 0) == 0
 
@@ -463,7 +465,8 @@ def test_work_that_runs_alone_is_shared_only_where_the_cost_model_finds_it_faste
 
     x = torch.rand(16, 1, 8, 8)
     progs = {h: he.compile(_token_model(), x[:1], calibration=x, packing="vector",
-                           server_threads=2, cost_model=_handoff_model(h)) for h in (0.0, 0.5)}
+                           first_map="server", server_threads=2, cost_model=_handoff_model(h))
+             for h in (0.0, 0.5)}
     free, dear = progs[0.0], progs[0.5]
     assert free.options["server_threads"] == 2 and free.plan.shares_rotations
     assert free.options["share_rotations"] is True and "shared among them" in free.plan.why
@@ -495,8 +498,8 @@ def test_a_table_without_measured_hand_offs_never_shares():
     model = CostModel.from_dict(d)
     assert model.shared_handoff(8192) is None
     x = torch.rand(16, 1, 8, 8)
-    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector", server_threads=2,
-                      cost_model=model)
+    prog = he.compile(_token_model(), x[:1], calibration=x, packing="vector",
+                      first_map="server", server_threads=2, cost_model=model)
     assert not prog.plan.shares_rotations
 
 

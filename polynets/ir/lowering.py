@@ -100,10 +100,11 @@ EXACT_LOWERING_LIMIT = 2 ** 16
 #: per element)
 CLIENT_MAP_PACKINGS = ("vector", "batch")
 CLIENT_FIRST_PACKINGS = ("vector",)
-#: Most nonzero weights of one map the client applies to its input (:func:`client_first`): maps
-#: that read only what such maps compute are composed with them, which can make them dense (a
-#: token-mixing map after a patch embedding: 1,568 x 784); a denser one stays on the server
-CLIENT_MAP_NNZ = 1 << 24
+#: Most multiply-adds composing one map the client applies to its input (:func:`client_first`),
+#: a bound on its weights: maps that read only what such maps compute are composed with them,
+#: which can make them dense (a token-mixing map after a patch embedding: 1,568 x 784, 1.2
+#: million); a denser one stays on the server (the program holds these maps, 12 bytes a weight)
+CLIENT_MAP_NNZ = 1 << 23
 
 
 def integer_factor(value: np.ndarray | float) -> int | None:
@@ -297,7 +298,7 @@ def client_first(lowered: Lowered, packing: str = "vector"
     each step it keeps; None where no map becomes one.
 
     An affine step that reads only the input, or only values computed so, is an affine function
-    of the input (its terms composed with theirs, at most :data:`CLIENT_MAP_NNZ` weights): it
+    of the input (its terms composed with theirs, within :data:`CLIENT_MAP_NNZ`): it
     becomes an ``input`` step whose ``terms[0]`` (``(n, n_input)``) and ``bias`` the client
     applies to the input in float64 before encrypting the value (:func:`client_inputs`), at
     level 0 where the server's map would have left it at level 1. The program's output stays
@@ -322,6 +323,10 @@ def client_first(lowered: Lowered, packing: str = "vector"
         if st.kind != "affine" or si in returned or affine_is_free(st, packing) or \
                 any(j not in maps for j in st.inputs):
             continue
+        # the products' work bounds their weights: none is formed beyond the bound
+        if sum(_product_work(t, maps[j][0]) for t, j in zip(st.terms, st.inputs)) > \
+                CLIENT_MAP_NNZ:
+            continue
         m = sp.csr_matrix((st.n, n_in))
         bias = np.zeros(st.n) if st.bias is None else np.asarray(st.bias, dtype=np.float64)
         for t, j in zip(st.terms, st.inputs):
@@ -329,8 +334,6 @@ def client_first(lowered: Lowered, packing: str = "vector"
             m = m + (t @ w).tocsr()
             if b is not None:
                 bias = bias + t @ b
-        if m.nnz > CLIENT_MAP_NNZ:
-            continue
         m.eliminate_zeros()
         maps[si] = (m, bias if np.any(bias) else None)
     converted = [si for si in maps if si != 0 and steps[si].kind == "affine"]
@@ -355,6 +358,13 @@ def client_first(lowered: Lowered, packing: str = "vector"
         out.post = ClientMap(tuple(index[j] for j in post.reads), post.terms, post.bias,
                              post.shape, post.sums)
     return out, kept
+
+
+def _product_work(a: sp.spmatrix, b: sp.csr_matrix) -> int:
+    """Multiply-adds of the sparse product ``a @ b`` (at least its nonzeros): per nonzero of
+    ``a``, the nonzeros of the row of ``b`` it reads."""
+    a = sp.csr_matrix(a)
+    return int(np.diff(b.indptr).astype(np.int64)[a.indices].sum())
 
 
 def client_variants(lowered: Lowered, packing: str = "vector",
