@@ -50,8 +50,8 @@ import he  # noqa: E402
 import polynets as pn  # noqa: E402
 from polynets.ir.program import atomic_write_bytes  # noqa: E402
 from he_inference import ProcessDied, isolated  # noqa: E402,F401 (re-exported)
-from he_inference import (Square, TutorialConvNet, accuracy, baseline,  # noqa: E402
-                          load_mnist, ours_vector, train)
+from he_inference import (MAP_BASELINES, Square, TutorialConvNet, accuracy,  # noqa: E402
+                          baseline, load_mnist, ours_vector, train)
 
 
 class PatchTokens(nn.Module):
@@ -368,25 +368,17 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{row['products_block_speedup']:.2f}x as fast as in blocks of 512 "
                       f"(server {row['block512_server_median_s'] * 1e3:.0f} ms, alternated)",
                       flush=True)
-            if "client_map_speedup" in row:
-                print(f"{'':12s} the client applying the last map: "
-                      f"{row['client_map_speedup']:.2f}x as fast a round trip as the server "
-                      f"(N={row['server_map_ring']}, {row['server_map_levels']} levels, "
-                      f"{row['server_map_median_s'] * 1e3:.0f} ms, alternated)", flush=True)
-            if "client_first_speedup" in row:
-                print(f"{'':12s} the client applying the first maps: "
-                      f"{row['client_first_speedup']:.2f}x as fast a round trip as the server "
-                      f"(N={row['server_first_ring']}, {row['server_first_levels']} levels, "
-                      f"{row['server_first_median_s'] * 1e3:.0f} ms, alternated)", flush=True)
-            if "client_maps_speedup" in row:
-                print(f"{'':12s} every map on the server: {row['server_all_median_s'] * 1e3:.0f} "
-                      f"ms (N={row['server_all_ring']}, {row['server_all_levels']} levels; the "
-                      f"client's maps {row['client_maps_speedup']:.2f}x as fast, alternated)",
-                      flush=True)
-            for which in ("client_map", "client_first", "client_maps"):
-                if f"{which}_baseline_skipped" in row:
-                    print(f"{'':12s} no {which} baseline: {row[f'{which}_baseline_skipped']}",
+            for _, on_server, on_client, what in MAP_BASELINES.values():
+                if f"{on_client}_speedup" in row:
+                    print(f"{'':12s} the client applying {what}: "
+                          f"{row[f'{on_client}_speedup']:.2f}x as fast a round trip as the "
+                          f"server (N={row[f'{on_server}_ring']}, "
+                          f"{row[f'{on_server}_levels']} levels, "
+                          f"{row[f'{on_server}_median_s'] * 1e3:.0f} ms, alternated)",
                           flush=True)
+                if f"{on_client}_baseline_skipped" in row:
+                    print(f"{'':12s} no baseline of {what} on the server: "
+                          f"{row[f'{on_client}_baseline_skipped']}", flush=True)
             if "folds_grouping_speedup" in row:
                 print(f"{'':12s} folds a group at a time {row['folds_grouping_speedup']:.2f}x as "
                       f"fast as one rotation at a time (server "

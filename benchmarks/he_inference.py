@@ -506,12 +506,12 @@ def _folds_baseline(model: nn.Module, xcal: torch.Tensor, prog: Any, client: he.
             "folds_grouping_speedup": single / grouped}
 
 
-#: per map :func:`_map_baseline` compares: the compile arguments, and the names of the results
-#: with the server applying it and with the client (``"both"``: every map on the server, the
-#: whole network evaluated there, as Orion and the recipe do)
-_MAP_BASELINES = {"final": (("final_map",), "server_map", "client_map"),
-                  "first": (("first_map",), "server_first", "client_first"),
-                  "both": (("final_map", "first_map"), "server_all", "client_maps")}
+#: per map :func:`_map_baseline` compares: the compile arguments, the names of the results with
+#: the server applying it and with the client, and its words (``"both"``: every map on the
+#: server, the whole network evaluated there, as Orion and the recipe do)
+MAP_BASELINES = {"final": (("final_map",), "server_map", "client_map", "the last map"),
+                 "first": (("first_map",), "server_first", "client_first", "the first maps"),
+                 "both": (("final_map", "first_map"), "server_all", "client_maps", "every map")}
 
 
 def _map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client, server: he.Server,
@@ -523,7 +523,7 @@ def _map_baseline(model: nn.Module, xcal: torch.Tensor, client: he.Client, serve
     with those on the server, its own keys and server, timed on the same images alternated
     with the client's program, round trips (encryption, server, decryption and the client's
     maps) and servers alone: the baseline of the client's maps."""
-    args, on_server, on_client = _MAP_BASELINES[which]
+    args, on_server, on_client, _ = MAP_BASELINES[which]
     base = he.compile(model, xcal[:1], calibration=xcal, packing="vector",
                       precision_bits=precision_bits, cost_model=costs,
                       **{arg: "server" for arg in args}, **compile_kwargs)
@@ -891,11 +891,9 @@ def _print_vector(name: str, e: dict, v: dict) -> None:
               f"{v['unhoisted_server_median_s']:.3f} s (predicted "
               f"{v['unhoisted_predicted_server_s']:.3f} s) -> hoisting "
               f"{v['hoisting_speedup']:.2f}x")
-    for _, on_server, on_client in _MAP_BASELINES.values():
+    for _, on_server, on_client, what in MAP_BASELINES.values():
         if f"{on_client}_speedup" not in v:
             continue
-        what = {"server_map": "the last map", "server_first": "the first maps",
-                "server_all": "every map"}[on_server]
         print(f"   {what} on the server (compiled in the same run, alternated): round "
               f"trip {v[f'{on_server}_median_s'] * 1e3:.0f} ms at N={v[f'{on_server}_ring']}, "
               f"{v[f'{on_server}_levels']} levels (server "
