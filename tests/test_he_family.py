@@ -132,12 +132,13 @@ def test_compile_cost_benchmark_compiles_here_and_in_a_baseline_checkout(tmp_pat
     res = bench.main(["--models", "token1", "--baseline", str(root), "--output", str(out)])
     row = res["models"]["token1"]
     for side in ("this", "baseline"):
-        # 3 levels with the head on the server; the client applies it (final_map="auto")
-        assert row[side]["result"] == "2 levels, N=8192", row[side]
+        # 3 levels with the embedding and the head on the server; the client applies both
+        # (first_map and final_map "auto")
+        assert row[side]["result"] == "1 levels, N=8192", row[side]
         assert row[side]["compile_s"] > 0 and row[side]["peak_rss_mib"] > 0
     assert row["speedup"] == pytest.approx(row["baseline"]["compile_s"] /
                                            row["this"]["compile_s"])
-    assert json.loads(out.read_text())["models"]["token1"]["this"]["levels"] == 2
+    assert json.loads(out.read_text())["models"]["token1"]["this"]["levels"] == 1
     with pytest.raises(SystemExit, match="not a checkout"):
         bench.main(["--models", "token1", "--baseline", str(tmp_path)])
     with pytest.raises(SystemExit, match="unknown models"):
